@@ -1,0 +1,73 @@
+"""The PyTorch backend: our decoder with a pluggable linear kernel (cpu here; cuda, npu elsewhere)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..artifact import ModelFiles, open_model
+from ..errors import QuasarError
+from ..kernels import default_float_kernel, default_int8_kernel
+from ..model import Decoder
+from .base import register
+
+
+class TorchCausalLM:
+    """Serves ``CausalLM`` from a ``Decoder``; ``skip_layers`` lets a self-speculative drafter run a shallower copy."""
+
+    def __init__(self, decoder: Decoder, max_length: int | None = None, description: str = ""):
+        self.decoder = decoder
+        self.spec = decoder.spec
+        self.vocab_size = decoder.spec.vocab_size
+        self.max_length = max_length or decoder.spec.max_position_embeddings
+        self.cache = decoder.new_cache()
+        self.description = description
+        self._device = decoder.inv_freq.device
+
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        if len(ids) == 0:
+            raise ValueError("no tokens to run")
+        if self.cache.length + len(ids) > self.max_length:
+            raise QuasarError(f"sequence of {self.cache.length + len(ids)} tokens exceeds the context window ({self.max_length})")
+        return torch.as_tensor(list(ids), dtype=torch.long, device=self._device)
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        self.cache.truncate(0)
+        return self.decoder(self._ids(ids), self.cache)[-1]
+
+    def verify(self, ids: Sequence[int], skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
+        return self.decoder(self._ids(ids), self.cache, skip_layers)
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+
+def load_cpu(
+    path: str | Path | ModelFiles,
+    float_kernel: str | None = None,
+    int8_kernel: str | None = None,
+    threads: int | None = None,
+) -> TorchCausalLM:
+    """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has."""
+    files = path if isinstance(path, ModelFiles) else open_model(path)
+    if threads:
+        torch.set_num_threads(threads)
+    float_kernel = float_kernel or default_float_kernel("cpu")
+    int8_kernel = int8_kernel or default_int8_kernel("cpu")
+    decoder = files.decoder(torch.float32)
+    decoder.prepare(float_kernel, int8_kernel)
+    kind = "W8A8" if files.is_artifact else "float"
+    return TorchCausalLM(decoder, description=f"cpu {kind} (float kernel {float_kernel}, int8 kernel {int8_kernel})")
+
+
+register("cpu", load_cpu, lambda: None)

@@ -1,0 +1,137 @@
+"""Linear-layer kernels: which arithmetic each one really computes, and how it is chosen.
+
+Int8 kernels (all compute the W8A8 scheme of ``scheme.py`` with exact integer
+accumulation; they differ only in speed and in where they run):
+
+- ``reference``: plain PyTorch, float64 accumulation of integer values (exact). The oracle.
+- ``fbgemm``: FBGEMM's u8 x s8 dynamic linear. On AVX2 without VNNI its kernel sums
+  pairs of u8*s8 products in saturating 16-bit registers, which overflows when
+  activations use the full 8-bit range. We therefore split each int8 activation
+  row ``q`` into ``q = 2*a + b`` with ``a`` in [-64, 63] and ``b`` in {0, 1}, and
+  send both halves through ONE call (rows stacked, so the weights are read once)
+  together with two pinning rows holding -64 and 63, which make FBGEMM's own
+  per-tensor quantization pick scale 1 and zero point 64: every value is then an
+  exact 7-bit integer, no 16-bit sum can overflow, and ``2*acc_a + acc_b`` is the
+  exact int8 accumulation (recovered from FBGEMM's float output by dividing out
+  the weight scale and rounding; exact while each half's |acc| stays below 2^23,
+  since FBGEMM hands back float32: the worst case 64*127*K passes that at K > 1032,
+  real activation rows sit far below it, and the tests compare against the
+  reference). Cost: 2M+2 rows of compute, one pass over the weights.
+- ``cuda`` / ``npu`` kernels live with their backends.
+
+Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
+once for oneDNN, measured faster than MKL at small M on AMD parts).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activation
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+INT8_KERNELS = ("reference", "fbgemm")
+FLOAT_KERNELS = ("torch", "onednn")
+
+
+def fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def default_int8_kernel(device: str = "cpu") -> str:
+    return "fbgemm" if device == "cpu" and fbgemm_available() else "reference"
+
+
+def default_float_kernel(device: str = "cpu") -> str:
+    return "onednn" if device == "cpu" and onednn_available() else "torch"
+
+
+def float_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> LinearFn:
+    if kernel == "torch":
+        return lambda x: F.linear(x, weight, bias)
+    if kernel == "onednn":
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return lambda x: F.linear(x, weight, bias)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    raise ValueError(f"unknown float kernel {kernel!r}; choose from {FLOAT_KERNELS}")
+
+
+def _activation_scale(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    return per_token_scale(x) if input_scale is None else input_scale.float().reshape(1, 1)
+
+
+def _reference(wq, w_scale, bias, input_scale) -> LinearFn:
+    w_row = w_scale.float().reshape(1, -1)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        scale = _activation_scale(x, input_scale)
+        y = int8_matmul_exact(quantize_activation(x, scale), wq).float() * scale * w_row
+        return y + bias if bias is not None else y
+
+    return run
+
+
+def _fbgemm(wq, w_scale, bias, input_scale) -> LinearFn:
+    torch.backends.quantized.engine = "fbgemm"
+    out_features, in_features = wq.shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch._make_per_channel_quantized_tensor(
+            wq.cpu(), w_scale.reshape(-1).double().cpu(), torch.zeros(out_features, dtype=torch.long), 0
+        )
+    packed = torch.ops.quantized.linear_prepack(qweight, None)
+    w_row = w_scale.float().reshape(1, -1)
+    inv_w = 1.0 / w_scale.double().reshape(1, -1)
+    pin = torch.zeros(2, in_features)
+    pin[0, 0], pin[1, 0] = -64.0, 63.0
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        scale = _activation_scale(x, input_scale)
+        q = quantize_activation(x, scale)
+        high = torch.floor(q * 0.5)
+        out = torch.ops.quantized.linear_dynamic(torch.cat([high, q - 2.0 * high, pin]), packed, True).double()
+        acc = 2.0 * torch.round(out[:rows] * inv_w) + torch.round(out[rows : 2 * rows] * inv_w)
+        y = acc.float() * scale * w_row
+        return y + bias if bias is not None else y
+
+    return run
+
+
+def int8_linear(
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    kernel: str,
+) -> LinearFn:
+    """A function computing the scheme's W8A8 linear on 2-D float input, with the chosen kernel."""
+    if kernel == "reference":
+        return _reference(wq, w_scale, bias, input_scale)
+    if kernel == "fbgemm":
+        if not fbgemm_available():
+            raise ValueError("the fbgemm kernel needs a PyTorch build with FBGEMM (x86 CPUs)")
+        return _fbgemm(wq, w_scale, bias, input_scale)
+    raise ValueError(f"unknown int8 kernel {kernel!r}; choose from {INT8_KERNELS}")
+
+
+__all__ = [
+    "FLOAT_KERNELS",
+    "INT8_KERNELS",
+    "QMAX",
+    "default_float_kernel",
+    "default_int8_kernel",
+    "fbgemm_available",
+    "float_linear",
+    "int8_linear",
+    "onednn_available",
+]

@@ -1,0 +1,260 @@
+"""One decoder for every Llama-like architecture, with a truncatable KV cache.
+
+Why our own and not ``transformers``' modeling code: decoding needs a cache that
+rolls back in O(1) after a rejected draft, layers that can be skipped for
+self-speculation, and linears whose kernel is a plug (float, int8 reference,
+FBGEMM, CUDA, NPU). Parameter names are Hugging Face's, so checkpoints and
+artifacts load by name; tests check the logits against ``transformers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .adapters import DecoderSpec, rope_inv_freq
+from .kernels import float_linear, int8_linear
+
+
+class TensorSource(Protocol):
+    """Where weights come from: a checkpoint, an artifact, or a dict in tests."""
+
+    names: set[str]
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+
+class Linear(nn.Module):
+    """A linear layer in float or W8A8 form; ``prepare`` binds the kernel that runs it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.register_buffer("weight_scale", None)
+        self.register_buffer("input_scale", None)
+        self._fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight.dtype == torch.int8
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def set_quantized(self, wq: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None) -> None:
+        self.weight = nn.Parameter(wq, requires_grad=False)
+        self.weight_scale = w_scale.float().reshape(-1, 1)
+        self.input_scale = None if input_scale is None else input_scale.float().reshape(1)
+        self._fn = None
+
+    def set_float(self, weight: torch.Tensor) -> None:
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self._fn = None
+
+    def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference") -> None:
+        bias = self.bias.data if self.bias is not None else None
+        if self.quantized:
+            self._fn = int8_linear(self.weight.data, self.weight_scale, bias, self.input_scale, int8_kernel)
+        else:
+            self._fn = float_linear(self.weight.data, bias, float_kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fn is None:
+            self.prepare()
+        shape = x.shape
+        y = self._fn(x.reshape(-1, shape[-1]))
+        return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache:
+    """Preallocated keys and values for one sequence; truncation only moves ``length``."""
+
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device | str, capacity: int = 256):
+        self.spec, self.dtype, self.device = spec, dtype, device
+        self.length = 0
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        shape = (self.spec.num_kv_heads, capacity, self.spec.head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        for old, new in zip(self.keys + self.values, new_k + new_v):
+            new[:, : self.capacity] = old
+        self.keys, self.values, self.capacity = new_k, new_v, capacity
+
+    def reserve(self, extra: int) -> None:
+        if self.length + extra > self.capacity:
+            self._grow(max(2 * self.capacity, self.length + extra))
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[1]
+        self.keys[layer][:, self.length : end] = k
+        self.values[layer][:, self.length : end] = v
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+
+Loader = Callable[[str, bool], "torch.Tensor | None"]
+
+
+def load_linear(tensors: Loader, prefix: str) -> Linear:
+    """Float (``weight`` [+ ``bias``]) or W8A8 (int8 ``weight``, ``weight_scale`` [, ``input_scale``])."""
+    linear = Linear(tensors(f"{prefix}.weight", True), tensors(f"{prefix}.bias", False))
+    if linear.quantized:
+        linear.set_quantized(linear.weight.data, tensors(f"{prefix}.weight_scale", True), tensors(f"{prefix}.input_scale", False))
+    return linear
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, tensors: Loader, prefix: str):
+        super().__init__()
+        self.spec = spec
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, load_linear(tensors, f"{prefix}.{name}"))
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(tensors(f"{prefix}.q_norm.weight"), spec.rms_norm_eps)
+            self.k_norm = RMSNorm(tensors(f"{prefix}.k_norm.weight"), spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values = cache.write(layer, k, v)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=s.num_kv_heads != s.num_heads
+        )
+        return self.o_proj(out[0].transpose(0, 1).reshape(t, s.num_heads * s.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, tensors: Loader, prefix: str):
+        super().__init__()
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self, name, load_linear(tensors, f"{prefix}.{name}"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, tensors, prefix: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(tensors(f"{prefix}.input_layernorm.weight"), spec.rms_norm_eps)
+        self.self_attn = Attention(spec, tensors, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(tensors(f"{prefix}.post_attention_layernorm.weight"), spec.rms_norm_eps)
+        self.mlp = MLP(tensors, f"{prefix}.mlp")
+
+    def forward(self, x, cos, sin, cache, layer, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    """Holds ``embed_tokens``, ``layers`` and ``norm`` under Hugging Face's ``model.`` prefix."""
+
+    def __init__(self, spec: DecoderSpec, tensors):
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(tensors("model.embed_tokens.weight"), freeze=True)
+        self.layers = nn.ModuleList(DecoderLayer(spec, tensors, spec.layer_prefix(i)) for i in range(spec.num_layers))
+        self.norm = RMSNorm(tensors("model.norm.weight"), spec.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    """Batch-1 causal decoder: ``forward(ids, cache)`` appends ``ids`` to the cache and returns their logits."""
+
+    def __init__(self, spec: DecoderSpec, source: TensorSource, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.spec = spec
+        self.dtype = dtype
+
+        def load(name: str, required: bool = True) -> torch.Tensor | None:
+            if not required and name not in source.names:
+                return None
+            t = source.tensor(name)
+            return t if t.dtype == torch.int8 or name.endswith("_scale") else t.to(dtype)
+
+        self.model = Body(spec, load)
+        head = self.model.embed_tokens.weight if spec.tie_word_embeddings else load("lm_head.weight")
+        self.lm_head = Linear(head)
+        self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
+
+    def linears(self) -> Iterable[tuple[str, Linear]]:
+        return ((n, m) for n, m in self.named_modules() if isinstance(m, Linear) and n != "lm_head")
+
+    def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference") -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare(float_kernel, int8_kernel)
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.spec, self.dtype, self.inv_freq.device, capacity)
+
+    def _mask(self, start: int, t: int, device) -> torch.Tensor | None:
+        window = self.spec.sliding_window
+        total = start + t
+        if t == 1 and (window is None or total <= window):
+            return None
+        q_pos = torch.arange(start, total, device=device)[:, None]
+        k_pos = torch.arange(total, device=device)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        return allowed
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
+        t = ids.shape[0]
+        start = cache.length
+        cache.reserve(t)
+        positions = torch.arange(start, start + t, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        mask = self._mask(start, t, ids.device)
+        x = self.model.embed_tokens(ids)
+        for i, layer in enumerate(self.model.layers):
+            if i not in skip_layers:
+                x = layer(x, cos, sin, cache, i, mask)
+        cache.length = start + t
+        return self.lm_head(self.model.norm(x)).float()

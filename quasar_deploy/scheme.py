@@ -1,0 +1,81 @@
+"""The W8A8 numerics, defined once: every backend and exporter is tested against this file.
+
+Weights: int8, symmetric, one float32 scale per output channel.
+Activations: int8, symmetric; per token at run time ("dynamic", the default) or
+one calibrated scale per tensor ("static").
+GEMM: int8 x int8 with exact integer accumulation, then
+``y = acc * act_scale[:, None] * weight_scale[None, :] (+ bias)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+
+QMAX = 127
+ActivationMode = Literal["dynamic", "static"]
+
+
+@dataclass(frozen=True)
+class W8A8Scheme:
+    """What a calibration produced and every backend must compute."""
+
+    activation: ActivationMode = "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.activation not in ("dynamic", "static"):
+            raise ValueError(f"activation must be 'dynamic' or 'static', not {self.activation!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8; returns (int8 [out, in], float32 scale [out, 1])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / QMAX).clamp(min=1e-12)
+    q = torch.round(w / scale).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()
+
+
+def per_token_scale(x: torch.Tensor) -> torch.Tensor:
+    """scale = rowmax|x| / 127, shape [rows, 1]; all-zero rows get a harmless tiny scale."""
+    return (x.float().abs().amax(dim=-1, keepdim=True) / QMAX).clamp(min=1e-12)
+
+
+def quantize_activation(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even, saturate to [-127, 127]; returns integer values as float32."""
+    return torch.round(x.float() / scale).clamp(-QMAX, QMAX)
+
+
+def int8_matmul_exact(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """Exact integer accumulation of int8 x int8: float64 holds any realistic int32 sum exactly."""
+    return xq.double() @ wq.double().t()
+
+
+def reference_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The oracle: W8A8 linear on a 2-D input [rows, in]; dynamic when input_scale is None."""
+    act_scale = per_token_scale(x) if input_scale is None else input_scale.float().reshape(1, 1)
+    acc = int8_matmul_exact(quantize_activation(x, act_scale), wq)
+    y = acc.float() * act_scale * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fake_quant_linear(x: torch.Tensor, weight: torch.Tensor, static_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Float-weight shortcut used by the alpha search: same numerics, quantizes the weight on the fly."""
+    wq, w_scale = quantize_weight(weight)
+    return reference_linear(x, wq, w_scale, input_scale=static_scale)

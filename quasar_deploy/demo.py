@@ -1,10 +1,35 @@
-"""The demo model shipped inside the package (trained by tools/train_demo_model.py)."""
+"""The demo model shipped inside the package (trained by tools/train_demo_model.py), and its outlier variant."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
+VARIANTS = ("plain", "outlier")
 
-def demo_model_path() -> Path:
-    """Directory of the shipped demo model: a normal Hugging Face checkpoint (Qwen3, ~5.8M parameters)."""
-    return Path(__file__).resolve().parent / "demo_model"
+
+def cache_dir() -> Path:
+    """Where quasar-deploy keeps what it derives (outlier variants, demo artifacts): $QUASAR_CACHE or ~/.cache/quasar-deploy."""
+    root = os.environ.get("QUASAR_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quasar-deploy"
+    return Path(root)
+
+
+def demo_model_path(variant: str = "plain") -> Path:
+    """Directory of the shipped demo model (a Hugging Face Qwen3 checkpoint, ~5.8M parameters).
+
+    ``variant="outlier"``: the same function with planted activation outliers
+    (``quasar_deploy.outliers``), built on first use in the cache, never shipped.
+    """
+    plain = Path(__file__).resolve().parent / "demo_model"
+    if variant == "plain":
+        return plain
+    if variant != "outlier":
+        raise ValueError(f"unknown demo model variant {variant!r}; choose from {VARIANTS}")
+    from .outliers import write_outlier_variant
+
+    tag = hashlib.sha256((plain / "model.safetensors").read_bytes()).hexdigest()[:12]
+    path = cache_dir() / f"demo-outlier-{tag}"
+    if not (path / "config.json").exists():
+        write_outlier_variant(plain, path)
+    return path

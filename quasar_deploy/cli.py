@@ -1,0 +1,110 @@
+"""``quasar-deploy``: a thin layer over the Python API; every failure the user can fix is one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .errors import QuasarError
+
+
+class QuasarGroup(click.Group):
+    """Turns QuasarError (bad input, unusable backend) and OSError (disk, permissions) into ``error: ...`` and exit 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (QuasarError, OSError) as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=QuasarGroup)
+@click.version_option(package_name="quasar-deploy")
+def main() -> None:
+    """Speculative decoding verified by a W8A8 (int8) copy of your model."""
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--output", "-o", required=True, type=click.Path(path_type=str), help="New directory for the W8A8 artifact.")
+@click.option("--calib-data", type=click.Path(dir_okay=False), help="JSONL (text/turns/inputs_pretokenized) or plain text.")
+@click.option("--num-samples", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2))
+@click.option("--alpha", default="auto", show_default=True, help="'auto' (searched per group), 'off' (no smoothing) or a number in [0, 1].")
+@click.option("--activation", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True)
+@click.option("--keep-float", multiple=True, help="Glob of linear layers to keep in float (repeatable), e.g. '*.down_proj'.")
+@click.option("--keep-float-above", type=float, help="Also keep in float any layer whose relative error stays above this.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own tokenizer code to run.")
+def calibrate(model_dir, output, calib_data, num_samples, seq_len, alpha, activation, keep_float, keep_float_above, trust_remote_code):
+    """Calibrate MODEL_DIR (a local HF checkpoint) into a W8A8 artifact."""
+    from .calibration import calibrate as run
+
+    artifact = run(
+        model_dir,
+        output=output,
+        calib_data=calib_data,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        alpha=alpha,
+        activation=activation,
+        keep_float=keep_float,
+        keep_float_above=keep_float_above,
+        trust_remote_code=trust_remote_code,
+    )
+    manifest = artifact.manifest
+    click.echo(f"\n{'group':<32} {'alpha':>6} {'error before':>13} {'error after':>12}")
+    for group in manifest["groups"]:
+        alpha_text = "off" if group["alpha"] is None else f"{group['alpha']:.2f}"
+        click.echo(f"{group['name']:<32} {alpha_text:>6} {group['error_before']:>13.3e} {group['error_after']:>12.3e}")
+    kept = [name for name, layer in manifest["layers"].items() if not layer["quantized"]]
+    click.echo(f"\n{len(manifest['quantized_layers'])} linear layers in W8A8, {len(kept)} kept in float (+ lm_head, embeddings)")
+    click.echo(f"wrote {artifact.path}")
+
+
+@main.command("eval")
+@click.argument("artifact", type=click.Path(path_type=str))
+@click.option("--reference", required=True, type=click.Path(path_type=str), help="The float checkpoint the artifact came from.")
+@click.option("--data", "eval_data", type=click.Path(dir_okay=False), help="Held-out text (JSONL or plain); default: built-in set.")
+@click.option("--num-samples", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2))
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def evaluate(artifact, reference, eval_data, num_samples, seq_len, as_json):
+    """Fidelity of a W8A8 ARTIFACT to its float model: top-1 agreement, KL, perplexity."""
+    from .fidelity import evaluate as run
+
+    result = run(artifact, reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    click.echo(f"tokens evaluated        {result.tokens}")
+    click.echo(f"top-1 agreement         {result.top1_agreement:.4f}")
+    click.echo(f"mean KL(float || W8A8)  {result.mean_kl:.3e} nats")
+    click.echo(f"perplexity float        {result.ppl_float:.3f}")
+    click.echo(f"perplexity W8A8         {result.ppl_w8a8:.3f}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def doctor(as_json):
+    """What this machine can run: CPU features, chosen kernels, every target."""
+    from .doctor import report
+
+    info = report()
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"cpu            {info['cpu']} ({info['threads']} threads)")
+    click.echo(f"isa            {' '.join(info['isa']) or 'none detected'}")
+    click.echo(f"torch          {info['torch']} (python {info['python']})")
+    click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; fbgemm {'available' if info['fbgemm'] else 'missing'})")
+    click.echo(f"float kernel   {info['float_kernel']} (oneDNN {'available' if info['onednn'] else 'missing'})")
+    click.echo("targets:")
+    for name, reason in info["targets"].items():
+        click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""The Python API: ``load(path)`` gives an ``Engine`` whose ``generate`` and ``stream`` run the speculative loop.
+
+The engine turns text into token ids and back, picks and builds the drafter,
+and cuts the output at stop strings; the speculative loop itself knows only
+token ids. One engine serves one sequence at a time (the verifier holds one KV
+cache), so a server must serialise calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .backends import CausalLM, create_backend
+from .errors import QuasarError
+from .speculative import (
+    Drafter,
+    LayerSkipDrafter,
+    LoopStats,
+    ModelDrafter,
+    NgramDrafter,
+    NoDrafter,
+    Sampler,
+    SamplingParams,
+    check_same_vocabulary,
+    choose_skip_layers,
+    speculate,
+)
+from .speculative.layerskip import check_can_skip
+from .speculative.ngram import check_ngram_range
+from .tokenizer import load_tokenizer
+
+DRAFTERS = ("none", "ngram", "layerskip", "model")
+DEFAULT_SKIP_FRACTION = 0.5
+
+# Short and mixed (prose and code), so the layers chosen for skipping suit whatever the model writes.
+SKIP_CALIBRATION_TEXT = '''The quick brown fox jumps over the lazy dog. A language model predicts the next token from the ones before it.
+
+def mean(values):
+    """Return the arithmetic mean of a non-empty list of numbers."""
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key):
+        self.counts[key] = self.counts.get(key, 0) + 1
+'''
+
+Message = Mapping[str, str]
+Prompt = str | Sequence[Message] | Sequence[int]
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Everything ``generate`` and ``stream`` accept besides the prompt.
+
+    ``draft`` picks the drafter (none, ngram, layerskip, model) and ``num_draft`` its k.
+    ``skip_layers`` (explicit) or ``skip_fraction`` (chosen by measuring top-1 agreement,
+    default 0.5) configure layerskip; ``draft_model`` is the draft model's path.
+    ``seed`` None draws a fresh seed; the same seed and options reproduce a sampled output.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    draft: str = "ngram"
+    num_draft: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 3
+    stop: Sequence[str] = ()
+    skip_layers: Sequence[int] | None = None
+    skip_fraction: float | None = None
+    draft_model: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.draft not in DRAFTERS:
+            raise QuasarError(f"unknown drafter {self.draft!r}; choose from {', '.join(DRAFTERS)}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise QuasarError("stop strings must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
+        check_ngram_range(self.ngram_min, self.ngram_max)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise QuasarError(f"seed must be an integer, got {self.seed!r}")
+        for name, drafter in (("skip_layers", "layerskip"), ("skip_fraction", "layerskip"), ("draft_model", "model")):
+            if getattr(self, name) is not None and self.draft != drafter:
+                raise QuasarError(f"{name} applies to draft={drafter!r}, not draft={self.draft!r}")
+        if self.skip_layers is not None and self.skip_fraction is not None:
+            raise QuasarError("give skip_layers or skip_fraction, not both")
+        if self.skip_fraction is not None and not (isinstance(self.skip_fraction, int | float) and 0 < self.skip_fraction < 1):
+            raise QuasarError(f"skip_fraction must be in (0, 1), got {self.skip_fraction!r}")
+        if self.draft == "model" and self.draft_model is None:
+            raise QuasarError("draft='model' needs draft_model, the path of a small model with the same tokenizer")
+
+    @classmethod
+    def from_kwargs(cls, options: Mapping[str, Any]) -> GenerationOptions:
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise QuasarError(f"unknown generation option {unknown[0]!r}")
+        return cls(**options)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """``acceptance_length``: tokens emitted per verify step (1.0 without drafting; every new token comes from one).
+
+    ``wall_s`` runs from the prefill to the last token; drafter setup (loading a
+    draft model, choosing skipped layers) is a one-time cost outside it.
+    """
+
+    new_tokens: int
+    verify_steps: int
+    drafted: int
+    accepted: int
+    acceptance_length: float
+    wall_s: float
+    tokens_per_s: float
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """``tokens`` are the new ids, a final stop token included; ``finish_reason`` is "stop" or "length"."""
+
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+    finish_reason: str
+    prompt_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "stats": self.stats.as_dict()}
+
+
+class Detokenizer:
+    """Decodes token by token without splitting a multi-byte character across pieces.
+
+    Decoding a short window (the tail of what was already shown plus the new
+    tokens) keeps each step O(1) and gives tokenizers that drop a leading space
+    at the start of a text their context; text that ends in a partial UTF-8
+    sequence is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, prompt: Sequence[int], context: int = 6):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt[-context:])
+        self.shown = 0  # window start: tokens before it are done with
+        self.read = len(self.ids)  # tokens before it have been turned into text
+
+    def _text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _new_text(self) -> str:
+        before = self._text(self.ids[self.shown : self.read])
+        after = self._text(self.ids[self.shown :])
+        return after[len(before) :] if len(after) > len(before) else ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        piece = self._new_text()
+        if not piece or piece.endswith("\ufffd"):
+            return ""
+        self.shown, self.read = self.read, len(self.ids)
+        return piece
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end decodes as U+FFFD)."""
+        piece = self._new_text()
+        self.shown = self.read = len(self.ids)
+        return piece
+
+
+class StopStrings:
+    """Cuts the text before the first stop string, holding back any tail that might become one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.held = ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        """The text now safe to show, and whether a stop string was reached."""
+        if not self.stops:
+            return piece, False
+        text = self.held + piece
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return text[: min(hits)], True
+        safe = next((i for i in range(len(text)) if any(s.startswith(text[i:]) for s in self.stops)), len(text))
+        self.held = text[safe:]
+        return text[:safe], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+class Stream:
+    """Iterates over text pieces as the verifier accepts them; ``result`` is set once the iteration ends."""
+
+    def __init__(self, engine: Engine, prompt: Prompt, options: GenerationOptions):
+        self._engine = engine
+        self._prompt = engine.encode(prompt)
+        self._sampler = Sampler(options.sampling, options.seed)
+        self._stats = LoopStats()
+        self._steps = speculate(
+            engine.lm,
+            engine.drafter(options),
+            self._prompt,
+            self._sampler,
+            options.num_draft,
+            options.max_new_tokens,
+            engine.stop_ids,
+            self._stats,
+        )
+        self._stops = StopStrings(options.stop)
+        self._pieces = self._run()
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def _run(self) -> Iterator[str]:
+        began = time.perf_counter()
+        detokenizer = Detokenizer(self._engine.tokenizer, self._prompt)
+        tokens: list[int] = []
+        text: list[str] = []
+        stopped = False
+        for step in self._steps:
+            for token in step:
+                tokens.append(token)
+                piece, stopped = self._stops.push(detokenizer.push(token))
+                if piece:
+                    text.append(piece)
+                    yield piece
+                if stopped:
+                    break
+            if stopped:
+                self._steps.close()
+                break
+        else:
+            tail, stopped = self._stops.push(detokenizer.flush())
+            tail += self._stops.flush()
+            if tail:
+                text.append(tail)
+                yield tail
+        wall = time.perf_counter() - began
+        s = self._stats
+        finish = "stop" if stopped or (tokens and tokens[-1] in self._engine.stop_ids) else "length"
+        stats = GenerationStats(
+            new_tokens=len(tokens),
+            verify_steps=s.verify_steps,
+            drafted=s.drafted,
+            accepted=s.accepted,
+            acceptance_length=len(tokens) / s.verify_steps,
+            wall_s=wall,
+            tokens_per_s=len(tokens) / wall,
+            prefill_s=s.prefill_s,
+            draft_s=s.draft_s,
+            verify_s=s.verify_s,
+        )
+        self.result = GenerationResult("".join(text), tokens, stats, finish, len(self._prompt))
+
+
+@dataclass
+class Engine:
+    """A verifier (any ``CausalLM`` backend) with its tokenizer; ``backend`` is also used to load draft models."""
+
+    lm: CausalLM
+    tokenizer: Any
+    stop_ids: frozenset[int] = frozenset()
+    backend: str = "cpu"
+    _draft_lms: dict[str, CausalLM] = field(default_factory=dict, repr=False)
+    _skip_choices: dict[tuple[int, str], frozenset[int]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.stop_ids = frozenset(self.stop_ids) | ({eos} if eos is not None else set())
+
+    def generate(self, prompt: Prompt, **options: Any) -> GenerationResult:
+        """Generate a completion; ``options`` are ``GenerationOptions`` fields (max_new_tokens, temperature, draft, ...)."""
+        stream = self.stream(prompt, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: Prompt, **options: Any) -> Stream:
+        """Like ``generate`` but yields text pieces as they are accepted; bad input raises here, before any work."""
+        return Stream(self, prompt, GenerationOptions.from_kwargs(options))
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text, chat messages (through the tokenizer's chat template) or token ids, as the verifier's input ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise QuasarError("the prompt is empty")
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, Sequence) or len(prompt) == 0:
+            raise QuasarError("the prompt is empty" if isinstance(prompt, Sequence) else f"unsupported prompt type {type(prompt).__name__}")
+        if all(isinstance(m, Mapping) for m in prompt):
+            return self._chat(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t < self.lm.vocab_size), None)
+            if bad is not None:
+                raise QuasarError(f"token id {bad} is outside the vocabulary (0..{self.lm.vocab_size - 1})")
+            return list(prompt)
+        raise QuasarError("a prompt is a string, a list of chat messages ({'role', 'content'}) or a list of token ids")
+
+    def _chat(self, messages: Sequence[Message]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise QuasarError("this model's tokenizer has no chat template; pass the prompt as plain text")
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise QuasarError("each chat message needs a string 'role' and a string 'content'")
+        try:
+            text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 errors, raise_exception() in templates: all mean the messages do not fit the template
+            raise QuasarError(f"the chat template rejected the messages: {exc}") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def drafter(self, options: GenerationOptions) -> Drafter:
+        """A fresh drafter for one generation (drafters keep per-sequence state)."""
+        if options.draft == "none":
+            return NoDrafter()
+        if options.draft == "ngram":
+            return NgramDrafter(options.ngram_min, options.ngram_max)
+        if options.draft == "layerskip":
+            layers = options.skip_layers
+            if layers is None:
+                layers = self.choose_skip_layers(options.skip_fraction or DEFAULT_SKIP_FRACTION)
+            return LayerSkipDrafter(self.lm, layers)
+        return ModelDrafter(self.draft_lm(options.draft_model), self.lm.vocab_size)
+
+    def choose_skip_layers(self, fraction: float, text: str = SKIP_CALIBRATION_TEXT) -> frozenset[int]:
+        """Which ``fraction`` of the layers to skip when drafting: those that keep the most top-1 agreement on ``text``.
+
+        Measured once per (layer count, text) and remembered. Rolls the verifier's
+        cache back, so never call it mid-generation.
+        """
+        num_layers = check_can_skip(self.lm)
+        if not 0 < fraction < 1:
+            raise QuasarError(f"skip_fraction must be in (0, 1), got {fraction!r}")
+        count = min(num_layers - 1, max(1, round(fraction * num_layers)))
+        key = (count, text)
+        if key not in self._skip_choices:
+            ids = list(self.tokenizer.encode(text))[: self.lm.max_length]
+            self._skip_choices[key] = choose_skip_layers(self.lm, ids, count)
+        return self._skip_choices[key]
+
+    def draft_lm(self, path: str | Path) -> CausalLM:
+        """The draft model at ``path`` on this engine's backend, loaded once; its tokenizer must match the verifier's."""
+        key = str(Path(path).resolve())
+        if key not in self._draft_lms:
+            check_same_vocabulary(self.tokenizer.get_vocab(), load_tokenizer(path).get_vocab(), str(path))
+            self._draft_lms[key] = create_backend(self.backend, path)
+        return self._draft_lms[key]
+
+
+def stop_ids_of(path: str | Path) -> frozenset[int]:
+    """End-of-sequence ids from ``generation_config.json`` and ``config.json``, as Hugging Face's generate uses them."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            raise QuasarError(f"{file}: not a valid JSON object") from None
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+
+
+def load(path: str | Path, backend: str = "auto", trust_remote_code: bool = False, **backend_options: Any) -> Engine:
+    """An engine for a W8A8 artifact (W8A8 verifier) or a plain Hugging Face checkpoint (float verifier) at ``path``.
+
+    ``backend_options`` go to the backend's factory (e.g. ``threads``, ``int8_kernel`` for cpu).
+    """
+    lm = create_backend(backend, path, **backend_options)
+    return Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)

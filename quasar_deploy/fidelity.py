@@ -1,0 +1,78 @@
+"""How closely a W8A8 artifact follows its float model, on held-out text.
+
+Speculative decoding is lossless with respect to the W8A8 verifier, not the float
+model, so fidelity to the float model is measured and reported, never assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .artifact import open_model
+from .calibration import data
+from .errors import QuasarError
+from .kernels import default_float_kernel, default_int8_kernel
+from .tokenizer import load_tokenizer
+
+
+@dataclass
+class Fidelity:
+    tokens: int
+    top1_agreement: float  # share of positions where both models predict the same next token
+    mean_kl: float  # mean KL(float || W8A8) over positions, nats
+    ppl_float: float
+    ppl_w8a8: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def evaluate(
+    artifact: str | Path,
+    reference: str | Path,
+    eval_data: str | Path | None = None,
+    num_samples: int = 32,
+    seq_len: int = 256,
+    progress: bool = True,
+) -> Fidelity:
+    quantized_files = open_model(artifact)
+    float_files = open_model(reference)
+    if not quantized_files.is_artifact:
+        raise QuasarError(f"{quantized_files.path}: not a W8A8 artifact (no quasar.json); calibrate it first")
+    if float_files.is_artifact:
+        raise QuasarError(f"{float_files.path}: --reference must be the float checkpoint, not an artifact")
+    if float_files.spec.vocab_size != quantized_files.spec.vocab_size:
+        raise QuasarError("the artifact and the reference have different vocabularies")
+    tokenizer = load_tokenizer(float_files.path, trust_remote_code=False)
+    samples = data.token_samples(tokenizer, data.read_texts(eval_data, default="eval"), num_samples, seq_len)
+    float_model = float_files.decoder()
+    float_model.prepare(default_float_kernel(), default_int8_kernel())
+    quant_model = quantized_files.decoder()
+    quant_model.prepare(default_float_kernel(), default_int8_kernel())
+
+    agree = kl = nll_float = nll_quant = 0.0
+    count = 0
+    for ids in tqdm(samples, desc="evaluating", unit="sample", disable=not progress):
+        tokens = torch.tensor(ids, dtype=torch.long)
+        logp_f = F.log_softmax(float_model(tokens, float_model.new_cache(len(ids))), dim=-1)
+        logp_q = F.log_softmax(quant_model(tokens, quant_model.new_cache(len(ids))), dim=-1)
+        targets = tokens[1:]
+        agree += float((logp_f.argmax(-1) == logp_q.argmax(-1)).sum())
+        kl += float((logp_f.exp() * (logp_f - logp_q)).sum())
+        nll_float -= float(logp_f[:-1].gather(1, targets[:, None]).sum())
+        nll_quant -= float(logp_q[:-1].gather(1, targets[:, None]).sum())
+        count += len(ids)
+    predicted = count - len(samples)
+    return Fidelity(
+        tokens=count,
+        top1_agreement=agree / count,
+        mean_kl=kl / count,
+        ppl_float=math.exp(nll_float / predicted),
+        ppl_w8a8=math.exp(nll_quant / predicted),
+    )

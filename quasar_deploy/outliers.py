@@ -1,0 +1,67 @@
+"""Plant the activation outliers that 7B-scale LLMs have into a small model, without changing its function.
+
+Small models trained briefly lack the few huge hidden channels that make naive
+W8A8 fail on real LLMs, so they cannot show what smoothing buys. For chosen
+channels c we multiply the RMSNorm weight by f and divide the input columns of
+the linears it feeds by f (and likewise scale up_proj rows by f and down_proj
+columns by 1/f for the MLP's inner channels). With f a power of two the float
+model computes exactly the same logits; the quantizer sees outliers of size f.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .adapters import decoder_spec
+from .checkpoint import Checkpoint
+
+COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+
+
+def outlier_tensors(checkpoint: Checkpoint, factor: float = 64.0, hidden_channels: int = 4, inner_channels: int = 8, seed: int = 0) -> dict:
+    spec = decoder_spec(checkpoint.config, checkpoint.names)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randperm(spec.hidden_size, generator=generator)[:hidden_channels]
+    inner = torch.randperm(spec.intermediate_size, generator=generator)[:inner_channels]
+    tensors = {name: checkpoint.tensor(name).float() for name in checkpoint.names}
+    for i in range(spec.num_layers):
+        p = spec.layer_prefix(i)
+        feeds = {
+            f"{p}.input_layernorm.weight": [f"{p}.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")],
+            f"{p}.post_attention_layernorm.weight": [f"{p}.mlp.{n}.weight" for n in ("gate_proj", "up_proj")],
+        }
+        for norm, linears in feeds.items():
+            tensors[norm][hidden] *= factor
+            for name in linears:
+                tensors[name][:, hidden] /= factor
+        tensors[f"{p}.mlp.up_proj.weight"][inner] *= factor
+        if f"{p}.mlp.up_proj.bias" in tensors:
+            tensors[f"{p}.mlp.up_proj.bias"][inner] *= factor
+        tensors[f"{p}.mlp.down_proj.weight"][:, inner] /= factor
+    return tensors
+
+
+def write_outlier_variant(source: str | Path, output: str | Path, factor: float = 64.0) -> Path:
+    """A float32 HF checkpoint at ``output`` computing the same function as ``source``, with outlier channels."""
+    checkpoint = Checkpoint(source)
+    output = Path(output)
+    tmp = output.with_name(f".tmp-{output.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = outlier_tensors(checkpoint, factor)
+    if checkpoint.config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(checkpoint.config, torch_dtype="float32", dtype="float32")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name in COPIED:
+        if (checkpoint.path / name).is_file():
+            shutil.copy2(checkpoint.path / name, tmp / name)
+    shutil.rmtree(output, ignore_errors=True)
+    tmp.rename(output)
+    return output

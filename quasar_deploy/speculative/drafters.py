@@ -1,0 +1,58 @@
+"""The drafter protocol: anything that guesses the next tokens cheaply.
+
+A drafter is built for one generation. The loop calls ``propose(tokens, k, sampler)``
+with the whole sequence so far (prompt and accepted tokens; the last one is not
+yet in the verifier's cache) and only ever appends accepted tokens between calls,
+so a drafter may keep incremental state about ``tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .acceptance import Sampler
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens and, for drafters that sample, the distribution each was drawn from ([len(tokens), vocab])."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+NO_DRAFT = Draft([])
+
+
+class Drafter(Protocol):
+    def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        """Up to ``k`` tokens likely to follow ``tokens``."""
+
+
+class NoDrafter:
+    """Plain autoregressive decoding on the verifier: the baseline every drafter is measured against."""
+
+    def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        return NO_DRAFT
+
+
+def draft_autoregressive(logits: torch.Tensor, step: Callable[[int], torch.Tensor], k: int, sampler: Sampler) -> Draft:
+    """k tokens from a language model: ``logits`` predict the first, ``step(token)`` feeds a token and predicts the next.
+
+    Sampling drafters draw with the generation's own parameters, so q is as close
+    to the verifier's p as the draft model allows (higher acceptance).
+    """
+    tokens: list[int] = []
+    dists: list[torch.Tensor] = []
+    for i in range(k):
+        if i:
+            logits = step(tokens[-1])
+        token, dist = sampler.draw(logits)
+        tokens.append(token)
+        if dist is not None:
+            dists.append(dist)
+    return Draft(tokens, torch.stack(dists) if dists else None)

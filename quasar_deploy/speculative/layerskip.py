@@ -1,0 +1,91 @@
+"""Self-speculative drafting: the verifier itself, with some decoder layers skipped, drafts for the full model.
+
+No second model to load or keep in sync, and the draft reads the full model's
+keys and values for the whole accepted prefix. The skipped layers' cache slots
+at draft positions are left stale and every slot the draft wrote is rolled
+back before the full verify rewrites those positions, so rejections never leak
+into the verifier's cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..backends import CausalLM
+from ..errors import QuasarError
+from .acceptance import Sampler
+from .drafters import Draft, draft_autoregressive
+
+
+def check_can_skip(lm: CausalLM) -> int:
+    """The verifier's layer count; a one-line error for a backend that cannot skip layers (e.g. a whole exported graph)."""
+    if not hasattr(lm, "num_layers") or "skip_layers" not in inspect.signature(lm.verify).parameters:
+        raise QuasarError(f"backend {getattr(lm, 'description', type(lm).__name__)!r} cannot skip layers; use another drafter")
+    return lm.num_layers
+
+
+def check_skip_layers(lm: CausalLM, layers: Iterable[int]) -> frozenset[int]:
+    num_layers = check_can_skip(lm)
+    chosen = frozenset(layers)
+    bad = sorted(i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers)
+    if bad:
+        raise QuasarError(f"skip_layers: layer {bad[0]!r} does not exist (the model has layers 0..{num_layers - 1})")
+    if not chosen or len(chosen) >= num_layers:
+        raise QuasarError(f"skip_layers must name between 1 and {num_layers - 1} of the model's {num_layers} layers")
+    return chosen
+
+
+class LayerSkipDrafter:
+    """Drafts k tokens with the verifier's ``skip_layers`` switched off, then truncates its cache back."""
+
+    def __init__(self, lm: CausalLM, skip_layers: Iterable[int]):
+        self.lm = lm
+        self.skip_layers = check_skip_layers(lm, skip_layers)
+
+    def _step(self, token: int) -> torch.Tensor:
+        return self.lm.verify([token], skip_layers=self.skip_layers)[-1]
+
+    def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        start = self.lm.length
+        try:
+            return draft_autoregressive(self._step(tokens[-1]), self._step, k, sampler)
+        finally:
+            self.lm.truncate(start)
+
+
+def choose_skip_layers(lm: CausalLM, ids: Sequence[int], count: int) -> frozenset[int]:
+    """The ``count`` layers whose skipping best keeps the full model's top-1 prediction on ``ids``.
+
+    Greedy forward selection (add the layer that hurts least, repeat): count passes
+    over at most num_layers candidates, against 2^num_layers for an exhaustive
+    search. Ties in agreement go to the set that gives the full model's choice
+    the higher mean log-probability. Clobbers the cache: call between generations.
+    """
+    num_layers = check_can_skip(lm)
+    if not 1 <= count < num_layers:
+        raise QuasarError(f"can skip between 1 and {num_layers - 1} of {num_layers} layers, not {count}")
+    if len(ids) < 2:
+        raise QuasarError("the text to choose skipped layers on must be at least 2 tokens")
+
+    def forward(skip: frozenset[int]) -> torch.Tensor:
+        lm.truncate(0)
+        return lm.verify(ids, skip_layers=skip)
+
+    target = forward(frozenset()).argmax(-1)
+    chosen: frozenset[int] = frozenset()
+    for _ in range(count):
+        best: tuple[float, float] | None = None
+        for layer in range(num_layers):
+            if layer in chosen:
+                continue
+            logits = forward(chosen | {layer})
+            agreement = float((logits.argmax(-1) == target).float().mean())
+            log_prob = float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).mean())
+            if best is None or (agreement, log_prob) > best:
+                best, pick = (agreement, log_prob), layer
+        chosen = chosen | {pick}
+    lm.truncate(0)
+    return chosen

@@ -1,0 +1,59 @@
+"""Prompt lookup (n-gram) drafting: continue the text the way it continued the last time it read the same.
+
+Model-free, so drafting costs microseconds; it pays off wherever output repeats
+its context (code, edits, retrieval, summaries). Defaults follow the Quasar
+paper: k = 5, n from 3 down to 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import QuasarError
+from .acceptance import Sampler
+from .drafters import NO_DRAFT, Draft
+
+
+def check_ngram_range(ngram_min: int, ngram_max: int) -> None:
+    if isinstance(ngram_min, bool) or not isinstance(ngram_min, int) or ngram_min < 1:
+        raise QuasarError(f"ngram_min must be an integer >= 1, got {ngram_min!r}")
+    if isinstance(ngram_max, bool) or not isinstance(ngram_max, int) or ngram_max < ngram_min:
+        raise QuasarError(f"ngram_max must be an integer >= ngram_min ({ngram_min}), got {ngram_max!r}")
+
+
+class NgramDrafter:
+    """Matches the last n tokens (longest n first) against everything before them and proposes what followed.
+
+    An index maps each n-gram to the end of its latest occurrence that has a
+    token after it, updated with only the new tokens each step, so a proposal
+    costs O(ngram_max + k) however long the context grows.
+    """
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 3):
+        check_ngram_range(ngram_min, ngram_max)
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self._latest: dict[tuple[int, ...], int] = {}
+        self._indexed_to = 0  # n-grams ending at or before this position are indexed
+
+    def _index(self, tokens: Sequence[int]) -> None:
+        # An n-gram ending at ``end`` is indexed once tokens[end] exists, so a lookup of the current
+        # suffix never finds itself and always has at least one token to propose.
+        for end in range(self._indexed_to + 1, len(tokens)):
+            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+                self._latest[tuple(tokens[end - n : end])] = end
+        self._indexed_to = max(self._indexed_to, len(tokens) - 1)
+
+    def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        self._index(tokens)
+        length = len(tokens)
+        for n in range(min(self.ngram_max, length), self.ngram_min - 1, -1):
+            end = self._latest.get(tuple(tokens[length - n :]))
+            if end is not None:
+                draft: list[int] = []
+                for j in range(k):
+                    # Copy with overlap (like LZ77): past the known text, the draft continues its own
+                    # copy, so a repeating pattern yields a full k tokens.
+                    position = end + j
+                    draft.append(tokens[position] if position < length else draft[position - length])
+                return Draft(draft)
+        return NO_DRAFT

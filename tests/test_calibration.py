@@ -1,0 +1,145 @@
+"""Calibration end to end on tiny random checkpoints: the artifact, its numerics, and what smoothing buys."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from quasar_deploy import QuasarError, calibrate
+from quasar_deploy.artifact import open_model
+from quasar_deploy.outliers import write_outlier_variant
+
+FAST = dict(num_samples=8, seq_len=64, progress=False)
+
+
+@pytest.fixture(scope="module")
+def qwen3_artifact(tiny_qwen3, tmp_path_factory):
+    return calibrate(tiny_qwen3, tmp_path_factory.mktemp("a") / "w8a8", **FAST)
+
+
+def _logits(path, ids):
+    decoder = open_model(path).decoder()
+    return decoder(ids, decoder.new_cache())
+
+
+def _relative_error(path, reference, ids):
+    quantized, exact = _logits(path, ids), _logits(reference, ids)
+    return float((quantized - exact).norm() / exact.norm())
+
+
+IDS = torch.randint(1, 4096, (48,), generator=torch.Generator().manual_seed(3))
+
+
+def test_artifact_layout_is_compressed_tensors_w8a8(qwen3_artifact):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    path = qwen3_artifact.path
+    config = json.loads((path / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(config["quantization_config"])
+    assert qc.quant_method == "compressed-tensors" and qc.format == "int-quantized"
+    scheme = qc.config_groups["group_0"]
+    assert scheme.targets == ["Linear"]
+    assert (scheme.weights.num_bits, scheme.weights.strategy, scheme.weights.symmetric) == (8, "channel", True)
+    assert (scheme.input_activations.strategy, scheme.input_activations.dynamic) == ("token", True)
+    assert "lm_head" in qc.ignore
+    with safe_open(path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        w = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        s = f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale")
+        assert w.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (w.shape[0], 1)
+        assert f.get_tensor("lm_head.weight").dtype == torch.float32
+    assert not any(n.endswith("input_scale") for n in names)
+    manifest = json.loads((path / "quasar.json").read_text())
+    assert manifest["format_version"] == 1 and len(manifest["source"]["sha256"]) == 64
+    assert len(manifest["quantized_layers"]) == 3 * 7 and len(manifest["groups"]) == 3 * 4
+    assert all(g["error_after"] <= g["error_before"] + 1e-12 for g in manifest["groups"])
+    assert (path / "tokenizer.json").exists()
+
+
+def test_w8a8_tracks_float(qwen3_artifact, tiny_qwen3, tiny_llama, tmp_path):
+    assert _relative_error(qwen3_artifact.path, tiny_qwen3, IDS) < 0.03
+    llama = calibrate(tiny_llama, tmp_path / "llama", **FAST)
+    assert _relative_error(llama.path, tiny_llama, IDS) < 0.03
+
+
+def test_static_activations_store_input_scale(tiny_qwen3, tmp_path):
+    artifact = calibrate(tiny_qwen3, tmp_path / "static", activation="static", **FAST)
+    config = json.loads((artifact.path / "config.json").read_text())["quantization_config"]
+    activations = config["config_groups"]["group_0"]["input_activations"]
+    assert (activations["strategy"], activations["dynamic"]) == ("tensor", False)
+    with safe_open(artifact.path / "model.safetensors", "pt") as f:
+        scale = f.get_tensor("model.layers.1.mlp.down_proj.input_scale")
+    assert scale.dtype == torch.float32 and scale.shape == (1,) and float(scale) > 0
+    assert _relative_error(artifact.path, tiny_qwen3, IDS) < 0.1
+
+
+def test_outliers_hurt_naive_w8a8_and_smoothing_repairs_it(tiny_qwen3, tmp_path):
+    outlier = write_outlier_variant(tiny_qwen3, tmp_path / "outlier")
+    assert torch.equal(_logits(outlier, IDS), _logits(tiny_qwen3, IDS))  # the transform preserves the function
+    err = {}
+    for model, name in ((tiny_qwen3, "plain"), (outlier, "outlier")):
+        for alpha in ("off", "auto"):
+            artifact = calibrate(model, tmp_path / f"{name}-{alpha}", alpha=alpha, **FAST)
+            err[name, alpha] = _relative_error(artifact.path, model, IDS)
+    assert err["outlier", "off"] > 5 * err["plain", "off"]  # outliers wreck naive W8A8 ...
+    assert err["outlier", "auto"] < err["outlier", "off"] / 5  # ... and smoothing repairs it
+    assert err["outlier", "auto"] < 3 * err["plain", "auto"]
+
+
+def test_keep_float_patterns(tiny_qwen3, tmp_path):
+    artifact = calibrate(tiny_qwen3, tmp_path / "kf", keep_float=["*.down_proj", "model.layers.0.self_attn.q_proj"], **FAST)
+    ignore = json.loads((artifact.path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.2.mlp.down_proj" in ignore and "model.layers.0.self_attn.q_proj" in ignore
+    assert "model.layers.1.self_attn.q_proj" not in ignore
+    decoder = artifact.decoder()
+    assert not decoder.model.layers[1].mlp.down_proj.quantized
+    assert decoder.model.layers[1].mlp.up_proj.quantized
+    assert artifact.manifest["layers"]["model.layers.0.mlp.down_proj"]["float_reason"] == "keep-float pattern '*.down_proj'"
+
+
+def test_keep_float_above_threshold(tiny_qwen3, tmp_path):
+    artifact = calibrate(tiny_qwen3, tmp_path / "kfa", keep_float_above=0.0, **FAST)
+    assert artifact.manifest["quantized_layers"] == []
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(keep_float=["nothing_matches"]), "matches no linear layer"),
+        (dict(alpha="high"), "--alpha must be"),
+        (dict(alpha=1.5), "--alpha must be in [0, 1]"),
+        (dict(activation="per-channel"), "--activation must be"),
+    ],
+)
+def test_bad_options(tiny_qwen3, tmp_path, kwargs, message):
+    with pytest.raises(QuasarError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        calibrate(tiny_qwen3, tmp_path / "out", **{**FAST, **kwargs})
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_write_leaves_nothing(tiny_qwen3, tmp_path, monkeypatch):
+    import quasar_deploy.artifact as artifact_module
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifact_module, "save_file", broken)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(tiny_qwen3, tmp_path / "out", **FAST)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "filename,content",
+    [
+        ("c.jsonl", '{"turns": ["def f(x):\\n    return x + 1\\n"]}\n{"inputs_pretokenized": "Question: 2 + 2?"}\n'),
+        ("c.jsonl", '{"text": "import os\\nprint(os.getcwd())"}\n'),
+        ("c.txt", "first paragraph of text\n\nsecond paragraph, a little longer than the first\n"),
+    ],
+)
+def test_calibration_data_formats(tiny_qwen3, tmp_path, filename, content):
+    data = tmp_path / filename
+    data.write_text(content)
+    artifact = calibrate(tiny_qwen3, tmp_path / "out", calib_data=data, **FAST)
+    assert artifact.manifest["calibration"]["samples"] >= 1

@@ -1,0 +1,71 @@
+"""The W8A8 numerics: the reference is exact, kernels match it, per-token quantization is batch-invariant."""
+
+import pytest
+import torch
+
+from quasar_deploy.kernels import fbgemm_available, int8_linear
+from quasar_deploy.scheme import int8_matmul_exact, per_token_scale, quantize_activation, quantize_weight, reference_linear
+
+
+def _layer(out_features=48, in_features=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(7, in_features, generator=g) * torch.rand(in_features, generator=g) * 5
+    x[:, min(3, in_features - 1)] *= 40  # an outlier channel
+    return weight, x, torch.randn(out_features, generator=g)
+
+
+def test_weight_quantization_is_symmetric_per_channel():
+    weight, _, _ = _layer()
+    q, scale = quantize_weight(weight)
+    assert q.dtype == torch.int8 and scale.shape == (48, 1) and scale.dtype == torch.float32
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert torch.equal(q.abs().amax(dim=1), torch.full((48,), 127, dtype=torch.int8))
+    assert (q.float() * scale - weight).abs().max() <= scale.max() / 2 + 1e-6
+
+
+def test_reference_accumulates_exactly():
+    weight, x, _ = _layer(in_features=4096)
+    wq, _ = quantize_weight(weight)
+    xq = quantize_activation(x, per_token_scale(x))
+    exact = (xq.to(torch.int64) @ wq.to(torch.int64).t()).double()
+    assert torch.equal(int8_matmul_exact(xq, wq), exact)
+
+
+def test_reference_is_batch_invariant():
+    weight, x, bias = _layer()
+    wq, scale = quantize_weight(weight)
+    batch = reference_linear(x, wq, scale, bias)
+    for i in range(x.shape[0]):
+        assert torch.equal(reference_linear(x[i : i + 1], wq, scale, bias)[0], batch[i])
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("in_features", [1, 96, 1024])
+def test_fbgemm_kernel_equals_reference(static, in_features):
+    weight, x, bias = _layer(in_features=in_features)
+    wq, scale = quantize_weight(weight)
+    input_scale = (x.abs().max() / 127).reshape(1) if static else None
+    expected = int8_linear(wq, scale, bias, input_scale, "reference")(x)
+    got = int8_linear(wq, scale, bias, input_scale, "fbgemm")(x)
+    assert torch.equal(got, expected)
+    one_row = int8_linear(wq, scale, bias, input_scale, "fbgemm")(x[2:3])
+    assert torch.equal(one_row[0], got[2])
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")
+def test_full_range_activations_would_overflow_without_the_split():
+    """Guards the reason for the split: FBGEMM's AVX2 kernel saturates with 8-bit activations."""
+    weight, _, _ = _layer(in_features=1024)
+    x = torch.randn(7, 1024, generator=torch.Generator().manual_seed(1))
+    wq, scale = quantize_weight(weight)
+    torch.backends.quantized.engine = "fbgemm"
+    qweight = torch._make_per_channel_quantized_tensor(wq, scale.reshape(-1).double(), torch.zeros(48, dtype=torch.long), 0)
+    packed = torch.ops.quantized.linear_prepack(qweight, None)
+    xq = quantize_activation(x, per_token_scale(x))
+    pin = torch.zeros(2, 1024)
+    pin[0, 0], pin[1, 0] = -127.0, 128.0
+    naive = torch.ops.quantized.linear_dynamic(torch.cat([xq, pin]), packed, False)[:7] / scale.reshape(1, -1)
+    exact = int8_matmul_exact(xq, wq).float()
+    assert (naive - exact).abs().max() > 100

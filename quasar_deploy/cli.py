@@ -87,6 +87,34 @@ def evaluate(artifact, reference, eval_data, num_samples, seq_len, as_json):
 
 
 @main.command()
+@click.option("--verify-step", is_flag=True, help="Time one verify forward (k+1 tokens, warm cache), float vs W8A8.")
+@click.option("--synthetic", default="qwen3-0.6b", show_default=True, help="Published shape with random weights (timing only).")
+@click.option("--tokens", default=6, show_default=True, type=click.IntRange(min=1), help="Tokens per verify step (k+1).")
+@click.option("--context", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens already in the KV cache.")
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option("--float-kernel", type=click.Choice(["torch", "onednn"]), help="Default: the fastest available.")
+@click.option("--int8-kernel", type=click.Choice(["reference", "fbgemm"]), help="Default: the fastest exact one available.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def bench(verify_step, synthetic, tokens, context, repeats, float_kernel, int8_kernel, as_json):
+    """Benchmarks (so far: --verify-step; the end-to-end speculative benchmark is not built yet)."""
+    if not verify_step:
+        raise QuasarError("only 'bench --verify-step' is built so far; the end-to-end speculative benchmark is not built yet")
+    from .bench import verify_step as run
+
+    result = run(synthetic, tokens, context, repeats, float_kernel, int8_kernel, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    click.echo(f"verify step, {result.shape} (synthetic weights), {result.tokens} tokens on a {result.context}-token cache")
+    click.echo(f"threads          {result.threads}")
+    click.echo(f"float ({result.float_kernel})   {result.float_ms:9.2f} ms (median of {result.repeats})")
+    click.echo(f"W8A8 ({result.int8_kernel})  {result.w8a8_ms:9.2f} ms")
+    low, high = result.ratio_spread
+    click.echo(f"speed-up         {result.ratio:9.2f}x (median of pairs; range {low:.2f}-{high:.2f})")
+    click.echo(f"ideal (bytes)    {result.ideal_ratio:9.2f}x -> {100 * result.fraction_of_ideal:.0f}% of ideal")
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def doctor(as_json):
     """What this machine can run: CPU features, chosen kernels, every target."""

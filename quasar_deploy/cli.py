@@ -86,6 +86,21 @@ def evaluate(artifact, reference, eval_data, num_samples, seq_len, as_json):
     click.echo(f"perplexity W8A8         {result.ppl_w8a8:.3f}")
 
 
+@main.command("export")
+@click.argument("artifact", type=click.Path(path_type=str))
+@click.option("--target", required=True, type=click.Choice(["onnx", "npu"]), help="Target format.")
+@click.option("--output", "-o", required=True, type=click.Path(path_type=str), help="New directory for the exported files.")
+@click.option("--precision", type=click.Choice(["w8a8", "float"]), default="w8a8", show_default=True, help="onnx only: float = baseline.")
+def export_command(artifact, target, output, precision):
+    """Export a W8A8 ARTIFACT for a target: onnx (QDQ graph + KV cache) or npu (msModelSlim layout for vLLM-Ascend)."""
+    from .export import export
+
+    options = {"precision": precision} if target == "onnx" else {}
+    if target == "npu" and precision != "w8a8":
+        raise QuasarError("--precision float applies to --target onnx only")
+    click.echo(f"wrote {export(artifact, target, output, **options)}")
+
+
 @main.command()
 @click.option("--verify-step", is_flag=True, help="Time one verify forward (k+1 tokens, warm cache), float vs W8A8.")
 @click.option("--synthetic", default="qwen3-0.6b", show_default=True, help="Published shape with random weights (timing only).")

@@ -102,3 +102,116 @@ def verify_step(
         ideal_ratio=ideal,
         fraction_of_ideal=ratio / ideal,
     )
+
+
+def describe_verify_step(result: VerifyStepResult) -> str:
+    low, high = result.ratio_spread
+    return "\n".join(
+        [
+            f"verify step, {result.shape} (synthetic weights), {result.tokens} tokens on a {result.context}-token cache",
+            f"threads          {result.threads}",
+            f"float ({result.float_kernel})   {result.float_ms:9.2f} ms (median of {result.repeats})",
+            f"W8A8 ({result.int8_kernel})  {result.w8a8_ms:9.2f} ms",
+            f"speed-up         {result.ratio:9.2f}x (median of pairs; range {low:.2f}-{high:.2f})",
+            f"ideal (bytes)    {result.ideal_ratio:9.2f}x -> {100 * result.fraction_of_ideal:.0f}% of ideal",
+        ]
+    )
+
+
+def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a large copy (read + write counted), the bound a memory-bound GEMV cannot beat."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * src.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _time_all(fns, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for fn in fns:
+        fn(x)
+    return time.perf_counter() - start
+
+
+def kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 6, 8, 16), repeats: int = 5, progress: bool = True) -> dict:
+    """Each distinct linear size of ``shape``: float vs W8A8 kernel time per M, and both as a fraction of the bandwidth bound.
+
+    Enough distinct weight copies are cycled (>= 256 MB of float weights) that every call
+    streams its weights from memory, as in a real decode step.
+    """
+    from .kernels import float_linear, int8_linear
+    from .scheme import quantize_weight
+    from .synthetic import synthetic_spec
+
+    spec = synthetic_spec(shape)
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    sizes = sorted(
+        {
+            (q, spec.hidden_size),
+            (kv, spec.hidden_size),
+            (spec.hidden_size, q),
+            (spec.intermediate_size, spec.hidden_size),
+            (spec.hidden_size, spec.intermediate_size),
+        }
+    )
+    float_kernel, int8_kernel = default_float_kernel(), default_int8_kernel()
+    bandwidth = memory_bandwidth()
+    results = []
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in tqdm(sizes, desc="kernels", disable=not progress):
+        copies = max(2, -(-256 * 2**20 // (out_features * in_features * 4)))
+        weights = [torch.randn(out_features, in_features, generator=generator) * 0.02 for _ in range(copies)]
+        float_fns = [float_linear(w, None, float_kernel) for w in weights]
+        int8_fns = [int8_linear(*quantize_weight(w), None, None, int8_kernel) for w in weights]
+        del weights
+        for m in rows:
+            x = torch.randn(m, in_features, generator=generator)
+            timings = {}
+            for name, fns in (("float", float_fns), ("w8a8", int8_fns)):
+                for fn in fns[:2]:
+                    fn(x)
+                timings[name] = min(_time_all(fns, x) for _ in range(repeats)) / copies
+            float_bound = out_features * in_features * 4 / bandwidth
+            int8_bound = out_features * in_features / bandwidth
+            results.append(
+                {
+                    "out_features": out_features,
+                    "in_features": in_features,
+                    "m": m,
+                    "float_ms": 1000 * timings["float"],
+                    "w8a8_ms": 1000 * timings["w8a8"],
+                    "speedup": timings["float"] / timings["w8a8"],
+                    "float_fraction_of_bound": float_bound / timings["float"],
+                    "w8a8_fraction_of_bound": int8_bound / timings["w8a8"],
+                }
+            )
+        del float_fns, int8_fns
+    return {
+        "shape": shape,
+        "float_kernel": float_kernel,
+        "int8_kernel": int8_kernel,
+        "threads": torch.get_num_threads(),
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "rows": results,
+    }
+
+
+def describe_kernels(result: dict) -> str:
+    lines = [
+        f"linear kernels at {result['shape']} sizes; float {result['float_kernel']}, int8 {result['int8_kernel']}, "
+        f"{result['threads']} threads; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s",
+        f"{'out x in':>13} {'M':>3} {'float ms':>9} {'W8A8 ms':>8} {'speed-up':>8} {'float %bw':>9} {'W8A8 %bw':>8}",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['out_features']:>6}x{r['in_features']:<6} {r['m']:>3} {r['float_ms']:>9.3f} {r['w8a8_ms']:>8.3f} {r['speedup']:>7.2f}x "
+            f"{100 * r['float_fraction_of_bound']:>8.0f}% {100 * r['w8a8_fraction_of_bound']:>7.0f}%"
+        )
+    return "\n".join(lines)

@@ -33,3 +33,21 @@ def demo_model_path(variant: str = "plain") -> Path:
     if not (path / "config.json").exists():
         write_outlier_variant(plain, path)
     return path
+
+
+DEMO_RECIPE = {"num_samples": 24, "seq_len": 256, "alpha": "auto", "activation": "dynamic"}
+
+
+def demo_artifact(progress: bool = True) -> Path:
+    """The demo model's W8A8 artifact, calibrated once and cached; recalibrated when the model or recipe changes."""
+    import json
+
+    from . import __version__
+    from .calibration import calibrate
+
+    plain = demo_model_path()
+    key = hashlib.sha256((plain / "model.safetensors").read_bytes() + json.dumps([DEMO_RECIPE, __version__]).encode()).hexdigest()[:12]
+    path = cache_dir() / f"demo-w8a8-{key}"
+    if not (path / "quasar.json").exists():
+        calibrate(plain, output=path, progress=progress, **DEMO_RECIPE)
+    return path

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import QuasarError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-BUILTIN = {"calibration": DATA_DIR / "calibration.jsonl", "eval": DATA_DIR / "eval.jsonl"}
+BUILTIN = {"calibration": DATA_DIR / "calibration.jsonl", "eval": DATA_DIR / "eval.jsonl", "prompts": DATA_DIR / "prompts.jsonl"}
 TEXT_FIELDS = ("text", "turns", "inputs_pretokenized", "prompt")
 
 

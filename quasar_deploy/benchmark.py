@@ -1,0 +1,270 @@
+"""End-to-end benchmark: every decoding mode on the same prompts, interleaved prompt by prompt, in one process.
+
+Machines drift (thermal, neighbours), so modes take turns on each prompt and
+speed-ups are medians of per-prompt ratios measured seconds apart, never ratios
+of runs made minutes apart.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .backends.torch_backend import TorchCausalLM
+from .errors import QuasarError
+
+MODES = (
+    "ar-float",
+    "ar-w8a8",
+    "ngram-float",
+    "ngram-w8a8",
+    "layerskip-float",
+    "layerskip-w8a8",
+    "hf-prompt-lookup",
+    "pruned-verify",
+)
+LOSSLESS_PAIRS = (("ngram-float", "ar-float"), ("layerskip-float", "ar-float"), ("ngram-w8a8", "ar-w8a8"), ("layerskip-w8a8", "ar-w8a8"))
+
+
+@dataclass
+class BenchSettings:
+    prompts: str
+    model: str | None = None
+    artifact: str | None = None
+    synthetic: str | None = None
+    limit: int = 10
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    num_draft: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 3
+    skip_fraction: float = 0.5
+    prune_fraction: float = 0.25
+    seed: int = 0
+    modes: Sequence[str] = MODES
+    sweep_k: Sequence[int] = ()
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    tokens_per_s: float
+    wall_s: float
+    acceptance_length: float | None = None
+    verify_steps: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass
+class Contenders:
+    """What the modes run on: two engines (float and W8A8 verifier) and, when available, the HF float model."""
+
+    float_engine: object
+    w8a8_engine: object
+    hf_model: object | None
+    weights: str  # "trained" or "synthetic weights"
+    pruned_layers: frozenset[int] = field(default_factory=frozenset)
+
+
+def read_prompts(path: str | Path, limit: int) -> list[str]:
+    """Spec-Bench JSONL (``turns[0]`` is the prompt)."""
+    path = Path(path)
+    if not path.is_file():
+        raise QuasarError(f"{path}: no such prompt file")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line)["turns"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise QuasarError(f"{path}:{number}: expected a JSON object with a 'turns' list (Spec-Bench format)") from None
+        prompts.append(turns[0])
+        if len(prompts) == limit:
+            break
+    if not prompts:
+        raise QuasarError(f"{path}: no prompts")
+    return prompts
+
+
+class PrunedLM:
+    """A float verifier with decoder layers removed: the paper's structural-pruning comparison."""
+
+    def __init__(self, lm: TorchCausalLM, removed: frozenset[int]):
+        self.lm, self.removed = lm, removed
+        self.vocab_size, self.max_length = lm.vocab_size, lm.max_length
+
+    def prefill(self, ids):
+        self.lm.truncate(0)
+        return self.lm.verify(ids, self.removed)[-1]
+
+    def verify(self, ids):
+        return self.lm.verify(ids, self.removed)
+
+    def truncate(self, length: int) -> None:
+        self.lm.truncate(length)
+
+    @property
+    def length(self) -> int:
+        return self.lm.length
+
+
+def _engine_run(engine, ids: list[int], settings: BenchSettings, draft: str, **extra) -> Run:
+    options = dict(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=settings.seed, draft=draft)
+    if draft != "none":
+        options["num_draft"] = extra.pop("num_draft", settings.num_draft)
+    if draft == "ngram":
+        options.update(ngram_min=settings.ngram_min, ngram_max=settings.ngram_max)
+    if draft == "layerskip":
+        options["skip_fraction"] = settings.skip_fraction
+    result = engine.generate(ids, **options)
+    s = result.stats
+    return Run(result.tokens, s.tokens_per_s, s.wall_s, s.acceptance_length, s.verify_steps, s.prefill_s, s.draft_s, s.verify_s)
+
+
+def _hf_run(model, ids: list[int], settings: BenchSettings, eos: list[int]) -> Run:
+    inputs = torch.tensor([ids])
+    kwargs = dict(
+        max_new_tokens=settings.max_new_tokens, prompt_lookup_num_tokens=settings.num_draft, eos_token_id=eos, pad_token_id=eos[0]
+    )
+    if settings.temperature > 0:
+        kwargs.update(do_sample=True, temperature=settings.temperature, top_k=0)
+        torch.manual_seed(settings.seed)
+    else:
+        kwargs.update(do_sample=False)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inputs, **kwargs)
+    wall = time.perf_counter() - start
+    tokens = out[0, len(ids) :].tolist()
+    return Run(tokens, len(tokens) / wall if wall > 0 else 0.0, wall)
+
+
+def run_mode(mode: str, contenders: Contenders, ids: list[int], settings: BenchSettings) -> Run:
+    if mode == "hf-prompt-lookup":
+        return _hf_run(contenders.hf_model, ids, settings, sorted(contenders.float_engine.stop_ids) or [0])
+    if mode == "pruned-verify":
+        engine = contenders.float_engine
+        pruned = type(engine)(PrunedLM(engine.lm, contenders.pruned_layers), engine.tokenizer, engine.stop_ids, engine.backend)
+        return _engine_run(pruned, ids, settings, "ngram")
+    kind, precision = mode.split("-")
+    engine = contenders.float_engine if precision == "float" else contenders.w8a8_engine
+    return _engine_run(engine, ids, settings, {"ar": "none"}.get(kind, kind))
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _summary(runs: list[Run], baseline: dict[str, list[Run]]) -> dict:
+    tps = [r.tokens_per_s for r in runs]
+    steps = sum(r.verify_steps for r in runs)
+    wall = sum(r.wall_s for r in runs)
+    figures = {
+        "tokens_per_s": statistics.median(tps),
+        "tokens_per_s_min": min(tps),
+        "tokens_per_s_max": max(tps),
+        "acceptance_length": statistics.mean([r.acceptance_length for r in runs]) if runs[0].acceptance_length is not None else None,
+        "acceptance_lengths": [r.acceptance_length for r in runs],
+        "verify_step_ms": 1000 * sum(r.verify_s for r in runs) / steps if steps else None,
+        "time_share": {
+            "prefill": sum(r.prefill_s for r in runs) / wall,
+            "draft": sum(r.draft_s for r in runs) / wall,
+            "verify": sum(r.verify_s for r in runs) / wall,
+            "overhead": max(0.0, 1 - sum(r.prefill_s + r.draft_s + r.verify_s for r in runs) / wall),
+        }
+        if steps
+        else None,
+        "new_tokens": sum(len(r.tokens) for r in runs),
+    }
+    for name, base in baseline.items():
+        figures[f"speedup_vs_{name}"] = _median([r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, base) if b.tokens_per_s > 0])
+    return figures
+
+
+def _agreement(runs: list[Run], reference: list[Run]) -> float:
+    """Share of the float model's greedy tokens reproduced at the same position."""
+    same = total = 0
+    for run, ref in zip(runs, reference):
+        total += len(ref.tokens)
+        same += sum(a == b for a, b in zip(run.tokens, ref.tokens))
+    return same / total if total else 1.0
+
+
+def environment() -> dict:
+    import tokenizers
+    import transformers
+
+    from .doctor import report
+
+    info = report()
+    info.update(transformers=transformers.__version__, tokenizers=tokenizers.__version__, platform=platform.platform())
+    return info
+
+
+def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = True) -> dict:
+    """Run every mode on every prompt (interleaved); return the report (JSON-ready)."""
+    unknown = [m for m in settings.modes if m not in MODES]
+    if unknown:
+        raise QuasarError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+    modes = [m for m in settings.modes if m != "hf-prompt-lookup" or contenders.hf_model is not None]
+    prompts = read_prompts(settings.prompts, settings.limit)
+    encoded = [contenders.float_engine.encode(p) for p in prompts]
+    if "pruned-verify" in modes and not contenders.pruned_layers:
+        contenders.pruned_layers = contenders.float_engine.choose_skip_layers(settings.prune_fraction)
+    warm = BenchSettings(**{**asdict(settings), "max_new_tokens": 4})
+    for mode in modes:  # first calls pay one-time costs (weight packing, allocator); keep them out of the figures
+        run_mode(mode, contenders, encoded[0], warm)
+    runs: dict[str, list[Run]] = {m: [] for m in modes}
+    for i, ids in enumerate(tqdm(encoded, desc="benchmark", unit="prompt", disable=not progress)):
+        order = modes[i % len(modes) :] + modes[: i % len(modes)]
+        for mode in order:
+            runs[mode].append(run_mode(mode, contenders, ids, settings))
+    baselines = {m: runs[m] for m in ("ngram-float", "ar-float") if m in runs}
+    report = {
+        "settings": {**asdict(settings), "modes": modes, "weights": contenders.weights, "prompt_count": len(prompts)},
+        "environment": environment(),
+        "modes": {m: _summary(r, baselines) for m, r in runs.items()},
+    }
+    if contenders.pruned_layers:
+        report["settings"]["pruned_layers"] = sorted(contenders.pruned_layers)
+    if settings.temperature == 0:
+        report["lossless"] = {
+            f"{a} == {b}": all(x.tokens == y.tokens for x, y in zip(runs[a], runs[b])) for a, b in LOSSLESS_PAIRS if a in runs and b in runs
+        }
+        if "ar-float" in runs:
+            for mode in runs:
+                report["modes"][mode]["agreement_with_ar_float"] = _agreement(runs[mode], runs["ar-float"])
+    if settings.sweep_k:
+        report["sweep_k"] = sweep_k(settings, contenders, encoded, progress)
+    return report
+
+
+def sweep_k(settings: BenchSettings, contenders: Contenders, encoded: list[list[int]], progress: bool) -> list[dict]:
+    rows = []
+    for k in tqdm(settings.sweep_k, desc="sweep k", disable=not progress):
+        pairs = []
+        for ids in encoded:
+            f = _engine_run(contenders.float_engine, ids, settings, "ngram", num_draft=k)
+            q = _engine_run(contenders.w8a8_engine, ids, settings, "ngram", num_draft=k)
+            pairs.append((f, q))
+        rows.append(
+            {
+                "k": k,
+                "ngram_float_tokens_per_s": statistics.median(f.tokens_per_s for f, _ in pairs),
+                "ngram_w8a8_tokens_per_s": statistics.median(q.tokens_per_s for _, q in pairs),
+                "speedup": statistics.median(q.tokens_per_s / f.tokens_per_s for f, q in pairs),
+                "acceptance_length_w8a8": statistics.mean(q.acceptance_length for _, q in pairs),
+            }
+        )
+    return rows

@@ -1,0 +1,106 @@
+"""Writing a benchmark report: report.json (every figure), report.md (the table) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    source = f"synthetic {s['synthetic']} (synthetic weights)" if s.get("synthetic") else f"{s['model']} / {s['artifact']}"
+    lines = [
+        "# quasar-deploy benchmark",
+        "",
+        f"Model: {source}. Prompts: {s['prompt_count']} from {s['prompts']}. "
+        f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, k={s['num_draft']}, n-gram {s['ngram_min']}..{s['ngram_max']}. "
+        f"CPU: {report['environment']['cpu']}, {report['environment']['threads']} threads.",
+        "",
+        "| mode | tokens/s median (min-max) | acceptance length | verify step ms | draft / verify share | vs ngram-float | vs ar-float |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, m in report["modes"].items():
+        share = m["time_share"]
+        share_text = f"{100 * share['draft']:.0f}% / {100 * share['verify']:.0f}%" if share else "-"
+        lines.append(
+            f"| {mode} | {m['tokens_per_s']:.1f} ({m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}) | "
+            f"{_fmt(m['acceptance_length'])} | {_fmt(m['verify_step_ms'], '.1f')} | {share_text} | "
+            f"{_fmt(m.get('speedup_vs_ngram-float'), '.2f', 'x')} | {_fmt(m.get('speedup_vs_ar-float'), '.2f', 'x')} |"
+        )
+    if "lossless" in report:
+        lines += ["", "Lossless check (greedy; identical tokens on every prompt):", ""]
+        lines += [f"- {pair}: {'yes' if ok else 'NO'}" for pair, ok in report["lossless"].items()]
+    if report.get("sweep_k"):
+        lines += [
+            "",
+            "| k | ngram-float tok/s | ngram-w8a8 tok/s | speed-up | acceptance length (w8a8) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for row in report["sweep_k"]:
+            lines.append(
+                f"| {row['k']} | {row['ngram_float_tokens_per_s']:.1f} | {row['ngram_w8a8_tokens_per_s']:.1f} | "
+                f"{row['speedup']:.2f}x | {row['acceptance_length_w8a8']:.2f} |"
+            )
+    if s.get("synthetic"):
+        lines += ["", "Synthetic weights: timing only. Random models loop, so n-gram acceptance here says nothing about real text."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    modes = list(report["modes"])
+    figures = report["modes"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    medians = [figures[m]["tokens_per_s"] for m in modes]
+    low = [medians[i] - figures[m]["tokens_per_s_min"] for i, m in enumerate(modes)]
+    high = [figures[m]["tokens_per_s_max"] - medians[i] for i, m in enumerate(modes)]
+    ax.bar(modes, medians, yerr=[low, high], capsize=4, color=["#4c72b0" if "w8a8" in m else "#999999" for m in modes])
+    ax.set_ylabel("tokens/s (median, min-max)")
+    ax.set_title("Decoding speed per mode")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    written.append(out / "tokens_per_s.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    drafting = [m for m in modes if figures[m]["acceptance_length"] is not None and not m.startswith("ar-")]
+    if drafting:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.hist([figures[m]["acceptance_lengths"] for m in drafting], label=drafting, bins=10)
+        ax.set_xlabel("acceptance length per prompt (tokens per verify step)")
+        ax.set_ylabel("prompts")
+        ax.legend()
+        fig.tight_layout()
+        written.append(out / "acceptance_length.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+
+    if report.get("sweep_k"):
+        rows = report["sweep_k"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o")
+        ax.set_xlabel("draft length k")
+        ax.set_ylabel("ngram-w8a8 / ngram-float tokens/s")
+        ax.axhline(1.0, color="#999999", linewidth=1)
+        fig.tight_layout()
+        written.append(out / "speedup_vs_k.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def write(report: dict, out: str | Path) -> list[Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    return [out / "report.json", out / "report.md", *plots(report, out)]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
+from .artifact import open_model
 from .benchmark import MODES as MODE_NAMES
 from .errors import QuasarError
 
@@ -66,25 +68,74 @@ def calibrate(model_dir, output, calib_data, num_samples, seq_len, alpha, activa
 
 
 @main.command("eval")
-@click.argument("artifact", type=click.Path(path_type=str))
-@click.option("--reference", required=True, type=click.Path(path_type=str), help="The float checkpoint the artifact came from.")
-@click.option("--data", "eval_data", type=click.Path(dir_okay=False), help="Held-out text (JSONL or plain); default: built-in set.")
+@click.argument("artifact", required=False, type=click.Path(path_type=str))
+@click.option("--reference", type=click.Path(path_type=str), help="The float checkpoint the artifact came from.")
+@click.option(
+    "--data",
+    "eval_data",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Held-out text (JSONL with text/turns, or plain); repeatable, one result per set; default: built-in set.",
+)
 @click.option("--num-samples", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2))
+@click.option("--layers", is_flag=True, help="Also print the per-layer quantization error recorded at calibration.")
+@click.option(
+    "--smoothing-study",
+    is_flag=True,
+    help="Instead: calibrate with alpha off / 0.5 / auto on the demo model and its outlier variant (or --reference) and compare.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def evaluate(artifact, reference, eval_data, num_samples, seq_len, as_json):
-    """Fidelity of a W8A8 ARTIFACT to its float model: top-1 agreement, KL, perplexity."""
+def evaluate(artifact, reference, eval_data, num_samples, seq_len, layers, smoothing_study, as_json):
+    """Fidelity of a W8A8 ARTIFACT to its float model: top-1 agreement, KL, perplexity (per text set)."""
     from .fidelity import evaluate as run
 
-    result = run(artifact, reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len, progress=not as_json)
+    sets = {Path(d).stem: d for d in eval_data} or {"built-in": None}
+    if smoothing_study:
+        return _smoothing_study(reference, sets, num_samples, seq_len, as_json)
+    if not artifact or not reference:
+        raise QuasarError("give ARTIFACT and --reference MODEL_DIR (or --smoothing-study)")
+    results = {
+        name: run(artifact, reference, eval_data=d, num_samples=num_samples, seq_len=seq_len, progress=not as_json).to_dict()
+        for name, d in sets.items()
+    }
+    layer_errors = {name: rec["error"] for name, rec in open_model(artifact).manifest["layers"].items()} if layers else None
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        click.echo(json.dumps({"sets": results, "layers": layer_errors}, indent=2))
         return
-    click.echo(f"tokens evaluated        {result.tokens}")
-    click.echo(f"top-1 agreement         {result.top1_agreement:.4f}")
-    click.echo(f"mean KL(float || W8A8)  {result.mean_kl:.3e} nats")
-    click.echo(f"perplexity float        {result.ppl_float:.3f}")
-    click.echo(f"perplexity W8A8         {result.ppl_w8a8:.3f}")
+    click.echo(f"{'set':<20} {'tokens':>7} {'top-1':>8} {'KL (nats)':>10} {'ppl float':>10} {'ppl W8A8':>10}")
+    for name, r in results.items():
+        click.echo(
+            f"{name:<20} {r['tokens']:>7} {r['top1_agreement']:>8.4f} {r['mean_kl']:>10.2e} {r['ppl_float']:>10.3f} {r['ppl_w8a8']:>10.3f}"
+        )
+    if layer_errors:
+        click.echo(f"\n{'layer':<40} {'relative error':>14}")
+        for name, error in layer_errors.items():
+            click.echo(f"{name:<40} {'float' if error is None else f'{error:.3e}':>14}")
+
+
+def _smoothing_study(reference, sets, num_samples, seq_len, as_json):
+    import tempfile
+
+    from .demo import demo_model_path
+    from .fidelity import smoothing_study
+
+    models = {"model": Path(reference)} if reference else {"demo": demo_model_path(), "demo-outlier": demo_model_path("outlier")}
+    with tempfile.TemporaryDirectory() as work:
+        study = smoothing_study(models, Path(work), sets, num_samples=num_samples, seq_len=seq_len, progress=False)
+    if as_json:
+        click.echo(json.dumps(study, indent=2))
+        return
+    click.echo(f"{'model':<14} {'alpha':>6} {'set':<16} {'top-1':>8} {'KL (nats)':>10} {'ppl float':>10} {'ppl W8A8':>10}")
+    for r in study["rows"]:
+        click.echo(
+            f"{r['model']:<14} {str(r['alpha']):>6} {r['set']:<16} {r['top1_agreement']:>8.4f} {r['mean_kl']:>10.2e} "
+            f"{r['ppl_float']:>10.3f} {r['ppl_w8a8']:>10.3f}"
+        )
+    click.echo("\nmean per-layer relative error:")
+    for name, errors in study["layers"].items():
+        values = [e for e in errors.values() if e is not None]
+        click.echo(f"  {name:<28} {sum(values) / max(1, len(values)):.3e}")
 
 
 @main.command("export")

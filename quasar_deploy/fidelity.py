@@ -76,3 +76,33 @@ def evaluate(
         ppl_float=math.exp(nll_float / predicted),
         ppl_w8a8=math.exp(nll_quant / predicted),
     )
+
+
+STUDY_ALPHAS: tuple[str | float, ...] = ("off", 0.5, "auto")
+
+
+def smoothing_study(
+    models: dict[str, Path],
+    workdir: Path,
+    data_sets: dict[str, str | Path | None],
+    alphas: tuple[str | float, ...] = STUDY_ALPHAS,
+    num_samples: int = 16,
+    seq_len: int = 256,
+    progress: bool = True,
+) -> dict:
+    """Naive W8A8 ("off"), a fixed alpha and the searched alpha, on each model and text set: what smoothing buys.
+
+    Returns ``rows`` (fidelity per model, alpha and set) and ``layers`` (per-layer relative
+    error per model and alpha, from each artifact's manifest).
+    """
+    from .calibration import calibrate
+
+    rows, layers = [], {}
+    for model_name, model in models.items():
+        for alpha in alphas:
+            artifact = calibrate(model, workdir / f"{model_name}-alpha-{alpha}", alpha=alpha, progress=False)
+            layers[f"{model_name} alpha={alpha}"] = {name: rec["error"] for name, rec in artifact.manifest["layers"].items()}
+            for set_name, texts in data_sets.items():
+                result = evaluate(artifact.path, model, texts, num_samples=num_samples, seq_len=seq_len, progress=progress)
+                rows.append({"model": model_name, "alpha": alpha, "set": set_name, **result.to_dict()})
+    return {"rows": rows, "layers": layers}

@@ -33,8 +33,27 @@ def assert_one_line_error(result, text):
 def test_eval_reports_fidelity(artifact, tiny_qwen3):
     result = run("eval", artifact, "--reference", tiny_qwen3, "--num-samples", 3, "--seq-len", 32, "--json")
     assert result.exit_code == 0, result.output
-    figures = json.loads(result.output)
+    figures = json.loads(result.output)["sets"]["built-in"]
     assert figures["top1_agreement"] > 0.8 and figures["mean_kl"] < 0.05 and figures["tokens"] > 0
+
+
+def test_eval_per_set_and_layer_table(artifact, tiny_qwen3, tmp_path):
+    code = tmp_path / "code.txt"
+    code.write_text("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n")
+    prose = tmp_path / "prose.jsonl"
+    prose.write_text('{"turns": ["The weather was calm and the sea was flat."]}\n')
+    result = run("eval", artifact, "--reference", tiny_qwen3, "--data", code, "--data", prose, "--layers", "--num-samples", 2)
+    assert result.exit_code == 0, result.output
+    assert "code " in result.output and "prose " in result.output
+    assert "model.layers.0.self_attn.q_proj" in result.output
+
+
+def test_smoothing_study_compares_alphas(tiny_qwen3):
+    result = run("eval", "--smoothing-study", "--reference", tiny_qwen3, "--num-samples", 2, "--seq-len", 32, "--json")
+    assert result.exit_code == 0, result.output
+    study = json.loads(result.output)
+    assert [r["alpha"] for r in study["rows"]] == ["off", 0.5, "auto"]
+    assert set(study["layers"]) == {"model alpha=off", "model alpha=0.5", "model alpha=auto"}
 
 
 def test_doctor_lists_every_target():

@@ -35,12 +35,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _npu_status() -> str | None:
-    if importlib.util.find_spec("torch_npu") is None:
-        return "torch_npu is not installed (needs an Ascend NPU with CANN; see docs)"
-    return "the npu backend is not built yet"
-
-
 def _onnx_status() -> str | None:
     if importlib.util.find_spec("onnxruntime") is None:
         return "onnxruntime is not installed"
@@ -53,7 +47,6 @@ def report() -> dict:
     targets = {name: reason for name, reason in available_backends().items()}
     if "cuda" not in targets:
         targets["cuda"] = "no CUDA device visible to torch" if not torch.cuda.is_available() else "the cuda backend is not built yet"
-    targets.setdefault("npu", _npu_status())
     targets.setdefault("onnxruntime", _onnx_status())
     return {
         "cpu": cpu_model(),

@@ -1,0 +1,158 @@
+"""The Ascend NPU backend: our torch decoder on an ``npu`` device, its W8A8 linears run by torch_npu's int8 ops.
+
+Why its own kernel binding instead of an entry in ``kernels.py``: torch_npu exists only on
+Ascend machines, and importing it without CANN breaks ``import torch`` there; keeping every
+torch_npu call in this module lets the rest of the package import everywhere. After
+``load_npu`` each quantized ``Linear`` runs:
+
+- dynamic scheme: ``npu_dynamic_quant`` (per-token int8 and its float32 scales);
+- static scheme: ``npu_quantize`` with the calibrated per-tensor scale, clamped to +-127 as
+  the scheme saturates (the op saturates to -128);
+- then ``npu_quant_matmul`` on the weight transposed to [in, out] and cast once to the
+  FRACTAL_NZ layout, ``scale`` = the per-channel weight scales (float32), ``pertoken_scale``
+  = the activation scales (the static scale repeated per row, which keeps float32 scales for
+  float16 outputs too), float32 bias, output in the model's bfloat16 / float16.
+
+That is ``acc * act_scale * weight_scale (+ bias)`` with exact int32 accumulation: the
+scheme of ``scheme.py``. Float layers, norms, rotary and attention stay the decoder's own
+PyTorch code on the ``npu`` device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from ..artifact import ModelFiles, open_model
+from ..errors import QuasarError
+from ..kernels import float_linear
+from ..model import Decoder, Linear
+from ..scheme import QMAX
+from .base import register
+from .torch_backend import TorchCausalLM
+
+ACL_FORMAT_FRACTAL_NZ = 29
+CANN_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
+CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _cann_home() -> Path | None:
+    """Where CANN is: ``set_env.sh`` exports ASCEND_HOME_PATH / ASCEND_TOOLKIT_HOME; else the default install."""
+    for name in CANN_ENV:
+        value = os.environ.get(name)
+        if value and Path(value).is_dir():
+            return Path(value)
+    return CANN_DEFAULT if CANN_DEFAULT.is_dir() else None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def unavailable() -> str | None:
+    """Why the NPU backend cannot run here, in one line; never imports torch_npu unless it and CANN are present."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu not installed (pip install 'quasar-deploy[npu]' on an Ascend machine with CANN)"
+    if _cann_home() is None:
+        return "CANN not found (install the Ascend CANN toolkit and source its set_env.sh)"
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except (ImportError, OSError) as exc:
+        return f"torch_npu does not import ({_first_line(exc)})"
+    if not torch_npu.npu.is_available() or torch_npu.npu.device_count() == 0:
+        return "no NPU device (torch_npu sees none; check the driver and ASCEND_RT_VISIBLE_DEVICES)"
+    return None
+
+
+def torch_npu_module() -> ModuleType:
+    """The torch_npu module (tests put a CPU emulation in ``sys.modules`` under that name)."""
+    try:
+        return importlib.import_module("torch_npu")
+    except (ImportError, OSError) as exc:
+        raise QuasarError(f"torch_npu cannot be imported: {_first_line(exc)}") from None
+
+
+def npu_int8_linear(
+    npu: ModuleType,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> LinearFn:
+    """The scheme's W8A8 linear on a 2-D float16/bfloat16 input, with torch_npu's ops; tensors already on the device."""
+    weight = npu.npu_format_cast(wq.t().contiguous(), ACL_FORMAT_FRACTAL_NZ)
+    scale = w_scale.float().reshape(-1).contiguous()
+    bias32 = bias.float().contiguous() if bias is not None else None
+    if input_scale is None:
+
+        def dynamic(x: torch.Tensor) -> torch.Tensor:
+            xq, token_scale = npu.npu_dynamic_quant(x)
+            return npu.npu_quant_matmul(xq, weight, scale, pertoken_scale=token_scale, bias=bias32, output_dtype=x.dtype)
+
+        return dynamic
+
+    static_scale = input_scale.float().reshape(1)
+    column_scales = static_scale.expand(wq.shape[1]).contiguous()
+
+    def static(x: torch.Tensor) -> torch.Tensor:
+        xq = npu.npu_quantize(x, column_scales, None, torch.qint8, -1, True).clamp_(-QMAX, QMAX)
+        token_scale = static_scale.expand(x.shape[0]).contiguous()
+        return npu.npu_quant_matmul(xq, weight, scale, pertoken_scale=token_scale, bias=bias32, output_dtype=x.dtype)
+
+    return static
+
+
+def bind_npu_kernels(decoder: Decoder, device: torch.device | str, npu: ModuleType) -> None:
+    """Move ``decoder`` to ``device`` and give each ``Linear`` its kernel.
+
+    Quantized weights reach the device once, already transposed and in NZ layout; the
+    module keeps a meta tensor of the original [out, in] int8 shape (so ``quantized`` and
+    the shapes stay truthful) instead of a second device copy.
+    """
+    for module in decoder.modules():
+        if isinstance(module, Linear) and module.quantized:
+            wq = module.weight.data
+            module._fn = npu_int8_linear(
+                npu,
+                wq.to(device),
+                module.weight_scale.to(device),
+                module.bias.data.to(device) if module.bias is not None else None,
+                module.input_scale.to(device) if module.input_scale is not None else None,
+            )
+            module.weight = nn.Parameter(torch.empty_like(wq, device="meta"), requires_grad=False)
+    decoder._apply(lambda t: t if t.is_meta else t.to(device))
+    for module in decoder.modules():
+        if isinstance(module, Linear) and not module.quantized:
+            module._fn = float_linear(module.weight.data, module.bias.data if module.bias is not None else None, "torch")
+
+
+def load_npu(
+    path: str | Path | ModelFiles,
+    dtype: str = "bfloat16",
+    device: str = "npu:0",
+    max_length: int | None = None,
+) -> TorchCausalLM:
+    """W8A8 artifact (or float checkpoint) on an Ascend NPU, computing in ``dtype`` (bfloat16 or float16)."""
+    if dtype not in COMPUTE_DTYPES:
+        raise QuasarError(f"NPU compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {dtype!r}")
+    files = path if isinstance(path, ModelFiles) else open_model(path)
+    npu = torch_npu_module()
+    decoder = files.decoder(COMPUTE_DTYPES[dtype])
+    bind_npu_kernels(decoder, device, npu)
+    kind = "W8A8" if files.is_artifact else "float"
+    scheme = f", {files.scheme.activation} activations" if files.is_artifact else ""
+    return TorchCausalLM(decoder, max_length, description=f"npu {kind} ({dtype}{scheme}; npu_quant_matmul, NZ weights)")
+
+
+register("npu", load_npu, unavailable)

@@ -1,0 +1,160 @@
+"""Export a W8A8 artifact to msModelSlim's AscendV1 layout, which vLLM-Ascend serves with ``quantization="ascend"``.
+
+Output directory (written to a temp dir, then renamed):
+
+- ``config.json``: the artifact's config without ``quantization_config`` (vLLM would otherwise
+  insist on compressed-tensors) and with ``torch_dtype`` set to the export dtype;
+- tokenizer and generation files, copied;
+- ``quant_model_description.json``: ``model_quant_type``, ``version`` and one type per tensor:
+  ``W8A8_DYNAMIC`` (our default per-token scheme) or ``W8A8`` (static per-tensor) for every
+  tensor of a quantized linear, ``FLOAT`` for everything else (embeddings, norms, float linears);
+- ``quant_model_weights.safetensors``, per quantized linear (weight [n, k]):
+  - dynamic: ``weight`` int8 [n, k], ``weight_scale`` float32 [n, 1], ``weight_offset`` float32 [n, 1] (zeros);
+  - static: those three plus ``input_scale`` and ``input_offset`` [1] in the model dtype,
+    ``quant_bias`` int32 [n], ``deq_scale`` [n] (float32 for bfloat16 models, the float32 bit
+    pattern as int64 for float16 models);
+  - ``bias`` in the model dtype where the layer has one.
+
+The smoothing is already folded into the norm weights (``input_layernorm`` /
+``post_attention_layernorm``) and into ``v_proj`` / ``up_proj`` rows, which is where
+msModelSlim's anti-outlier pass leaves it; SmoothQuant has no shift, so no ``norm.bias`` is
+written (its presence switches vLLM-Ascend to a fused quantizing RMSNorm).
+
+Static numerics: the activation scale vLLM-Ascend quantizes with is ``input_scale`` as stored
+(model dtype), so ``deq_scale = float32(input_scale as stored) * weight_scale`` keeps the pair
+consistent, and ``quant_bias = round(bias / deq_scale)`` carries the float bias.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..artifact import TOKENIZER_FILES, ModelFiles
+from ..errors import QuasarError
+
+DESCRIPTION = "quant_model_description.json"
+WEIGHTS = "quant_model_weights.safetensors"
+FORMAT_VERSION = "1.0.0"
+QUANT_TYPES = {"dynamic": "W8A8_DYNAMIC", "static": "W8A8"}
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def default_dtype(config: dict) -> str:
+    """The source's half type; float32 sources export as bfloat16 (the NPU int8 GEMM outputs 16-bit floats only)."""
+    name = config.get("torch_dtype") or config.get("dtype")
+    return name if name in EXPORT_DTYPES else "bfloat16"
+
+
+def encode_deq_scale(deq_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 for bfloat16 models; for float16, the float32 bit pattern widened to int64 (msModelSlim's encoding)."""
+    deq_scale = deq_scale.float().contiguous()
+    if dtype == torch.bfloat16:
+        return deq_scale
+    return deq_scale.view(torch.int32).to(torch.int64)
+
+
+def check_fused_groups(files: ModelFiles, quantized: set[str]) -> None:
+    """vLLM fuses q/k/v and gate/up into one layer each, with one quant type and one static input scale per fused layer."""
+    for i in range(files.spec.num_layers):
+        prefix = files.spec.layer_prefix(i)
+        for group in FUSED_GROUPS:
+            names = [f"{prefix}.{name}" for name in group]
+            kinds = {name in quantized for name in names}
+            if len(kinds) > 1:
+                odd = next(name for name in names if (name in quantized) != (names[0] in quantized))
+                raise QuasarError(
+                    f"{files.path}: vLLM-Ascend fuses {', '.join(names)} into one layer, so they must be all quantized or all float"
+                    f" ({odd} differs); recalibrate with --keep-float covering the whole group"
+                )
+            if files.scheme.activation == "static" and names[0] in quantized:
+                scales = {float(files.checkpoint.tensor(f"{name}.input_scale").reshape(-1)[0]) for name in names}
+                if len(scales) > 1:
+                    raise QuasarError(f"{files.path}: {', '.join(names)} share an input but have different static input scales")
+
+
+def quantized_tensors(prefix: str, files: ModelFiles, activation: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One quantized linear's tensors under msModelSlim's names."""
+    ckpt = files.checkpoint
+    wq = ckpt.tensor(f"{prefix}.weight")
+    w_scale = ckpt.tensor(f"{prefix}.weight_scale").float().reshape(-1, 1)
+    bias = ckpt.tensor(f"{prefix}.bias") if f"{prefix}.bias" in ckpt.names else None
+    out = {
+        f"{prefix}.weight": wq.contiguous(),
+        f"{prefix}.weight_scale": w_scale.contiguous(),
+        f"{prefix}.weight_offset": torch.zeros_like(w_scale),
+    }
+    if bias is not None:
+        out[f"{prefix}.bias"] = bias.to(dtype).contiguous()
+    if activation == "static":
+        input_scale = ckpt.tensor(f"{prefix}.input_scale").float().reshape(1).to(dtype)
+        deq_scale = input_scale.float() * w_scale.reshape(-1)
+        quant_bias = torch.zeros(wq.shape[0], dtype=torch.int32)
+        if bias is not None:
+            steps = torch.round(bias.double() / deq_scale.double())
+            if steps.abs().max() > torch.iinfo(torch.int32).max:
+                raise QuasarError(f"{files.path}: {prefix}.bias does not fit an int32 quant_bias at its dequantization scale")
+            quant_bias = steps.to(torch.int32)
+        out[f"{prefix}.input_scale"] = input_scale
+        out[f"{prefix}.input_offset"] = torch.zeros(1, dtype=dtype)
+        out[f"{prefix}.quant_bias"] = quant_bias
+        out[f"{prefix}.deq_scale"] = encode_deq_scale(deq_scale, dtype)
+    return out
+
+
+def export(files: ModelFiles, output: Path, dtype: str | None = None) -> Path:
+    """Write the AscendV1 (msModelSlim) export of ``files`` to ``output`` (which must not exist)."""
+    if not files.is_artifact:
+        raise QuasarError(f"{files.path}: not a W8A8 artifact; run `quasar-deploy calibrate` first")
+    dtype = dtype or default_dtype(files.checkpoint.config)
+    if dtype not in EXPORT_DTYPES:
+        raise QuasarError(f"--dtype for the npu target must be one of {', '.join(EXPORT_DTYPES)}, not {dtype!r}")
+    output = Path(output)
+    if output.exists():
+        raise QuasarError(f"{output}: already exists; choose a new --output or remove it first")
+    torch_dtype = EXPORT_DTYPES[dtype]
+    activation = files.scheme.activation
+    quant_type = QUANT_TYPES[activation]
+    quantized = set(files.manifest["quantized_layers"])
+    check_fused_groups(files, quantized)
+
+    tensors: dict[str, torch.Tensor] = {}
+    description: dict[str, str] = {"model_quant_type": quant_type, "version": FORMAT_VERSION}
+    for prefix in sorted(quantized):
+        layer = quantized_tensors(prefix, files, activation, torch_dtype)
+        tensors.update(layer)
+        description.update(dict.fromkeys(layer, quant_type))
+    for name in sorted(files.checkpoint.names):
+        owner = name.rsplit(".", 1)[0]
+        if owner not in quantized:
+            tensors[name] = files.checkpoint.tensor(name).to(torch_dtype).contiguous()
+            description[name] = "FLOAT"
+
+    config = dict(files.checkpoint.config)
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = dtype
+    if "dtype" in config:  # transformers >= 4.56 writes "dtype"; both must name the export's type
+        config["dtype"] = dtype
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{output.name}-", dir=output.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / DESCRIPTION).write_text(json.dumps(description, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name in TOKENIZER_FILES:
+            if (files.path / name).is_file():
+                shutil.copy2(files.path / name, tmp / name)
+        tmp.chmod(0o755)
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output

@@ -99,9 +99,9 @@ def _fbgemm(wq, w_scale, bias, input_scale) -> LinearFn:
         scale = _activation_scale(x, input_scale)
         q = quantize_activation(x, scale)
         high = torch.floor(q * 0.5)
-        out = torch.ops.quantized.linear_dynamic(torch.cat([high, q - 2.0 * high, pin]), packed, True).double()
-        acc = 2.0 * torch.round(out[:rows] * inv_w) + torch.round(out[rows : 2 * rows] * inv_w)
-        y = acc.float() * scale * w_row
+        out = torch.ops.quantized.linear_dynamic(torch.cat([high, q - 2.0 * high, pin]), packed, True)
+        halves = torch.round(out[: 2 * rows].double() * inv_w)
+        y = (2.0 * halves[:rows] + halves[rows:]).float() * scale * w_row
         return y + bias if bias is not None else y
 
     return run

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import platform
 from pathlib import Path
 
@@ -35,19 +34,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _onnx_status() -> str | None:
-    if importlib.util.find_spec("onnxruntime") is None:
-        return "onnxruntime is not installed"
-    return "the onnxruntime backend is not built yet"
-
-
 def report() -> dict:
     """Everything ``quasar-deploy doctor`` prints, as data (also recorded in benchmark reports)."""
     flags = cpu_flags()
     targets = {name: reason for name, reason in available_backends().items()}
     if "cuda" not in targets:
         targets["cuda"] = "no CUDA device visible to torch" if not torch.cuda.is_available() else "the cuda backend is not built yet"
-    targets.setdefault("onnxruntime", _onnx_status())
     return {
         "cpu": cpu_model(),
         "isa": sorted(f for f in ISA_FLAGS if f in flags),

@@ -1,0 +1,176 @@
+"""The ONNX Runtime backend: runs an ``export --target onnx`` directory behind the ``CausalLM`` interface.
+
+One session serves prefill, verify and decode (the graph has dynamic sequence and past
+axes). The KV cache lives in ORT values: each step's ``present`` outputs are bound as the
+next step's ``past`` inputs through IOBinding, so on a GPU provider they never leave the
+device. Truncation after a rejected draft slices the cached values (one copy per rollback,
+never per accepted token).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import QuasarError
+from .base import register
+
+CONFIG_FILE = "genai_config.json"
+PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def unavailable() -> str | None:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "onnxruntime is not installed (pip install onnxruntime, or onnxruntime-gpu for CUDA/TensorRT)"
+    return None
+
+
+def choose_providers(provider: str | None, available: Sequence[str]) -> list[str]:
+    """``None``/"auto": CUDA when this onnxruntime build has it, else CPU; a named provider must exist."""
+    if provider in (None, "auto"):
+        provider = "cuda" if "CUDAExecutionProvider" in available else "cpu"
+    if provider not in PROVIDERS:
+        raise QuasarError(f"unknown execution provider {provider!r}; choose from auto, {', '.join(PROVIDERS)}")
+    wanted = PROVIDERS[provider][0]
+    if wanted not in available:
+        raise QuasarError(
+            f"execution provider {wanted} is not available in this onnxruntime build "
+            f"(available: {', '.join(available)}); install onnxruntime-gpu on a machine with an NVIDIA GPU"
+        )
+    return [p for p in PROVIDERS[provider] if p in available]
+
+
+def read_config(path: Path) -> dict:
+    """The sidecar written by the exporter; anything missing or unreadable is a one-line error."""
+    if not path.is_dir():
+        raise QuasarError(f"{path}: no such directory")
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise QuasarError(f"{path}: no {CONFIG_FILE} (not an ONNX export; run quasar-deploy export --target onnx)")
+    try:
+        config = json.loads(file.read_text())
+        decoder = config["model"]["decoder"]
+        int(decoder["num_hidden_layers"]), int(config["model"]["vocab_size"]), str(decoder["filename"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise QuasarError(f"{file}: not a valid ONNX export description ({exc.__class__.__name__}: {exc})") from None
+    if not (path / decoder["filename"]).is_file():
+        raise QuasarError(f"{path}: {decoder['filename']} is missing")
+    return config
+
+
+class OnnxCausalLM:
+    """Batch-1 ``CausalLM`` over an exported decoder graph."""
+
+    def __init__(self, session, config: dict, provider: str):
+        model = config["model"]
+        decoder = model["decoder"]
+        self.session = session
+        self.provider = provider
+        self.vocab_size = int(model["vocab_size"])
+        self.max_length = int(model.get("context_length") or config.get("search", {}).get("max_length"))
+        self.num_layers = int(decoder["num_hidden_layers"])
+        self._kv_shape = (1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"]))
+        names = decoder["inputs"], decoder["outputs"]
+        self._past = [(names[0]["past_key_names"] % i, names[0]["past_value_names"] % i) for i in range(self.num_layers)]
+        self._present = [(names[1]["present_key_names"] % i, names[1]["present_value_names"] % i) for i in range(self.num_layers)]
+        self._device = "cuda" if provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
+        self._check_graph()
+        self.description = f"onnxruntime {provider} ({config.get('quasar', {}).get('precision', 'unknown')} graph)"
+        self._cache: list = []
+        self.truncate(0)
+
+    def _check_graph(self) -> None:
+        """A graph that does not match its sidecar (layers, heads, vocabulary) is refused before it runs."""
+        inputs = {i.name: i.shape for i in self.session.get_inputs()}
+        outputs = {o.name: o.shape for o in self.session.get_outputs()}
+        expected_in = {"input_ids", "attention_mask", "position_ids", *(n for pair in self._past for n in pair)}
+        expected_out = {"logits", *(n for pair in self._present for n in pair)}
+        if set(inputs) != expected_in or set(outputs) != expected_out:
+            differ = sorted((set(inputs) ^ expected_in) | (set(outputs) ^ expected_out))
+            raise QuasarError(f"the ONNX graph does not match {CONFIG_FILE}: inputs/outputs differ at {', '.join(differ[:3])}")
+        key = inputs[self._past[0][0]]
+        if key[1] != self._kv_shape[1] or key[3] != self._kv_shape[3] or outputs["logits"][-1] != self.vocab_size:
+            raise QuasarError(f"the ONNX graph does not match {CONFIG_FILE}: cache {key} or vocabulary {outputs['logits'][-1]} differ")
+
+    def _ortvalue(self, array: np.ndarray):
+        from onnxruntime import OrtValue
+
+        return OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self._device, 0)
+
+    def _run(self, ids: Sequence[int]) -> np.ndarray:
+        if len(ids) == 0:
+            raise ValueError("no tokens to run")
+        start, n = self.length, len(ids)
+        if start + n > self.max_length:
+            raise QuasarError(f"sequence of {start + n} tokens exceeds the context window ({self.max_length})")
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=np.int64))
+        binding.bind_cpu_input("position_ids", np.arange(start, start + n, dtype=np.int64)[None])
+        binding.bind_cpu_input("attention_mask", np.ones((1, start + n), dtype=np.int64))
+        for (key, value), (cached_key, cached_value) in zip(self._past, self._cache):
+            binding.bind_ortvalue_input(key, cached_key)
+            binding.bind_ortvalue_input(value, cached_value)
+        binding.bind_output("logits", "cpu")
+        for key, value in self._present:
+            binding.bind_output(key, self._device)
+            binding.bind_output(value, self._device)
+        self.session.run_with_iobinding(binding)
+        logits, *present = binding.get_outputs()
+        self._cache = list(zip(present[0::2], present[1::2]))
+        self._length = start + n
+        return logits.numpy()[0]
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        self.truncate(0)
+        return torch.from_numpy(self._run(ids)[-1].copy())
+
+    def verify(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.from_numpy(self._run(ids))
+
+    def truncate(self, length: int) -> None:
+        if length == 0:
+            empty = np.zeros(self._kv_shape, dtype=np.float32)
+            self._cache = [(self._ortvalue(empty), self._ortvalue(empty)) for _ in range(self.num_layers)]
+        elif not 0 < length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        elif length < self.length:
+            self._cache = [tuple(self._ortvalue(v.numpy()[:, :, :length]) for v in pair) for pair in self._cache]
+        self._length = length
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+
+def load_onnx(path: str | Path, provider: str | None = None, threads: int | None = None) -> OnnxCausalLM:
+    """An exported ONNX directory on ORT; ``provider``: auto, cpu, cuda or tensorrt; ``threads``: intra-op threads."""
+    reason = unavailable()
+    if reason is not None:
+        raise QuasarError(reason)
+    import onnxruntime as ort
+
+    path = Path(path)
+    config = read_config(path)
+    providers = choose_providers(provider, ort.get_available_providers())
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    try:
+        session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=providers)
+    except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...) for a bad file
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise QuasarError(f"{path}: ONNX Runtime cannot load the graph ({first_line})") from None
+    return OnnxCausalLM(session, config, session.get_providers()[0])
+
+
+register("onnxruntime", load_onnx, unavailable)

@@ -1,0 +1,112 @@
+"""``export --target onnx``: the decoder graph, its weights, and a ``genai_config.json`` sidecar.
+
+The output directory is self-contained for ``quasar_deploy.load(DIR, backend="onnxruntime")``
+and for onnxruntime-genai style front ends: ``model.onnx`` (+ ``model.onnx.data`` when the
+weights pass protobuf's 2 GB limit), ``genai_config.json`` describing inputs and outputs,
+and the source's ``config.json``, ``generation_config.json`` and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import QuasarError
+
+try:
+    import onnx
+except ImportError:
+    raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
+
+from ..artifact import TOKENIZER_FILES, ModelFiles
+from .onnx_graph import OPSET, decoder_graph
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+CONFIG_FILE = "genai_config.json"
+SIDECAR_FORMAT = 1
+# protobuf refuses messages of 2 GiB; stay clear of it (graph structure adds a little on top of the weights)
+EXTERNAL_DATA_THRESHOLD = 1_900_000_000
+
+
+def genai_config(files: ModelFiles, precision: str) -> dict:
+    """onnxruntime-genai's ``genai_config.json`` layout, plus a ``quasar`` block saying what the graph computes."""
+    spec, config = files.spec, files.checkpoint.config
+    scheme = files.scheme
+    return {
+        "model": {
+            "type": config.get("model_type", spec.architecture),
+            "context_length": spec.max_position_embeddings,
+            "vocab_size": spec.vocab_size,
+            "bos_token_id": config.get("bos_token_id"),
+            "eos_token_id": config.get("eos_token_id"),
+            "pad_token_id": config.get("pad_token_id"),
+            "decoder": {
+                "filename": MODEL_FILE,
+                "head_size": spec.head_dim,
+                "hidden_size": spec.hidden_size,
+                "num_attention_heads": spec.num_heads,
+                "num_key_value_heads": spec.num_kv_heads,
+                "num_hidden_layers": spec.num_layers,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "position_ids": "position_ids",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+            },
+        },
+        "search": {"max_length": spec.max_position_embeddings, "past_present_share_buffer": False},
+        "quasar": {
+            "format": SIDECAR_FORMAT,
+            "precision": precision,
+            "activation": scheme.activation if precision == "w8a8" else None,
+            "linear": "u8xu8 MatMulInteger, exact int32 accumulation" if precision == "w8a8" else "float32 MatMul",
+            "opset": OPSET,
+            "source_weights_sha256": (files.manifest or {}).get("weights_sha256"),
+        },
+    }
+
+
+def _check_precision(files: ModelFiles, precision: str) -> None:
+    if precision not in ("w8a8", "float"):
+        raise QuasarError(f"unknown precision {precision!r}; choose from w8a8, float")
+    if precision == "w8a8" and not files.is_artifact:
+        raise QuasarError(f"{files.path}: a float checkpoint; calibrate it first, or export it with --precision float")
+    if precision == "float" and files.is_artifact:
+        raise QuasarError(f"{files.path}: a W8A8 artifact holds no float weights; pass the source checkpoint with --precision float")
+
+
+def save_graph(model: onnx.ModelProto, directory: Path) -> None:
+    """One file when it fits protobuf, else weights in ``model.onnx.data``; the checker reads it back either way."""
+    weight_bytes = sum(len(t.raw_data) for t in model.graph.initializer)
+    external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+    onnx.save_model(model, str(directory / MODEL_FILE), save_as_external_data=external, all_tensors_to_one_file=True, location=DATA_FILE)
+    onnx.checker.check_model(str(directory / MODEL_FILE))
+
+
+def export(files: ModelFiles, output: Path, precision: str = "w8a8") -> Path:
+    """Write the ONNX decoder for ``files`` to the new directory ``output`` (temp dir, then rename)."""
+    _check_precision(files, precision)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{output.name}-", dir=output.parent))
+    try:
+        model = decoder_graph(files.decoder(), name=f"{files.spec.architecture}-{precision}")
+        save_graph(model, tmp)
+        del model
+        (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision), indent=2))
+        for name in ("config.json", *TOKENIZER_FILES):
+            if (files.path / name).is_file():
+                shutil.copy2(files.path / name, tmp / name)
+        tmp.chmod(0o755)
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output

@@ -1,0 +1,170 @@
+"""Timing the exported ONNX forms on ONNX Runtime: ``python -m quasar_deploy.export.onnx_bench``.
+
+``layers``: the exported W8A8 linear (``onnx_graph.w8a8_linear``) against a float32 MatMul of the
+same shape, a chain of distinct weights (ORT shares identical initializers, which would put
+every layer's weights in cache), plus a check that the integer accumulation is exact.
+``fidelity``: an exported directory on the onnxruntime backend against the torch decoder with the
+exact reference int8 kernel (or float), teacher-forced logits and greedy continuations.
+``step``: whole decoder graphs of a published shape with synthetic weights, float vs W8A8,
+timing a k+1-token verify and a one-token decode on a warm cache. Numbers are per call,
+median of the repeats; docs/onnx.md records what they gave here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from ..scheme import quantize_weight, reference_linear
+from ..synthetic import synthetic_decoders
+from .onnx import save_graph
+from .onnx_graph import OPSET, GraphBuilder, decoder_graph, w8a8_linear
+
+
+def _session(model_or_path: Path | onnx.ModelProto, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path.SerializeToString()
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def _median_ms(sess: ort.InferenceSession, feed: dict, repeats: int) -> float:
+    """One warm-up call, then the median of ``repeats`` timed ones."""
+    sess.run(None, feed)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sess.run(None, feed)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _chain(weights: list[tuple[torch.Tensor, torch.Tensor]], quantized: bool) -> onnx.ModelProto:
+    """y = linear_n(...linear_1(x)) with the given (int8 weight, scale) pairs, as W8A8 or dequantized fp32 MatMuls."""
+    g, x = GraphBuilder(), "x"
+    for i, (wq, scale) in enumerate(weights):
+        if quantized:
+            x = w8a8_linear(g, x, wq.numpy(), scale.numpy(), None, f"layer{i}")
+        else:
+            x = g.op("MatMul", x, g.const((wq.float() * scale).numpy().T, f"layer{i}.weight_t"))
+    g.op("Identity", x, outputs=["y"])
+    size = weights[0][0].shape[1]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["m", size]) for n in ("x", "y")]
+    return helper.make_model(
+        helper.make_graph(g.nodes, "chain", io[:1], io[1:], g.initializers), opset_imports=[helper.make_opsetid("", OPSET)]
+    )
+
+
+def layers(size: int, depth: int, rows: list[int], threads: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    weights = [quantize_weight(torch.randn(size, size)) for _ in range(depth)]
+    sessions = {"w8a8": _session(_chain(weights, True), threads), "fp32": _session(_chain(weights, False), threads)}
+    x = torch.randn(8, size)
+    x[:, :16] *= 30  # outlier channels: full-range int8 codes, where AVX2 u8 x s8 kernels would overflow
+    one = _session(_chain(weights[:1], True), threads).run(None, {"x": x.numpy()})[0]
+    exact = torch.equal(torch.from_numpy(one), reference_linear(x, *weights[0]))
+    print(f"{size}x{size}, {depth} distinct layers, {threads} threads; W8A8 linear bit-exact to scheme.reference_linear: {exact}")
+    for m in rows:
+        feed = {"x": np.random.default_rng(m).standard_normal((m, size), dtype=np.float32)}
+        t = {k: _median_ms(s, feed, repeats) / depth for k, s in sessions.items()}
+        print(f"M={m:<4d} fp32 MatMul {t['fp32']:8.3f} ms/layer   W8A8 {t['w8a8']:8.3f} ms/layer   speed-up {t['fp32'] / t['w8a8']:.2f}x")
+
+
+def step(shape: str, tokens: int, context: int, threads: int, repeats: int) -> None:
+    float_model, w8a8_model = synthetic_decoders(shape)
+    spec = float_model.spec
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, decoder in (("fp32", float_model), ("w8a8", w8a8_model)):
+            directory = Path(tmp) / label
+            directory.mkdir()
+            save_graph(decoder_graph(decoder, label), directory)
+            sess = _session(directory / "model.onnx", threads)
+            cache = {
+                f"past_key_values.{i}.{kv}": rng.standard_normal((1, spec.num_kv_heads, context, spec.head_dim), dtype=np.float32)
+                for i in range(spec.num_layers)
+                for kv in ("key", "value")
+            }
+            for n in (tokens, 1):
+                feed = {
+                    "input_ids": rng.integers(0, spec.vocab_size, (1, n)),
+                    "position_ids": np.arange(context, context + n)[None],
+                    "attention_mask": np.ones((1, context + n), np.int64),
+                    **cache,
+                }
+                ms = _median_ms(sess, feed, repeats)
+                print(f"{shape} {label}: {n} token(s) on a {context}-token cache: {ms:8.1f} ms")
+
+
+def _greedy(lm, prompt: list[int], steps: int) -> list[int]:
+    logits, tokens = lm.prefill(prompt), []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = lm.verify(tokens[-1:])[-1]
+    return tokens
+
+
+def fidelity(exported: Path, source: Path, steps: int, threads: int) -> None:
+    from ..backends.onnxruntime import load_onnx
+    from ..backends.torch_backend import load_cpu
+    from ..tokenizer import load_tokenizer
+
+    onnx_lm, torch_lm = load_onnx(exported, threads=threads), load_cpu(source, int8_kernel="reference", threads=threads)
+    tokenizer = load_tokenizer(source)
+    for text in FIDELITY_PROMPTS:
+        prompt = list(tokenizer.encode(text))
+        ours, theirs = _greedy(onnx_lm, prompt, steps), _greedy(torch_lm, prompt, steps)
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), steps)
+        ids = prompt + theirs
+        onnx_lm.truncate(0)
+        torch_lm.truncate(0)
+        a, b = onnx_lm.verify(ids), torch_lm.verify(ids)
+        diff = (a - b).abs().max().item()
+        top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        print(
+            f"{len(ids)} positions: max |logit diff| {diff:.3e} (max |logit| {b.abs().max().item():.1f}), "
+            f"top-1 agreement {top1:.4f}, greedy identical for {same}/{steps} tokens"
+        )
+
+
+FIDELITY_PROMPTS = ("Once upon a time there was a little", "The capital of France is", "def fibonacci(n):")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("layers")
+    p.add_argument("--size", type=int, default=4096)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 6, 64])
+    p = sub.add_parser("step")
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--tokens", type=int, default=6)
+    p.add_argument("--context", type=int, default=128)
+    p = sub.add_parser("fidelity")
+    p.add_argument("exported", type=Path)
+    p.add_argument("source", type=Path, help="the artifact (or float checkpoint) that was exported")
+    p.add_argument("--steps", type=int, default=64)
+    for p in sub.choices.values():
+        p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    if args.what == "layers":
+        layers(args.size, args.depth, args.rows, args.threads, args.repeats)
+    elif args.what == "fidelity":
+        fidelity(args.exported, args.source, args.steps, args.threads)
+    else:
+        step(args.shape, args.tokens, args.context, args.threads, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The ONNX decoder graph: one graph for prefill, k+1-token verify and single-token decode.
+
+Inputs and outputs follow Optimum / onnxruntime-genai naming (``input_ids``, ``attention_mask``,
+``position_ids``, ``past_key_values.{i}.key|value`` in; ``logits``, ``present.{i}.key|value`` out),
+with dynamic batch, sequence and past axes, so the same file serves every step of the speculative
+loop and loads in other ONNX Runtime front ends.
+
+W8A8 linears are written in the one form that is both fast on ORT's CPU kernels and exact to
+``scheme.py`` (docs/onnx.md has the measurements): the activation is quantized in the graph
+(per token: ``Abs -> ReduceMax -> /127``; static: the calibrated constant), shifted to uint8
+with zero point 128, and multiplied by the weight re-encoded as uint8 with zero point 128 in
+``MatMulInteger`` (int32 accumulation), then scaled by ``acc * act_scale * weight_scale`` in
+the reference's order. u8 x u8 is used instead of u8 x s8 because MLAS's AVX2 u8 x s8 kernel
+sums product pairs in saturating 16-bit registers and loses exactness on full-range activations;
+the u8 x u8 kernel widens to 16 bits first and is exact on every x86 CPU. Per-row activation
+scales cannot go through ``DequantizeLinear`` fused kernels (ORT does not fuse a run-time
+per-row scale), hence the explicit integer form rather than Q/DQ pairs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from ..adapters import DecoderSpec
+from ..model import MLP, Attention, Decoder, Linear, RMSNorm
+from ..scheme import QMAX
+
+OPSET = 18
+ZERO_POINT = 128
+MASKED = float(np.finfo(np.float32).min)
+BATCH, SEQUENCE, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present.{layer}.key", f"present.{layer}.value"
+
+
+class GraphBuilder:
+    """Nodes and initializers with generated names; keeps the decoder code readable as math."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = 0
+        self._scalars: dict[tuple[str, float], str] = {}
+
+    def _name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def const(self, array: np.ndarray, name: str | None = None) -> str:
+        name = name or self._name("const")
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def scalar(self, value: float, dtype=np.float32) -> str:
+        """Shared small constants (one initializer per value and type)."""
+        key = (np.dtype(dtype).name, float(value))
+        if key not in self._scalars:
+            self._scalars[key] = self.const(np.array(value, dtype=dtype))
+        return self._scalars[key]
+
+    def ints(self, values: list[int]) -> str:
+        return self.const(np.array(values, dtype=np.int64))
+
+    def op(self, op_type: str, *inputs: str, outputs: int | list[str] = 1, **attrs) -> str:
+        names = outputs if isinstance(outputs, list) else [self._name(op_type) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, **attrs))
+        return names[0] if len(names) == 1 else names
+
+
+def w8a8_linear(g: GraphBuilder, x: str, wq: np.ndarray, w_scale: np.ndarray, input_scale: float | None, prefix: str) -> str:
+    """``scheme.reference_linear`` on the last axis of ``x``, bit for bit (exact int32 accumulation)."""
+    if input_scale is None:
+        row_max = g.op("ReduceMax", g.op("Abs", x), g.ints([-1]), keepdims=1)
+        scale = g.op("Max", g.op("Div", row_max, g.scalar(QMAX)), g.scalar(1e-12))
+    else:
+        scale = g.scalar(input_scale)
+    q = g.op("Clip", g.op("Round", g.op("Div", x, scale)), g.scalar(-QMAX), g.scalar(QMAX))
+    qu = g.op("Cast", g.op("Add", q, g.scalar(ZERO_POINT)), to=TensorProto.UINT8)
+    weight = g.const((wq.astype(np.int16) + ZERO_POINT).astype(np.uint8).T, f"{prefix}.weight_u8")
+    zero = g.scalar(ZERO_POINT, np.uint8)
+    acc = g.op("Cast", g.op("MatMulInteger", qu, weight, zero, zero), to=TensorProto.FLOAT)
+    return g.op("Mul", g.op("Mul", acc, scale), g.const(w_scale.reshape(-1).astype(np.float32), f"{prefix}.weight_scale"))
+
+
+def linear(g: GraphBuilder, x: str, layer: Linear, prefix: str) -> str:
+    if layer.quantized:
+        input_scale = None if layer.input_scale is None else float(layer.input_scale.item())
+        y = w8a8_linear(g, x, layer.weight.numpy(), layer.weight_scale.numpy(), input_scale, prefix)
+    else:
+        y = g.op("MatMul", x, g.const(layer.weight.float().numpy().T, f"{prefix}.weight_t"))
+    if layer.bias is not None:
+        y = g.op("Add", y, g.const(layer.bias.float().numpy(), f"{prefix}.bias"))
+    return y
+
+
+def rms_norm(g: GraphBuilder, x: str, norm: RMSNorm, name: str) -> str:
+    """x / sqrt(mean(x^2) + eps) * w: the pattern ORT fuses into SimplifiedLayerNormalization."""
+    mean = g.op("ReduceMean", g.op("Pow", x, g.scalar(2.0)), g.ints([-1]), keepdims=1)
+    normed = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, g.scalar(norm.eps))))
+    return g.op("Mul", normed, g.const(norm.weight.float().numpy(), name))
+
+
+def rotate(g: GraphBuilder, x: str, cos: str, sin: str, head_dim: int) -> str:
+    half = head_dim // 2
+    x1, x2 = g.op("Split", x, g.ints([half, half]), axis=-1, outputs=2)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", g.op("Concat", g.op("Neg", x2), x1, axis=-1), sin))
+
+
+def rotary(g: GraphBuilder, positions: str, inv_freq: torch.Tensor) -> tuple[str, str]:
+    """cos/sin [batch, 1, seq, head_dim] from position_ids, as ``Decoder.forward`` computes them."""
+    pos = g.op("Unsqueeze", g.op("Cast", positions, to=TensorProto.FLOAT), g.ints([-1]))
+    freqs = g.op("Mul", pos, g.const(inv_freq.float().numpy(), "rotary.inv_freq"))
+    emb = g.op("Unsqueeze", g.op("Concat", freqs, freqs, axis=-1), g.ints([1]))
+    return g.op("Cos", emb), g.op("Sin", emb)
+
+
+def attention_bias(g: GraphBuilder, spec: DecoderSpec, attention_mask: str, past_key: str, ids: str) -> str:
+    """Additive mask [batch, 1, 1, seq, total]: causal over cache positions, sliding window, padding."""
+    past = g.op("Gather", g.op("Shape", past_key), g.scalar(2, np.int64))
+    seq = g.op("Gather", g.op("Shape", ids), g.scalar(1, np.int64))
+    total = g.op("Add", past, seq)
+    q_idx = g.op("Unsqueeze", g.op("Range", past, total, g.scalar(1, np.int64)), g.ints([-1]))
+    k_idx = g.op("Unsqueeze", g.op("Range", g.scalar(0, np.int64), total, g.scalar(1, np.int64)), g.ints([0]))
+    allowed = g.op("LessOrEqual", k_idx, q_idx)
+    if spec.sliding_window is not None:
+        allowed = g.op("And", allowed, g.op("Greater", k_idx, g.op("Sub", q_idx, g.scalar(spec.sliding_window, np.int64))))
+    padding = g.op("Unsqueeze", g.op("Cast", attention_mask, to=TensorProto.BOOL), g.ints([1, 2, 3]))
+    allowed = g.op("And", g.op("Unsqueeze", allowed, g.ints([0, 1, 2])), padding)
+    return g.op("Where", allowed, g.scalar(0.0), g.scalar(MASKED))
+
+
+def attention(g: GraphBuilder, spec: DecoderSpec, x: str, attn: Attention, i: int, cos: str, sin: str, bias: str) -> str:
+    """Grouped-query attention without copying K/V: queries are grouped as [batch, kv, group, seq, dim]."""
+    prefix = f"{spec.layer_prefix(i)}.self_attn"
+    heads, kv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = g.op("Reshape", linear(g, x, attn.q_proj, f"{prefix}.q_proj"), g.ints([0, 0, heads, dim]))
+    k = g.op("Reshape", linear(g, x, attn.k_proj, f"{prefix}.k_proj"), g.ints([0, 0, kv, dim]))
+    v = g.op("Reshape", linear(g, x, attn.v_proj, f"{prefix}.v_proj"), g.ints([0, 0, kv, dim]))
+    if spec.qk_norm:
+        q = rms_norm(g, q, attn.q_norm, f"{prefix}.q_norm.weight")
+        k = rms_norm(g, k, attn.k_norm, f"{prefix}.k_norm.weight")
+    q = rotate(g, g.op("Transpose", q, perm=[0, 2, 1, 3]), cos, sin, dim)
+    k = rotate(g, g.op("Transpose", k, perm=[0, 2, 1, 3]), cos, sin, dim)
+    v = g.op("Transpose", v, perm=[0, 2, 1, 3])
+    past_k, past_v = past_names(i)
+    present_k, present_v = present_names(i)
+    g.op("Concat", past_k, k, axis=2, outputs=[present_k])
+    g.op("Concat", past_v, v, axis=2, outputs=[present_v])
+    q5 = g.op("Reshape", q, g.ints([0, kv, heads // kv, -1, dim]))
+    keys_t = g.op("Unsqueeze", g.op("Transpose", present_k, perm=[0, 1, 3, 2]), g.ints([2]))
+    scores = g.op("Add", g.op("Mul", g.op("MatMul", q5, keys_t), g.scalar(dim**-0.5)), bias)
+    context = g.op("MatMul", g.op("Softmax", scores, axis=-1), g.op("Unsqueeze", present_v, g.ints([2])))
+    context = g.op("Transpose", g.op("Reshape", context, g.ints([0, heads, -1, dim])), perm=[0, 2, 1, 3])
+    return linear(g, g.op("Reshape", context, g.ints([0, 0, heads * dim])), attn.o_proj, f"{prefix}.o_proj")
+
+
+def mlp(g: GraphBuilder, x: str, block: MLP, prefix: str) -> str:
+    gate = linear(g, x, block.gate_proj, f"{prefix}.gate_proj")
+    up = linear(g, x, block.up_proj, f"{prefix}.up_proj")
+    return linear(g, g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up), block.down_proj, f"{prefix}.down_proj")
+
+
+def decoder_graph(decoder: Decoder, name: str) -> onnx.ModelProto:
+    """The whole decoder (float32 compute) as one ONNX model with KV-cache inputs and outputs."""
+    spec = decoder.spec
+    g = GraphBuilder()
+    cos, sin = rotary(g, "position_ids", decoder.inv_freq)
+    bias = attention_bias(g, spec, "attention_mask", past_names(0)[0], "input_ids")
+    embed = g.const(decoder.model.embed_tokens.weight.float().numpy(), "model.embed_tokens.weight")
+    x = g.op("Gather", embed, "input_ids")
+    for i, layer in enumerate(decoder.model.layers):
+        p = spec.layer_prefix(i)
+        x = g.op(
+            "Add",
+            x,
+            attention(g, spec, rms_norm(g, x, layer.input_layernorm, f"{p}.input_layernorm.weight"), layer.self_attn, i, cos, sin, bias),
+        )
+        x = g.op(
+            "Add", x, mlp(g, rms_norm(g, x, layer.post_attention_layernorm, f"{p}.post_attention_layernorm.weight"), layer.mlp, f"{p}.mlp")
+        )
+    if spec.tie_word_embeddings:  # one copy on disk; ORT folds the transpose once at load
+        head = g.op("Transpose", embed, perm=[1, 0])
+    else:
+        head = g.const(decoder.lm_head.weight.float().numpy().T, "lm_head.weight_t")
+    g.op("MatMul", rms_norm(g, x, decoder.model.norm, "model.norm.weight"), head, outputs=["logits"])
+
+    cache_shape = [BATCH, spec.num_kv_heads, PAST, spec.head_dim]
+    present_shape = [BATCH, spec.num_kv_heads, TOTAL, spec.head_dim]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [BATCH, SEQUENCE]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [BATCH, TOTAL]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, [BATCH, SEQUENCE]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH, SEQUENCE, spec.vocab_size])]
+    for i in range(spec.num_layers):
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_shape) for n in past_names(i)]
+        outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, present_shape) for n in present_names(i)]
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="quasar-deploy")

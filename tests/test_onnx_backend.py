@@ -1,0 +1,143 @@
+"""The onnxruntime backend: greedy decoding and verify-after-truncate agree with ORT's own run and with torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+import quasar_deploy  # noqa: E402
+from quasar_deploy.artifact import open_model  # noqa: E402
+from quasar_deploy.backends.base import BACKENDS, create_backend  # noqa: E402
+from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx, unavailable  # noqa: E402
+from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
+from quasar_deploy.errors import QuasarError  # noqa: E402
+from quasar_deploy.export import export  # noqa: E402
+
+from .test_onnx_export import PROMPT, run_full, session  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def artifact_and_onnx(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("onnx-backend")
+    artifact = quasar_deploy.calibrate(tiny_qwen3, output=root / "w8a8", num_samples=8, seq_len=64, progress=False).path
+    return artifact, export(artifact, "onnx", root / "onnx")
+
+
+def greedy(lm, prompt, steps):
+    logits, tokens = lm.prefill(prompt), []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = lm.verify(tokens[-1:])[-1]
+    return tokens
+
+
+def test_greedy_decoding_matches_ort_and_torch(artifact_and_onnx):
+    artifact, out = artifact_and_onnx
+    lm = load_onnx(out, threads=1)
+    assert isinstance(lm.prefill([1]), torch.Tensor) and lm.vocab_size == 4096 and lm.max_length == 512
+    tokens = greedy(lm, PROMPT, 20)
+    assert lm.length == len(PROMPT) + 20
+    # ORT's own answer: recompute the whole sequence at every step, no cache
+    sess, spec, ort_tokens = session(out / "model.onnx"), open_model(artifact).spec, []
+    for _ in range(20):
+        ort_tokens.append(int(run_full(sess, spec, PROMPT + ort_tokens)[-1].argmax()))
+    assert tokens == ort_tokens
+    # the torch decoder with the exact reference int8 kernel
+    assert tokens == greedy(load_cpu(artifact, int8_kernel="reference"), PROMPT, 20)
+
+
+def test_verify_after_truncate_matches_torch(artifact_and_onnx):
+    artifact, out = artifact_and_onnx
+    lm = create_backend("onnxruntime", out, threads=1)
+    reference = load_cpu(artifact, int8_kernel="reference")
+    draft = [17, 300, 300, 9, 2]
+    for backend in (lm, reference):
+        backend.prefill(PROMPT)
+        backend.verify([4, 4, 4, 4])  # a rejected draft...
+        backend.truncate(len(PROMPT) + 1)  # ...keeping its first token
+        backend.verify(draft)
+    assert lm.length == reference.length == len(PROMPT) + 1 + len(draft)
+    lm.truncate(len(PROMPT) + 1)
+    reference.truncate(len(PROMPT) + 1)
+    got, expected = lm.verify(draft), reference.verify(draft)
+    assert got.shape == (len(draft), 4096)
+    assert (got - expected).abs().max().item() < 1e-4 and torch.equal(got.argmax(-1), expected.argmax(-1))
+    with pytest.raises(ValueError):
+        lm.truncate(lm.length + 1)
+
+
+def test_speculative_engine_on_onnxruntime_matches_cpu(artifact_and_onnx):
+    """The n-gram speculative loop (verify blocks, rollbacks) gives the cpu backend's tokens."""
+    from quasar_deploy.engine import load
+
+    artifact, out = artifact_and_onnx
+    prompt = "the cat sat on the mat. the cat sat on the"
+    got = load(out, backend="onnxruntime", threads=1).generate(prompt, max_new_tokens=16, draft="ngram")
+    expected = load(artifact, backend="cpu", int8_kernel="reference").generate(prompt, max_new_tokens=16, draft="ngram")
+    assert got.tokens == expected.tokens and len(got.tokens) > 0
+
+
+def test_registered_and_available():
+    assert "onnxruntime" in BACKENDS and unavailable() is None
+
+
+def test_missing_provider_is_one_line_error():
+    with pytest.raises(QuasarError, match="CUDAExecutionProvider is not available") as info:
+        choose_providers("cuda", ["CPUExecutionProvider"])
+    assert "\n" not in str(info.value)
+    assert choose_providers(None, ["CUDAExecutionProvider", "CPUExecutionProvider"]) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert choose_providers("auto", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    with pytest.raises(QuasarError, match="unknown execution provider"):
+        choose_providers("npu", ["CPUExecutionProvider"])
+
+
+def corrupt_graph(d):
+    data = (d / "model.onnx").read_bytes()
+    (d / "model.onnx").write_bytes(data[: len(data) // 3])
+
+
+def fewer_layers(d):
+    config = json.loads((d / "genai_config.json").read_text())
+    config["model"]["decoder"]["num_hidden_layers"] = 2
+    (d / "genai_config.json").write_text(json.dumps(config))
+
+
+def other_vocabulary(d):
+    config = json.loads((d / "genai_config.json").read_text())
+    config["model"]["vocab_size"] = 32000
+    (d / "genai_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (corrupt_graph, "ONNX Runtime cannot load the graph"),
+        (lambda d: (d / "genai_config.json").unlink(), "no genai_config.json"),
+        (lambda d: (d / "genai_config.json").write_text("{"), "not a valid ONNX export description"),
+        (lambda d: (d / "model.onnx").unlink(), "model.onnx is missing"),
+        (fewer_layers, "does not match genai_config.json"),
+        (other_vocabulary, "does not match genai_config.json"),
+    ],
+)
+def test_damaged_directory_is_one_line_error(artifact_and_onnx, tmp_path, damage, message):
+    copy = shutil.copytree(artifact_and_onnx[1], tmp_path / "copy")
+    damage(copy)
+    with pytest.raises(QuasarError, match=message) as info:
+        load_onnx(copy, threads=1)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_export(artifact_and_onnx, tmp_path):
+    from click.testing import CliRunner
+
+    from quasar_deploy.cli import main
+
+    result = CliRunner().invoke(main, ["export", str(artifact_and_onnx[0]), "--target", "onnx", "--output", str(tmp_path / "cli")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "cli" / "model.onnx").is_file()

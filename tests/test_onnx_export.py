@@ -1,0 +1,191 @@
+"""ONNX export: the W8A8 linear is bit-exact to the scheme, whole graphs pass the checker and match the torch decoder."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from onnx import TensorProto, helper  # noqa: E402
+
+import quasar_deploy  # noqa: E402
+from quasar_deploy import demo_model_path  # noqa: E402
+from quasar_deploy.artifact import open_model  # noqa: E402
+from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
+from quasar_deploy.errors import QuasarError  # noqa: E402
+from quasar_deploy.export import export  # noqa: E402
+from quasar_deploy.export import onnx as onnx_export  # noqa: E402
+from quasar_deploy.export.onnx_graph import OPSET, GraphBuilder, w8a8_linear  # noqa: E402
+from quasar_deploy.scheme import quantize_weight, reference_linear  # noqa: E402
+
+from .tiny import save_tiny  # noqa: E402
+
+# Only float ops outside the linears (norms, softmax, rotary) differ from torch, by float32 rounding.
+LOGIT_ATOL = 1e-4
+
+
+def session(model_or_path, optimized=None):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    if optimized:
+        options.optimized_model_filepath = str(optimized)
+    source = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def run_full(sess, spec, ids):
+    """No cache: the whole sequence in one call (ORT's own answer, independent of the backend's cache handling)."""
+    n = len(ids)
+    feed = {"input_ids": np.array([ids], np.int64), "position_ids": np.arange(n)[None], "attention_mask": np.ones((1, n), np.int64)}
+    empty = np.zeros((1, spec.num_kv_heads, 0, spec.head_dim), np.float32)
+    for i in range(spec.num_layers):
+        feed[f"past_key_values.{i}.key"] = feed[f"past_key_values.{i}.value"] = empty
+    return sess.run(["logits"], feed)[0][0]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_linear_is_bit_exact_to_the_scheme(static):
+    torch.manual_seed(0)
+    k, n = 512, 48
+    wq, w_scale = quantize_weight(torch.randn(n, k))
+    x = torch.randn(6, k)
+    x[:, :8] *= 40  # outlier channels push other values to small codes; full-range codes overflow AVX2 u8 x s8 kernels
+    x[3] = 0  # an all-zero row takes the clamped scale
+    input_scale = torch.tensor([x.abs().max().item() / 127 * 0.5]) if static else None  # static: half the rows saturate
+    g = GraphBuilder()
+    y = w8a8_linear(g, "x", wq.numpy(), w_scale.numpy(), None if input_scale is None else float(input_scale), "test")
+    g.op("Identity", y, outputs=["y"])
+    graph = helper.make_graph(
+        g.nodes,
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+        g.initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    onnx.checker.check_model(model)
+    got = session(model).run(None, {"x": x.numpy()})[0]
+    expected = reference_linear(x, wq, w_scale, input_scale=input_scale)
+    assert torch.equal(torch.from_numpy(got), expected)
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("onnx")
+    dynamic = quasar_deploy.calibrate(tiny_qwen3, output=root / "dynamic", num_samples=8, seq_len=64, progress=False).path
+    static = quasar_deploy.calibrate(
+        tiny_qwen3, output=root / "static", num_samples=8, seq_len=64, activation="static", progress=False
+    ).path
+    return {
+        "dynamic": (dynamic, export(dynamic, "onnx", root / "dynamic-onnx")),
+        "static": (static, export(static, "onnx", root / "static-onnx")),
+        "float": (tiny_qwen3, export(tiny_qwen3, "onnx", root / "float-onnx", precision="float")),
+    }
+
+
+PROMPT = [1, 5, 9, 200, 33, 7, 8, 4000, 12]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "float"])
+def test_graph_is_checker_clean_and_matches_torch(exported, kind, tmp_path):
+    source, out = exported[kind]
+    onnx.checker.check_model(str(out / "model.onnx"), full_check=True)
+    assert {p.name for p in out.iterdir()} >= {"model.onnx", "genai_config.json", "config.json", "tokenizer.json"}
+    files = open_model(source)
+    sess = session(out / "model.onnx", optimized=tmp_path / "optimized.onnx")
+    got = torch.from_numpy(run_full(sess, files.spec, PROMPT))
+    expected = load_cpu(source, int8_kernel="reference").verify(PROMPT)
+    assert (got - expected).abs().max().item() < LOGIT_ATOL
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    ops = collections.Counter(node.op_type for node in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    linears = 7 * files.spec.num_layers
+    if kind == "float":
+        assert "MatMulInteger" not in ops
+    else:  # every quantized linear stays an integer kernel after ORT's optimizations
+        assert ops["MatMulInteger"] == linears
+        assert "DequantizeLinear" not in ops
+
+
+def test_batch_axis_is_dynamic(exported):
+    """Two different sequences in one call give each one's own logits (per-token scales are per row)."""
+    source, out = exported["dynamic"]
+    spec, sess = open_model(source).spec, session(out / "model.onnx")
+    other = [7, 7, 3000, 2, 5, 100, 8, 9, 10]
+    n = len(PROMPT)
+    feed = {
+        "input_ids": np.array([PROMPT, other]),
+        "position_ids": np.tile(np.arange(n), (2, 1)),
+        "attention_mask": np.ones((2, n), np.int64),
+    }
+    empty = np.zeros((2, spec.num_kv_heads, 0, spec.head_dim), np.float32)
+    feed.update({f"past_key_values.{i}.{kv}": empty for i in range(spec.num_layers) for kv in ("key", "value")})
+    both = sess.run(["logits"], feed)[0]
+    for row, ids in enumerate((PROMPT, other)):
+        np.testing.assert_allclose(both[row], run_full(sess, spec, ids), atol=LOGIT_ATOL)
+
+
+def test_sidecar_describes_the_graph(exported):
+    import json
+
+    config = json.loads((exported["static"][1] / "genai_config.json").read_text())
+    decoder = config["model"]["decoder"]
+    assert decoder["inputs"]["past_key_names"] % 2 == "past_key_values.2.key"
+    assert decoder["outputs"]["present_value_names"] % 0 == "present.0.value"
+    assert config["quasar"]["precision"] == "w8a8" and config["quasar"]["activation"] == "static"
+    assert config["quasar"]["source_weights_sha256"] == open_model(exported["static"][0]).manifest["weights_sha256"]
+    graph = onnx.load(str(exported["static"][1] / "model.onnx"), load_external_data=False).graph
+    dims = [d.dim_param or d.dim_value for d in graph.input[3].type.tensor_type.shape.dim]
+    assert graph.input[3].name == "past_key_values.0.key" and dims == ["batch_size", 2, "past_sequence_length", 128]
+
+
+def test_large_models_use_external_data(exported, tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    source, small = exported["dynamic"]
+    out = export(source, "onnx", tmp_path / "external")
+    assert (out / "model.onnx.data").stat().st_size > 10 * (out / "model.onnx").stat().st_size
+    spec = open_model(source).spec
+    np.testing.assert_array_equal(
+        run_full(session(out / "model.onnx"), spec, PROMPT), run_full(session(small / "model.onnx"), spec, PROMPT)
+    )
+
+
+def test_demo_model_w8a8_graph_matches_torch(tmp_path):
+    """The bundled model's weights (tied embeddings, QK-norm, fp16 source), teacher-forced logits."""
+    artifact = quasar_deploy.calibrate(demo_model_path(), output=tmp_path / "demo", num_samples=8, seq_len=64, progress=False).path
+    out = export(artifact, "onnx", tmp_path / "demo-onnx")
+    ids = list(range(3, 60, 3))
+    got = torch.from_numpy(run_full(session(out / "model.onnx"), open_model(artifact).spec, ids))
+    expected = load_cpu(artifact, int8_kernel="reference").verify(ids)
+    assert (got - expected).abs().max().item() < 1e-3 * expected.abs().max().item()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 4})],
+    ids=["llama", "qwen2-bias", "mistral-window"],
+)
+def test_other_families_match_torch(tmp_path, arch, overrides):
+    """No QK-norm (Llama), q/k/v biases (Qwen2), a sliding window shorter than the prompt (Mistral)."""
+    source = save_tiny(tmp_path / arch, arch, num_hidden_layers=2, **overrides)
+    spec = open_model(source).spec
+    assert spec.sliding_window == overrides.get("sliding_window", spec.sliding_window)
+    got = torch.from_numpy(run_full(session(export(source, "onnx", tmp_path / "onnx", precision="float") / "model.onnx"), spec, PROMPT))
+    expected = load_cpu(source).verify(PROMPT)
+    assert (got - expected).abs().max().item() < LOGIT_ATOL
+
+
+@pytest.mark.parametrize(
+    ("kind", "precision", "message"),
+    [("float", "w8a8", "calibrate it first"), ("dynamic", "float", "holds no float weights"), ("dynamic", "int4", "unknown precision")],
+)
+def test_wrong_precision_is_one_line_error(exported, tmp_path, kind, precision, message):
+    with pytest.raises(QuasarError, match=message) as info:
+        export(exported[kind][0], "onnx", tmp_path / "out", precision=precision)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())

@@ -8,7 +8,8 @@ __version__ = "0.1.0"
 
 from .calibration import calibrate  # noqa: E402
 from .demo import demo_model_path  # noqa: E402
+from .engine import load  # noqa: E402
 from .errors import QuasarError  # noqa: E402
 from .fidelity import evaluate  # noqa: E402
 
-__all__ = ["QuasarError", "__version__", "calibrate", "demo_model_path", "evaluate"]
+__all__ = ["QuasarError", "__version__", "calibrate", "demo_model_path", "evaluate", "load"]

@@ -10,6 +10,7 @@ import click
 
 from .artifact import open_model
 from .benchmark import MODES as MODE_NAMES
+from .cli_generate import generate
 from .errors import QuasarError
 
 
@@ -279,6 +280,8 @@ def doctor(as_json):
     for name, reason in info["targets"].items():
         click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")
 
+
+main.add_command(generate)
 
 if __name__ == "__main__":
     main()

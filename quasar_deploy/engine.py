@@ -119,7 +119,7 @@ class GenerationOptions:
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """``acceptance_length``: tokens emitted per verify step (1.0 without drafting; every new token comes from one).
+    """``acceptance_length``: mean tokens emitted per verify step (1.0 without drafting; the prefill is not a step).
 
     ``wall_s`` runs from the prefill to the last token; drafter setup (loading a
     draft model, choosing skipped layers) is a one-time cost outside it.
@@ -277,7 +277,7 @@ class Stream:
             verify_steps=s.verify_steps,
             drafted=s.drafted,
             accepted=s.accepted,
-            acceptance_length=len(tokens) / s.verify_steps,
+            acceptance_length=s.acceptance_length,
             wall_s=wall,
             tokens_per_s=len(tokens) / wall,
             prefill_s=s.prefill_s,
@@ -375,8 +375,9 @@ class Engine:
         """The draft model at ``path`` on this engine's backend, loaded once; its tokenizer must match the verifier's."""
         key = str(Path(path).resolve())
         if key not in self._draft_lms:
+            lm = create_backend(self.backend, path)
             check_same_vocabulary(self.tokenizer.get_vocab(), load_tokenizer(path).get_vocab(), str(path))
-            self._draft_lms[key] = create_backend(self.backend, path)
+            self._draft_lms[key] = lm
         return self._draft_lms[key]
 
 

@@ -41,7 +41,8 @@ def test_every_mode_reports_and_lossless_holds(pair, tmp_path):
 
 def test_sampled_benchmark_runs(pair, tmp_path):
     model, artifact = pair
-    args = ["bench", str(model), str(artifact), "--limit", "1", "--max-new-tokens", "6", "--temperature", "1", "--modes", "ngram-float,ngram-w8a8"]
+    args = ["bench", str(model), str(artifact), "--limit", "1", "--max-new-tokens", "6", "--temperature", "1"]
+    args += ["--modes", "ngram-float,ngram-w8a8"]
     result = CliRunner().invoke(main, [*args, "--out", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
     assert "lossless" not in json.loads(result.output)

@@ -1,11 +1,12 @@
 """The speculative loop, one for every drafter and every backend: draft, verify once, accept, roll back.
 
-Invariant: the verifier's cache holds every token of the sequence but the last,
-which is pending. Each step feeds the pending token and k drafted tokens in one
-verify forward (k+1 positions), keeps the cache up to the accepted prefix, and
-the verifier's own next token becomes the new pending one. The prompt's last
-token starts out pending, so even the first new token comes from a verify step
-(and can be drafted).
+The prefill of the whole prompt gives the first new token, exactly as the
+verifier's own decode does (so a backend may prefill with other numerics than it
+verifies with). From then on the verifier's cache holds every token of the
+sequence but the last, which is pending. Each step feeds the pending token and k
+drafted tokens in one verify forward (k+1 positions), keeps the cache up to the
+accepted prefix, and the verifier's own next token (corrected or bonus) becomes
+the new pending one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from .drafters import NO_DRAFT, Drafter
 
 @dataclass
 class LoopStats:
-    """Counters the loop fills as it runs; times are seconds of wall clock."""
+    """Counters the loop fills as it runs; times are seconds of wall clock.
+
+    ``verify_steps`` counts verify forwards, not the prefill (which emits the first
+    token); each step emits its ``accepted`` drafted tokens plus one of the verifier's.
+    """
 
     verify_steps: int = 0
     drafted: int = 0
@@ -30,6 +35,11 @@ class LoopStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per verify step: 1.0 without drafting, up to k+1."""
+        return 1.0 + self.accepted / self.verify_steps if self.verify_steps else 1.0
 
 
 def speculate(
@@ -70,13 +80,20 @@ def _steps(
     stats: LoopStats,
 ) -> Iterator[list[int]]:
     began = time.perf_counter()
-    if len(tokens) > 1:
-        lm.prefill(tokens[:-1])
-    else:
-        lm.truncate(0)
+    verdict = accept(lm.prefill(tokens)[None], [], None, sampler)
     stats.prefill_s += time.perf_counter() - began
     emitted = 0
-    while (room := min(max_new_tokens - emitted, lm.max_length - len(tokens))) > 0:
+    while True:
+        new = verdict.tokens
+        stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
+        if stop_at is not None:
+            new = new[: stop_at + 1]
+        tokens.extend(new)
+        emitted += len(new)
+        yield new
+        room = min(max_new_tokens - emitted, lm.max_length - len(tokens))
+        if stop_at is not None or room <= 0:
+            return
         # A step emits at most k+1 tokens: never draft past the budget or the context window.
         k = min(num_draft, room - 1)
         began = time.perf_counter()
@@ -85,19 +102,9 @@ def _steps(
         probs = draft.probs[:k] if draft.probs is not None else None
         checked = time.perf_counter()
         stats.draft_s += checked - began
-        logits = lm.verify([tokens[-1], *drafted])
-        verdict = accept(logits, drafted, probs, sampler)
+        verdict = accept(lm.verify([tokens[-1], *drafted]), drafted, probs, sampler)
         lm.truncate(len(tokens) + verdict.accepted)
         stats.verify_s += time.perf_counter() - checked
         stats.verify_steps += 1
         stats.drafted += len(drafted)
         stats.accepted += verdict.accepted
-        new = verdict.tokens
-        stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
-        if stop_at is not None:
-            new = new[: stop_at + 1]
-        tokens.extend(new)
-        emitted += len(new)
-        yield new
-        if stop_at is not None:
-            return

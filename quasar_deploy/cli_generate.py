@@ -1,0 +1,79 @@
+"""``quasar-deploy generate``: one completion from the command line, streamed as the verifier accepts it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .engine import DRAFTERS, load
+from .errors import QuasarError
+
+
+def _layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise QuasarError(f"--skip-layers takes comma-separated layer numbers, e.g. 2,3; got {text!r}") from None
+
+
+def _prompt(prompt: str | None, prompt_file: str | None, chat: bool) -> str | list[dict[str, str]]:
+    if (prompt is None) == (prompt_file is None):
+        raise QuasarError("give the prompt with exactly one of --prompt or --prompt-file")
+    if prompt_file is not None:
+        try:
+            prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise QuasarError(f"{prompt_file}: cannot read the prompt ({exc})") from None
+    return [{"role": "user", "content": prompt}] if chat else prompt
+
+
+def _print_stats(stats: dict) -> None:
+    for name, value in stats.items():
+        click.echo(f"{name:>18}: {value:.4g}" if isinstance(value, float) else f"{name:>18}: {value}", err=True)
+
+
+@click.command()
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--prompt", help="The prompt text.")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=str), help="Read the prompt from a file ('-': stdin).")
+@click.option("--chat", is_flag=True, help="Send the prompt as one user message through the tokenizer's chat template.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0: greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0: off.")
+@click.option("--seed", type=int, help="Seed for sampling (default: a fresh one).")
+@click.option("--draft", default="ngram", show_default=True, help=f"Drafter: {', '.join(DRAFTERS)}.")
+@click.option("--num-draft", "-k", default=5, show_default=True, type=int, help="Tokens drafted per verify step.")
+@click.option("--ngram-min", default=1, show_default=True, type=int)
+@click.option("--ngram-max", default=3, show_default=True, type=int)
+@click.option("--skip-layers", help="layerskip: comma-separated layers to skip, e.g. 2,3.")
+@click.option("--skip-fraction", type=float, help="layerskip: fraction of layers to skip, chosen by top-1 agreement (default 0.5).")
+@click.option("--draft-model", type=click.Path(path_type=str), help="model: path of a small draft model with the same tokenizer.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
+@click.option("--backend", default="auto", show_default=True, help="cpu, cuda, ... or auto.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print speed and acceptance statistics (to stderr).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish_reason, stats) instead of streaming.")
+def generate(path, prompt, prompt_file, chat, backend, show_stats, as_json, skip_layers, **options):
+    """Generate a completion with the model at PATH (W8A8 artifact or Hugging Face checkpoint)."""
+    try:
+        text = _prompt(prompt, prompt_file, chat)
+        engine = load(path, backend=backend)
+        stream = engine.stream(text, skip_layers=_layers(skip_layers), **options)
+        for piece in stream:
+            if not as_json:
+                click.echo(piece, nl=False)
+    except QuasarError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    result = stream.result
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+        return
+    click.echo()
+    if show_stats:
+        _print_stats({"finish_reason": result.finish_reason, **result.stats.as_dict()})

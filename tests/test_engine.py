@@ -1,0 +1,238 @@
+"""The Python API and the ``generate`` command: text in, text out, stats, stop strings, streaming, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from quasar_deploy.artifact import write_artifact
+from quasar_deploy.checkpoint import Checkpoint
+from quasar_deploy.cli_generate import generate
+from quasar_deploy.engine import Detokenizer, Engine, StopStrings, load
+from quasar_deploy.errors import QuasarError
+from quasar_deploy.scheme import W8A8Scheme
+
+from .test_speculative import row_invariant_attention  # noqa: F401  (a fixture)
+from .tiny import naive_w8a8_decoder
+
+PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3) -> Engine:
+    return load(tiny_qwen3, backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_qwen3, tmp_path_factory):
+    """A W8A8 artifact without calibration (naive weight quantization): enough to load a W8A8 verifier."""
+    decoder = naive_w8a8_decoder(tiny_qwen3)
+    quantized = [name for name, linear in decoder.linears() if linear.quantized]
+    manifest = {"recipe": {"scheme": W8A8Scheme().to_dict()}, "quantized_layers": quantized}
+    return write_artifact(decoder, Checkpoint(tiny_qwen3), tmp_path_factory.mktemp("engine") / "w8a8", W8A8Scheme(), manifest)
+
+
+def test_every_drafter_gives_the_plain_greedy_text(engine, tiny_llama):
+    baseline = engine.generate(PROMPT, max_new_tokens=30, draft="none")
+    assert baseline.stats.acceptance_length == 1.0 and baseline.stats.drafted == 0
+    assert baseline.text == engine.tokenizer.decode(baseline.tokens, skip_special_tokens=True)
+    for options in (
+        dict(draft="ngram"),
+        dict(draft="ngram", num_draft=2, ngram_min=2, ngram_max=4),
+        dict(draft="layerskip", skip_layers=[2]),
+        dict(draft="layerskip", skip_fraction=0.4),
+        dict(draft="model", draft_model=tiny_llama, num_draft=3),
+    ):
+        result = engine.generate(PROMPT, max_new_tokens=30, **options)
+        assert (result.tokens, result.text) == (baseline.tokens, baseline.text), options
+        s = result.stats
+        assert s.new_tokens == 30 and result.finish_reason == "length" and result.prompt_tokens == len(engine.encode(PROMPT))
+        assert s.acceptance_length == pytest.approx(1 + s.accepted / s.verify_steps) and s.drafted >= s.accepted
+        assert s.wall_s > 0 and s.tokens_per_s > 0 and min(s.prefill_s, s.draft_s, s.verify_s) >= 0
+    assert engine.generate(PROMPT, max_new_tokens=30).stats.accepted > 0  # the repeated line gets drafted
+
+
+def test_a_w8a8_artifact_loads_as_the_verifier(artifact, request):
+    request.getfixturevalue("row_invariant_attention")
+    w8a8 = load(artifact)
+    assert "W8A8" in w8a8.lm.description
+    baseline = w8a8.generate(PROMPT, max_new_tokens=25, draft="none")
+    for draft in ("ngram", "layerskip"):
+        assert w8a8.generate(PROMPT, max_new_tokens=25, draft=draft).tokens == baseline.tokens
+
+
+def test_stream_pieces_add_up_to_the_text(engine):
+    stream = engine.stream(PROMPT, max_new_tokens=25, temperature=0.9, seed=7)
+    pieces = list(stream)
+    assert len(pieces) > 1 and "".join(pieces) == stream.result.text
+    assert stream.result.tokens == engine.generate(PROMPT, max_new_tokens=25, temperature=0.9, seed=7).tokens
+
+
+def test_sampling_is_seeded(engine):
+    def text(seed, draft):
+        return engine.generate(PROMPT, max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=100, seed=seed, draft=draft).text
+
+    assert text(1, "ngram") == text(1, "ngram") and text(1, "layerskip") == text(1, "layerskip")
+    assert text(1, "ngram") != text(2, "ngram")
+
+
+def test_stop_strings_cut_the_text(engine):
+    full = engine.generate(PROMPT, max_new_tokens=40, draft="none")
+    stop = full.text[10:13]
+    cut = full.text[: full.text.index(stop)]
+    for draft in ("none", "ngram"):
+        result = engine.generate(PROMPT, max_new_tokens=40, draft=draft, stop=[stop, "\x00never"])
+        assert result.text == cut and result.finish_reason == "stop"
+        assert len(result.tokens) < 40 and result.tokens == full.tokens[: len(result.tokens)]
+        assert "".join(engine.stream(PROMPT, max_new_tokens=40, draft=draft, stop=stop)) == cut
+
+
+def test_stop_tokens_end_generation(engine):
+    full = engine.generate(PROMPT, max_new_tokens=30, draft="none")
+    stop_id = full.tokens[12]
+    stopping = Engine(engine.lm, engine.tokenizer, frozenset({stop_id}))
+    result = stopping.generate(PROMPT, max_new_tokens=30)
+    assert result.tokens == full.tokens[: full.tokens.index(stop_id) + 1] and result.finish_reason == "stop"
+
+
+def test_stop_strings_hold_back_a_possible_start():
+    stops = StopStrings(["bcd", "xy"])
+    assert stops.push("ab") == ("a", False)
+    assert stops.push("c") == ("", False)
+    assert stops.push("e") == ("bce", False)
+    assert stops.push("abx") == ("ab", False)
+    assert stops.push("zbc") == ("xz", False)
+    assert stops.push("dq") == ("", True)
+    assert StopStrings([]).push("bcd") == ("bcd", False)
+
+
+def test_detokenizer_never_splits_a_character(engine):
+    text = "héllo 世界 🎉 naïve"
+    ids = engine.tokenizer.encode(text)
+    assert any("\ufffd" in engine.tokenizer.decode([i]) for i in ids)  # the tokenizer does split bytes
+    detokenizer = Detokenizer(engine.tokenizer, [])
+    pieces = [detokenizer.push(i) for i in ids] + [detokenizer.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_chat_messages_use_the_chat_template(engine, monkeypatch):
+    messages = [{"role": "user", "content": "def f(x):"}]
+    with pytest.raises(QuasarError, match="no chat template"):
+        engine.generate(messages)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template, raising=False)
+    result = engine.generate(messages, max_new_tokens=5)
+    assert result.prompt_tokens == len(engine.tokenizer.encode("<user>def f(x):\n<assistant>"))
+    with pytest.raises(QuasarError, match="'role' and a string 'content'"):
+        engine.generate([{"role": "user"}])
+
+
+def test_token_id_prompts(engine):
+    ids = engine.encode(PROMPT)
+    assert engine.generate(ids, max_new_tokens=8).tokens == engine.generate(PROMPT, max_new_tokens=8).tokens
+
+
+@pytest.mark.parametrize(
+    "prompt,options,message",
+    [
+        ("", {}, "prompt is empty"),
+        ([], {}, "prompt is empty"),
+        ("x " * 600, {}, "context window is 512"),
+        ([5000], {}, "outside the vocabulary"),
+        (PROMPT, {"num_draft": -1}, "draft tokens must be an integer >= 0"),
+        (PROMPT, {"top_p": 0.0, "temperature": 1.0}, r"top_p must be in \(0, 1\]"),
+        (PROMPT, {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        (PROMPT, {"temperature": -0.5}, "temperature"),
+        (PROMPT, {"draft": "medusa"}, "unknown drafter 'medusa'"),
+        (PROMPT, {"stop": [""]}, "stop strings must be non-empty"),
+        (PROMPT, {"stop": ["ok", ""]}, "stop strings must be non-empty"),
+        (PROMPT, {"max_new_tokens": 0}, "max_new_tokens"),
+        (PROMPT, {"ngram_min": 3, "ngram_max": 2}, "ngram_max"),
+        (PROMPT, {"beam_width": 4}, "unknown generation option 'beam_width'"),
+        (PROMPT, {"skip_layers": [1]}, "applies to draft='layerskip'"),
+        (PROMPT, {"draft": "layerskip", "skip_layers": [7]}, "layer 7 does not exist"),
+        (PROMPT, {"draft": "layerskip", "skip_fraction": 1.0}, r"skip_fraction must be in \(0, 1\)"),
+        (PROMPT, {"draft": "layerskip", "skip_layers": [1], "skip_fraction": 0.5}, "not both"),
+        (PROMPT, {"draft": "model"}, "needs draft_model"),
+        (PROMPT, {"draft": "model", "draft_model": "/nonexistent/draft"}, "no such directory"),
+        (PROMPT, {"seed": "abc"}, "seed must be an integer"),
+    ],
+)
+def test_bad_input_is_one_quasar_error(engine, prompt, options, message):
+    with pytest.raises(QuasarError, match=message):
+        engine.stream(prompt, **options)
+
+
+def test_draft_model_needs_the_same_tokenizer(engine, tiny_llama, tmp_path):
+    other = shutil.copytree(tiny_llama, tmp_path / "other-tokenizer")
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(QuasarError, match="tokenizer differs from the verifier's"):
+        engine.generate(PROMPT, draft="model", draft_model=other)
+
+
+def test_load_errors_are_one_line(tmp_path):
+    with pytest.raises(QuasarError, match="no such directory"):
+        load(tmp_path / "missing")
+    with pytest.raises(QuasarError, match="unknown backend"):
+        load(tmp_path, backend="tpu")
+
+
+# --- the generate command ------------------------------------------------------------------
+
+
+def cli(*args, input=None):
+    return CliRunner().invoke(generate, [str(a) for a in args], input=input)
+
+
+def test_cli_streams_the_text_and_prints_stats(engine, tiny_qwen3):
+    expected = engine.generate(PROMPT, max_new_tokens=12, draft="none").text
+    result = cli(tiny_qwen3, "--prompt", PROMPT, "--max-new-tokens", 12, "--stats", "--backend", "cpu")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected + "\n"
+    assert "acceptance_length" in result.stderr and "tokens_per_s" in result.stderr
+
+
+def test_cli_json_and_prompt_file(engine, tiny_qwen3, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT)
+    result = cli(tiny_qwen3, "--prompt-file", prompt_file, "--max-new-tokens", 10, "--json", "--draft", "layerskip", "--skip-layers", "1")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["tokens"] == engine.generate(PROMPT, max_new_tokens=10).tokens
+    assert out["stats"]["new_tokens"] == 10 and out["finish_reason"] == "length" and "text" in out
+    result = cli(tiny_qwen3, "--prompt-file", "-", "--max-new-tokens", 10, "--json", input=PROMPT)
+    assert json.loads(result.stdout)["tokens"] == out["tokens"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        ([], "exactly one of --prompt or --prompt-file"),
+        (["--prompt", "x", "--prompt-file", "-"], "exactly one of --prompt or --prompt-file"),
+        (["--prompt", "x", "-k", "-1"], "draft tokens must be an integer >= 0"),
+        (["--prompt", "x", "--top-p", "2"], "top_p"),
+        (["--prompt", "x", "--draft", "eagle"], "unknown drafter 'eagle'"),
+        (["--prompt", "x", "--stop", ""], "stop strings must be non-empty"),
+        (["--prompt", "x", "--draft", "layerskip", "--skip-layers", "a,b"], "--skip-layers takes comma-separated"),
+        (["--prompt", "x", "--chat"], "no chat template"),
+        (["--prompt", "x " * 600], "context window"),
+    ],
+)
+def test_cli_bad_input_is_one_line(tiny_qwen3, args, message):
+    result = cli(tiny_qwen3, *args)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_cli_missing_model(tmp_path):
+    result = cli(tmp_path / "nope", "--prompt", "x")
+    assert result.exit_code == 1 and result.output.startswith("error: ") and "no such directory" in result.output

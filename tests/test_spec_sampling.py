@@ -1,0 +1,207 @@
+"""Sampling through the speculative loop has the verifier's distribution, whatever the drafter proposes.
+
+Fixed seeds, small vocabularies, many trials, and a chi-square test of the
+emitted tokens against the exact distribution. The same test must reject two
+plausible wrong implementations (accepting every draft, and resampling from p
+instead of the residual after a rejection), which shows it has the power to
+catch a real bug.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import quasar_deploy.speculative.loop as loop
+from quasar_deploy.backends import create_backend
+from quasar_deploy.speculative import Draft, LayerSkipDrafter, Sampler, SamplingParams, Verdict, speculate
+
+V = 4
+
+
+class MarkovLM:
+    """A CausalLM whose next-token logits depend only on the last token: exact distributions are known."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+        self.vocab_size = table.shape[0]
+        self.max_length = 1000
+        self.ids: list[int] = []
+
+    def prefill(self, ids):
+        self.ids = list(ids)
+        return self.table[self.ids[-1]]
+
+    def verify(self, ids):
+        self.ids += list(ids)
+        return self.table[list(ids)]
+
+    def truncate(self, length):
+        del self.ids[length:]
+
+    @property
+    def length(self):
+        return len(self.ids)
+
+
+class ShiftDrafter:
+    """Deterministic proposals (each token + 1): the one-hot q case."""
+
+    def propose(self, tokens, k, sampler):
+        out = [tokens[-1]]
+        for _ in range(k):
+            out.append((out[-1] + 1) % V)
+        return Draft(out[1:])
+
+
+class MarkovDrafter:
+    """Samples drafts from its own Markov table with the generation's sampler: the general q case."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def propose(self, tokens, k, sampler):
+        tokens, probs = [tokens[-1]], []
+        for _ in range(k):
+            q = sampler.distribution(self.table[tokens[-1]])
+            probs.append(q)
+            tokens.append(sampler.sample(q))
+        return Draft(tokens[1:], torch.stack(probs))
+
+
+def blind_accept(logits, draft, draft_probs, sampler):
+    probs = sampler.distribution(logits)
+    return Verdict(len(draft), [*draft, sampler.sample(probs[len(draft)])])
+
+
+def resample_from_p(logits, draft, draft_probs, sampler):
+    probs = sampler.distribution(logits)
+    for i, x in enumerate(draft):
+        ratio = float(probs[i, x]) if draft_probs is None else float(probs[i, x] / draft_probs[i, x])
+        if sampler.uniform() >= ratio:
+            return Verdict(i, [*draft[:i], sampler.sample(probs[i])])
+    return Verdict(len(draft), [*draft, sampler.sample(probs[len(draft)])])
+
+
+def chi_square_p_value(observed: Counter, expected: dict) -> float:
+    """p-value of observed counts against expected probabilities; cells expected below 5 are pooled."""
+    n = sum(observed.values())
+    if any(cell not in expected or expected[cell] == 0 for cell in observed):
+        return 0.0
+    obs, exp, pooled_obs, pooled_exp = [], [], 0.0, 0.0
+    for cell, prob in expected.items():
+        if prob * n >= 5:
+            obs.append(observed[cell])
+            exp.append(prob * n)
+        else:
+            pooled_obs += observed[cell]
+            pooled_exp += prob * n
+    if pooled_exp > 0:
+        obs.append(pooled_obs)
+        exp.append(pooled_exp)
+    obs_t, exp_t = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((obs_t - exp_t) ** 2 / exp_t).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+TABLES = torch.randn(2, V, V, generator=torch.Generator().manual_seed(0)) * 1.5
+PARAMS = {
+    "plain": SamplingParams(temperature=1.0),
+    "top_k": SamplingParams(temperature=0.8, top_k=3),
+    "top_p": SamplingParams(temperature=1.2, top_p=0.7),
+}
+
+
+def markov_joint(params: SamplingParams, length: int) -> dict:
+    """Exact probability of each sequence of ``length`` new tokens after the prompt [0]."""
+    p = Sampler(params).distribution(TABLES[0])
+    joint = {(): 1.0}
+    for _ in range(length):
+        joint = {seq + (b,): prob * float(p[seq[-1] if seq else 0, b]) for seq, prob in joint.items() for b in range(V)}
+    return joint
+
+
+def markov_samples(drafter, params: SamplingParams, trials: int, length: int = 4, k: int = 3) -> Counter:
+    sampler = Sampler(params, seed=1234)
+    lm = MarkovLM(TABLES[0])
+    counts: Counter = Counter()
+    for _ in range(trials):
+        counts[tuple(t for step in speculate(lm, drafter, [0], sampler, k, length) for t in step)] += 1
+    return counts
+
+
+DRAFTERS = {"shift": ShiftDrafter, "markov": lambda: MarkovDrafter(TABLES[1])}
+
+
+@pytest.mark.parametrize("params", PARAMS)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_sampled_sequences_follow_the_verifier(drafter, params):
+    counts = markov_samples(DRAFTERS[drafter](), PARAMS[params], trials=1000)
+    assert chi_square_p_value(counts, markov_joint(PARAMS[params], 4)) > 1e-3
+
+
+@pytest.mark.parametrize("wrong", [blind_accept, resample_from_p])
+@pytest.mark.parametrize("drafter", ["shift", "markov"])
+def test_the_statistical_test_catches_wrong_acceptance(monkeypatch, wrong, drafter):
+    monkeypatch.setattr(loop, "accept", wrong)
+    counts = markov_samples(DRAFTERS[drafter](), PARAMS["plain"], trials=1000)
+    assert chi_square_p_value(counts, markov_joint(PARAMS["plain"], 4)) < 1e-6
+
+
+# --- the real tiny model -------------------------------------------------------------
+
+PROMPT = [17, 230, 1024]
+REAL = SamplingParams(temperature=1.0, top_k=3)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_qwen3):
+    return create_backend("cpu", tiny_qwen3)
+
+
+@pytest.fixture(scope="module")
+def real_joint(lm):
+    """Exact probabilities of the first two new tokens, from the verifier's own forwards."""
+    sampler = Sampler(REAL)
+    first = sampler.distribution(lm.prefill(PROMPT))
+    joint = {}
+    for a in first.nonzero().flatten().tolist():
+        second = sampler.distribution(lm.prefill([*PROMPT, a]))
+        for b in second.nonzero().flatten().tolist():
+            joint[(a, b)] = float(first[a] * second[b])
+    return joint
+
+
+class LikelyDrafter:
+    """Deterministically proposes the verifier's most likely second token, so drafts are often but not always accepted."""
+
+    def __init__(self, joint):
+        self.best = {}
+        for (a, b), prob in joint.items():
+            if prob > self.best.get(a, (None, 0.0))[1]:
+                self.best[a] = (b, prob)
+
+    def propose(self, tokens, k, sampler):
+        return Draft([self.best[tokens[-1]][0]])
+
+
+def first_two(lm, make_drafter, trials):
+    sampler = Sampler(REAL, seed=99)
+    counts: Counter = Counter()
+    for _ in range(trials):
+        out: list[int] = []
+        steps = speculate(lm, make_drafter(), PROMPT, sampler, 1, 3)
+        while len(out) < 2:
+            out += next(steps)
+        steps.close()
+        counts[tuple(out[:2])] += 1
+    return counts
+
+
+def test_real_model_first_tokens_follow_the_verifier(lm, real_joint, monkeypatch):
+    for make_drafter in (lambda: LikelyDrafter(real_joint), lambda: LayerSkipDrafter(lm, [1])):
+        assert chi_square_p_value(first_two(lm, make_drafter, 200), real_joint) > 1e-3
+    monkeypatch.setattr(loop, "accept", blind_accept)
+    assert chi_square_p_value(first_two(lm, lambda: LikelyDrafter(real_joint), 100), real_joint) < 1e-6

@@ -149,9 +149,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(tensors(f"{prefix}.q_norm.weight"), spec.rms_norm_eps)
             self.k_norm = RMSNorm(tensors(f"{prefix}.k_norm.weight"), spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
+        start = cache.length
         q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
         k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
         v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
@@ -161,10 +162,23 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         keys, values = cache.write(layer, k, v)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=s.num_kv_heads != s.num_heads
-        )
-        return self.o_proj(out[0].transpose(0, 1).reshape(t, s.num_heads * s.head_dim))
+        if start == 0:
+            out = self._attend(q, keys, values, prefill_mask)
+        else:
+            # Row by row, each over exactly its visible keys: a k+1-token verify then computes bit for bit
+            # what k+1 one-token decodes compute. Batched attention differs by ~1e-7 with the row count,
+            # which a W8A8 verifier's int8 rounding can amplify into a different greedy token.
+            rows = []
+            for i in range(t):
+                end = start + i + 1
+                begin = max(0, end - s.sliding_window) if s.sliding_window else 0
+                rows.append(self._attend(q[:, i : i + 1], keys[:, begin:end], values[:, begin:end], None))
+            out = torch.cat(rows, dim=1)
+        return self.o_proj(out.transpose(0, 1).reshape(t, s.num_heads * s.head_dim))
+
+    def _attend(self, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
+        gqa = self.spec.num_kv_heads != self.spec.num_heads
+        return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=gqa)[0]
 
 
 class MLP(nn.Module):
@@ -230,16 +244,15 @@ class Decoder(nn.Module):
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.spec, self.dtype, self.inv_freq.device, capacity)
 
-    def _mask(self, start: int, t: int, device) -> torch.Tensor | None:
-        window = self.spec.sliding_window
-        total = start + t
-        if t == 1 and (window is None or total <= window):
+    def _prefill_mask(self, t: int, device) -> torch.Tensor | None:
+        """Causal (and sliding-window) mask of a prefill; later blocks attend row by row instead."""
+        if t == 1:
             return None
-        q_pos = torch.arange(start, total, device=device)[:, None]
-        k_pos = torch.arange(total, device=device)[None, :]
+        q_pos = torch.arange(t, device=device)[:, None]
+        k_pos = torch.arange(t, device=device)[None, :]
         allowed = k_pos <= q_pos
-        if window is not None:
-            allowed &= k_pos > q_pos - window
+        if self.spec.sliding_window is not None:
+            allowed &= k_pos > q_pos - self.spec.sliding_window
         return allowed
 
     @torch.inference_mode()
@@ -251,7 +264,7 @@ class Decoder(nn.Module):
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        mask = self._mask(start, t, ids.device)
+        mask = self._prefill_mask(t, ids.device) if start == 0 else None
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             if i not in skip_layers:

@@ -15,7 +15,6 @@ from quasar_deploy.engine import Detokenizer, Engine, StopStrings, load
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.scheme import W8A8Scheme
 
-from .test_speculative import row_invariant_attention  # noqa: F401  (a fixture)
 from .tiny import naive_w8a8_decoder
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
@@ -55,8 +54,7 @@ def test_every_drafter_gives_the_plain_greedy_text(engine, tiny_llama):
     assert engine.generate(PROMPT, max_new_tokens=30).stats.accepted > 0  # the repeated line gets drafted
 
 
-def test_a_w8a8_artifact_loads_as_the_verifier(artifact, request):
-    request.getfixturevalue("row_invariant_attention")
+def test_a_w8a8_artifact_loads_as_the_verifier(artifact):
     w8a8 = load(artifact)
     assert "W8A8" in w8a8.lm.description
     baseline = w8a8.generate(PROMPT, max_new_tokens=25, draft="none")

@@ -30,8 +30,18 @@ MODES = (
     "layerskip-w8a8",
     "hf-prompt-lookup",
     "pruned-verify",
+    "ar-float-ort",
+    "ngram-float-ort",
+    "ngram-w8a8-ort",
 )
-LOSSLESS_PAIRS = (("ngram-float", "ar-float"), ("layerskip-float", "ar-float"), ("ngram-w8a8", "ar-w8a8"), ("layerskip-w8a8", "ar-w8a8"))
+ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort")
+LOSSLESS_PAIRS = (
+    ("ngram-float", "ar-float"),
+    ("layerskip-float", "ar-float"),
+    ("ngram-w8a8", "ar-w8a8"),
+    ("layerskip-w8a8", "ar-w8a8"),
+    ("ngram-float-ort", "ar-float-ort"),
+)
 
 
 @dataclass
@@ -74,6 +84,7 @@ class Contenders:
     hf_model: object | None
     weights: str  # "trained" or "synthetic weights"
     pruned_layers: frozenset[int] = field(default_factory=frozenset)
+    ort_engines: dict[str, object] = field(default_factory=dict)  # "float" / "w8a8": engines on exported ONNX graphs
 
 
 def read_prompts(path: str | Path, limit: int) -> list[str]:
@@ -153,6 +164,9 @@ def _hf_run(model, ids: list[int], settings: BenchSettings, eos: list[int]) -> R
 def run_mode(mode: str, contenders: Contenders, ids: list[int], settings: BenchSettings) -> Run:
     if mode == "hf-prompt-lookup":
         return _hf_run(contenders.hf_model, ids, settings, sorted(contenders.float_engine.stop_ids) or [0])
+    if mode in ORT_MODES:
+        kind, precision, _ = mode.split("-")
+        return _engine_run(contenders.ort_engines[precision], ids, settings, {"ar": "none"}.get(kind, kind))
     if mode == "pruned-verify":
         engine = contenders.float_engine
         pruned = type(engine)(PrunedLM(engine.lm, contenders.pruned_layers), engine.tokenizer, engine.stop_ids, engine.backend)
@@ -218,6 +232,7 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
     if unknown:
         raise QuasarError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
     modes = [m for m in settings.modes if m != "hf-prompt-lookup" or contenders.hf_model is not None]
+    modes = [m for m in modes if m not in ORT_MODES or m.split("-")[1] in contenders.ort_engines]
     prompts = read_prompts(settings.prompts, settings.limit)
     encoded = [contenders.float_engine.encode(p) for p in prompts]
     if "pruned-verify" in modes and not contenders.pruned_layers:
@@ -231,6 +246,9 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
         for mode in order:
             runs[mode].append(run_mode(mode, contenders, ids, settings))
     baselines = {m: runs[m] for m in ("ngram-float", "ar-float") if m in runs}
+    float_modes = [m for m in runs if "w8a8" not in m and m != "pruned-verify"]
+    if float_modes:  # the fastest float path on each prompt, whichever engine it is
+        baselines["best-float"] = [max((runs[m][i] for m in float_modes), key=lambda r: r.tokens_per_s) for i in range(len(encoded))]
     report = {
         "settings": {**asdict(settings), "modes": modes, "weights": contenders.weights, "prompt_count": len(prompts)},
         "environment": environment(),

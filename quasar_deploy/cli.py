@@ -234,11 +234,16 @@ def bench(
         modes=tuple(m.strip() for m in modes.split(",")) if modes else MODE_NAMES,
         sweep_k=_int_list(sweep_k) if sweep_k else (),
     )
+    import tempfile
+
+    from .benchmark import ORT_MODES
     from .contenders import synthetic_contenders, trained_contenders
 
     with_hf = "hf-prompt-lookup" in settings.modes
-    contenders = synthetic_contenders(synthetic, with_hf) if synthetic else trained_contenders(model, artifact, with_hf)
-    result = benchmark(settings, contenders, progress=not as_json)
+    with tempfile.TemporaryDirectory() as work:
+        with_ort = Path(work) if set(ORT_MODES) & set(settings.modes) else None
+        contenders = synthetic_contenders(synthetic, with_hf) if synthetic else trained_contenders(model, artifact, with_hf, with_ort)
+        result = benchmark(settings, contenders, progress=not as_json)
     written = report_writer.write(result, out)
     if as_json:
         click.echo(json.dumps(result, indent=2))

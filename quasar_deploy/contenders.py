@@ -23,14 +23,27 @@ def _hf_model_from(path: Path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def trained_contenders(model: str | Path, artifact: str | Path, with_hf: bool = True) -> Contenders:
-    """A float checkpoint and its W8A8 artifact, both on the cpu backend with the fastest exact kernels."""
+def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[str, Engine]:
+    """Both models exported to ONNX under ``workdir`` and served by the onnxruntime backend ({} without onnxruntime)."""
+    from .backends.base import BACKENDS
+    from .export import export
+
+    if BACKENDS["onnxruntime"][1]() is not None:
+        return {}
+    float_dir = export(model, "onnx", workdir / "float-onnx", precision="float")
+    w8a8_dir = export(artifact, "onnx", workdir / "w8a8-onnx", precision="w8a8")
+    return {"float": load(float_dir, backend="onnxruntime"), "w8a8": load(w8a8_dir, backend="onnxruntime")}
+
+
+def trained_contenders(model: str | Path, artifact: str | Path, with_hf: bool = True, ort_workdir: Path | None = None) -> Contenders:
+    """A float checkpoint and its W8A8 artifact on the cpu backend (fastest exact kernels); on ONNX Runtime too with ``ort_workdir``."""
     if not open_model(artifact).is_artifact:
         raise QuasarError(f"{artifact}: not a W8A8 artifact (no quasar.json)")
     if open_model(model).is_artifact:
         raise QuasarError(f"{model}: expected the float checkpoint, got an artifact")
     float_engine, w8a8_engine = load(model, backend="cpu"), load(artifact, backend="cpu")
-    return Contenders(float_engine, w8a8_engine, _hf_model_from(Path(model)) if with_hf else None, "trained")
+    ort = ort_engines(model, artifact, ort_workdir) if ort_workdir else {}
+    return Contenders(float_engine, w8a8_engine, _hf_model_from(Path(model)) if with_hf else None, "trained", ort_engines=ort)
 
 
 def _hf_twin(decoder):

@@ -23,6 +23,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,14 +86,32 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+@contextmanager
+def atomic_directory(output: Path) -> Iterator[Path]:
+    """A temp dir beside ``output`` that becomes ``output`` in one rename on success and vanishes on any failure."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{output.name}-", dir=output.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_files(source: Path, target: Path, names: tuple[str, ...] = TOKENIZER_FILES) -> None:
+    for name in names:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+
+
 def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W8A8Scheme, manifest: dict) -> Path:
     """Write atomically; ``output`` must not exist yet (we never overwrite a user's files)."""
     output = Path(output)
     if output.exists():
         raise QuasarError(f"{output}: already exists; choose a new --output or remove it first")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{output.name}-", dir=output.parent))
-    try:
+    with atomic_directory(output) as tmp:
         source_dtype = getattr(torch, source.config.get("torch_dtype") or source.config.get("dtype") or "float32", torch.float32)
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in decoder.state_dict().items():
@@ -106,16 +126,9 @@ def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W
         config = dict(source.config)
         config["quantization_config"] = compressed_tensors_config(scheme, ignore)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for name in TOKENIZER_FILES:
-            if (source.path / name).is_file():
-                shutil.copy2(source.path / name, tmp / name)
+        copy_files(source.path, tmp)
         manifest = {"format_version": FORMAT_VERSION, **manifest, "weights_sha256": sha256_file(tmp / WEIGHTS)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        tmp.chmod(0o755)
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return output
 
 

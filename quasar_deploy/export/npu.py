@@ -28,15 +28,12 @@ consistent, and ``quant_bias = round(bias / deq_scale)`` carries the float bias.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ..artifact import TOKENIZER_FILES, ModelFiles
+from ..artifact import ModelFiles, atomic_directory, copy_files
 from ..errors import QuasarError
 
 DESCRIPTION = "quant_model_description.json"
@@ -143,18 +140,9 @@ def export(files: ModelFiles, output: Path, dtype: str | None = None) -> Path:
     if "dtype" in config:  # transformers >= 4.56 writes "dtype"; both must name the export's type
         config["dtype"] = dtype
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{output.name}-", dir=output.parent))
-    try:
+    with atomic_directory(output) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / DESCRIPTION).write_text(json.dumps(description, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for name in TOKENIZER_FILES:
-            if (files.path / name).is_file():
-                shutil.copy2(files.path / name, tmp / name)
-        tmp.chmod(0o755)
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        copy_files(files.path, tmp)
     return output

@@ -9,9 +9,6 @@ and the source's ``config.json``, ``generation_config.json`` and tokenizer files
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import QuasarError
@@ -21,7 +18,7 @@ try:
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
-from ..artifact import TOKENIZER_FILES, ModelFiles
+from ..artifact import TOKENIZER_FILES, ModelFiles, atomic_directory, copy_files
 from .onnx_graph import OPSET, decoder_graph
 
 MODEL_FILE = "model.onnx"
@@ -94,19 +91,10 @@ def export(files: ModelFiles, output: Path, precision: str = "w8a8") -> Path:
     """Write the ONNX decoder for ``files`` to the new directory ``output`` (temp dir, then rename)."""
     _check_precision(files, precision)
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{output.name}-", dir=output.parent))
-    try:
+    with atomic_directory(output) as tmp:
         model = decoder_graph(files.decoder(), name=f"{files.spec.architecture}-{precision}")
         save_graph(model, tmp)
         del model
         (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision), indent=2))
-        for name in ("config.json", *TOKENIZER_FILES):
-            if (files.path / name).is_file():
-                shutil.copy2(files.path / name, tmp / name)
-        tmp.chmod(0o755)
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        copy_files(files.path, tmp, ("config.json", *TOKENIZER_FILES))
     return output

@@ -40,10 +40,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()
-
-
 def per_token_scale(x: torch.Tensor) -> torch.Tensor:
     """scale = rowmax|x| / 127, shape [rows, 1]; all-zero rows get a harmless tiny scale."""
     return (x.float().abs().amax(dim=-1, keepdim=True) / QMAX).clamp(min=1e-12)
@@ -73,9 +69,3 @@ def reference_linear(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
-
-
-def fake_quant_linear(x: torch.Tensor, weight: torch.Tensor, static_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Float-weight shortcut used by the alpha search: same numerics, quantizes the weight on the fly."""
-    wq, w_scale = quantize_weight(weight)
-    return reference_linear(x, wq, w_scale, input_scale=static_scale)

@@ -1,15 +1,45 @@
 """quasar-deploy: speculative decoding verified by a W8A8 copy of the model.
 
-artifact = quasar_deploy.calibrate("Qwen3-8B", output="qwen3-8b-w8a8")
-fidelity = quasar_deploy.evaluate("qwen3-8b-w8a8", reference="Qwen3-8B")
+    artifact = quasar_deploy.calibrate("Qwen3-8B", output="qwen3-8b-w8a8")
+    fidelity = quasar_deploy.evaluate("qwen3-8b-w8a8", reference="Qwen3-8B")
+    engine = quasar_deploy.load("qwen3-8b-w8a8")
+    print(engine.generate("def quicksort(xs):", max_new_tokens=64).text)
+
+The API names load on first use, so ``import quasar_deploy`` (and the CLI's ``--help``)
+does not pay for torch.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from .calibration import calibrate  # noqa: E402
-from .demo import demo_model_path  # noqa: E402
-from .engine import load  # noqa: E402
-from .errors import QuasarError  # noqa: E402
-from .fidelity import evaluate  # noqa: E402
+import importlib
+from typing import Any
 
-__all__ = ["QuasarError", "__version__", "calibrate", "demo_model_path", "evaluate", "load"]
+from ._version import __version__
+from .errors import QuasarError
+
+_API = {
+    "calibrate": "quasar_deploy.calibration",
+    "demo_model_path": "quasar_deploy.demo",
+    "load": "quasar_deploy.engine",
+    "Engine": "quasar_deploy.engine",
+    "GenerationResult": "quasar_deploy.engine",
+    "evaluate": "quasar_deploy.fidelity",
+    "export": "quasar_deploy.export",
+    "ModelFiles": "quasar_deploy.artifact",
+    "open_model": "quasar_deploy.artifact",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'quasar_deploy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])
+
+
+__all__ = ["QuasarError", "__version__", *_API]

@@ -42,7 +42,7 @@ def demo_artifact(progress: bool = True) -> Path:
     """The demo model's W8A8 artifact, calibrated once and cached; recalibrated when the model or recipe changes."""
     import json
 
-    from . import __version__
+    from ._version import __version__
     from .calibration import calibrate
 
     plain = demo_model_path()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .artifact import open_model
+from .artifact import ModelFiles, open_model
 from .calibration import data
 from .errors import QuasarError
 from .kernels import default_float_kernel, default_int8_kernel
@@ -106,3 +106,13 @@ def smoothing_study(
                 result = evaluate(artifact.path, model, texts, num_samples=num_samples, seq_len=seq_len, progress=progress)
                 rows.append({"model": model_name, "alpha": alpha, "set": set_name, **result.to_dict()})
     return {"rows": rows, "layers": layers}
+
+
+def reference_of(files: ModelFiles) -> Path:
+    """The float checkpoint an artifact was calibrated from, as its manifest records it, when that path still holds it."""
+    if not files.is_artifact:
+        raise QuasarError(f"{files.path}: not a W8A8 artifact (no quasar.json); calibrate it first")
+    source = Path(files.manifest.get("source", {}).get("path", ""))
+    if not source.parts or not (source / "config.json").is_file():
+        raise QuasarError(f"{files.path}: the source checkpoint it records ({source}) is gone; give --reference MODEL_DIR")
+    return source

@@ -49,7 +49,7 @@ def test_eval_per_set_and_layer_table(artifact, tiny_qwen3, tmp_path):
 
 
 def test_smoothing_study_compares_alphas(tiny_qwen3):
-    result = run("eval", "--smoothing-study", "--reference", tiny_qwen3, "--num-samples", 2, "--seq-len", 32, "--json")
+    result = run("smoothing-study", "--reference", tiny_qwen3, "--num-samples", 2, "--seq-len", 32, "--json")
     assert result.exit_code == 0, result.output
     study = json.loads(result.output)
     assert [r["alpha"] for r in study["rows"]] == ["off", 0.5, "auto"]

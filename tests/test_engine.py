@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from quasar_deploy.artifact import write_artifact
 from quasar_deploy.checkpoint import Checkpoint
-from quasar_deploy.cli_generate import generate
+from quasar_deploy.cli.generate import generate
 from quasar_deploy.engine import Detokenizer, Engine, StopStrings, load
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.scheme import W8A8Scheme

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import __version__
+from .._version import __version__
 from ..artifact import ModelFiles, open_model, write_artifact
 from ..errors import QuasarError
 from ..scheme import QMAX, W8A8Scheme, quantize_weight

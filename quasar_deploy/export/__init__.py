@@ -1,7 +1,8 @@
 """Exporters: one module per target format, each turning the canonical artifact into what that target runs.
 
 Each target module exposes ``export(files: ModelFiles, output: Path, **options) -> Path`` and
-writes atomically (temp dir, then rename).
+writes atomically (temp dir, then rename). This package imports nothing heavy, so the CLI can
+list the targets without loading torch.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from ..artifact import ModelFiles, open_model
 from ..errors import QuasarError
 
 TARGETS = {"onnx": "quasar_deploy.export.onnx", "npu": "quasar_deploy.export.npu"}
@@ -17,11 +17,13 @@ TARGETS = {"onnx": "quasar_deploy.export.onnx", "npu": "quasar_deploy.export.npu
 
 def export(artifact: str | Path, target: str, output: str | Path, **options) -> Path:
     """Export a W8A8 artifact (or, where the target allows ``precision="float"``, a float checkpoint)."""
+    from ..artifact import open_model
+
     if target not in TARGETS:
         raise QuasarError(f"unknown export target {target!r}; choose from {', '.join(TARGETS)}")
     output = Path(output)
     if output.exists():
         raise QuasarError(f"{output}: already exists; choose a new --output or remove it first")
-    files: ModelFiles = open_model(artifact)
+    files = open_model(artifact)
     module = importlib.import_module(TARGETS[target])
     return module.export(files, output, **options)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from .engine import DRAFTERS, load
-from .errors import QuasarError
+from ..engine import DRAFTERS, load
+from ..errors import QuasarError
 
 
 def _layers(text: str | None) -> list[int] | None:

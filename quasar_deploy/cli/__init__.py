@@ -1,0 +1,44 @@
+"""``quasar-deploy``: a thin layer over the Python API, one module per command.
+
+Every failure the user can fix is one line on stderr and exit code 1. Command
+modules import the heavy parts (torch, transformers) inside the command, so
+``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import QuasarError
+from .bench import bench
+from .calibrate import calibrate
+from .demo import demo
+from .doctor import doctor
+from .evaluate import evaluate, smoothing_study
+from .export import export_command
+from .generate import generate
+
+
+class QuasarGroup(click.Group):
+    """Turns QuasarError (bad input, unusable backend) and OSError (disk, permissions) into ``error: ...`` and exit 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (QuasarError, OSError) as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=QuasarGroup)
+@click.version_option(package_name="quasar-deploy")
+def main() -> None:
+    """Speculative decoding verified by a W8A8 (int8) copy of your model."""
+
+
+for command in (calibrate, evaluate, smoothing_study, export_command, generate, bench, demo, doctor):
+    main.add_command(command)
+
+__all__ = ["main"]

@@ -1,0 +1,42 @@
+"""``quasar-deploy calibrate``: float checkpoint in, W8A8 artifact out, with the per-group smoothing table."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--output", "-o", required=True, type=click.Path(path_type=str), help="New directory for the W8A8 artifact.")
+@click.option("--calib-data", type=click.Path(dir_okay=False), help="JSONL (text/turns/inputs_pretokenized) or plain text.")
+@click.option("--num-samples", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2))
+@click.option("--alpha", default="auto", show_default=True, help="'auto' (searched per group), 'off' (no smoothing) or a number in [0, 1].")
+@click.option("--activation", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True)
+@click.option("--keep-float", multiple=True, help="Glob of linear layers to keep in float (repeatable), e.g. '*.down_proj'.")
+@click.option("--keep-float-above", type=float, help="Also keep in float any layer whose relative error stays above this.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own tokenizer code to run.")
+def calibrate(model_dir, output, calib_data, num_samples, seq_len, alpha, activation, keep_float, keep_float_above, trust_remote_code):
+    """Calibrate MODEL_DIR (a local HF checkpoint) into a W8A8 artifact."""
+    from ..calibration import calibrate as run
+
+    artifact = run(
+        model_dir,
+        output=output,
+        calib_data=calib_data,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        alpha=alpha,
+        activation=activation,
+        keep_float=keep_float,
+        keep_float_above=keep_float_above,
+        trust_remote_code=trust_remote_code,
+    )
+    manifest = artifact.manifest
+    click.echo(f"\n{'group':<32} {'alpha':>6} {'error before':>13} {'error after':>12}")
+    for group in manifest["groups"]:
+        alpha_text = "off" if group["alpha"] is None else f"{group['alpha']:.2f}"
+        click.echo(f"{group['name']:<32} {alpha_text:>6} {group['error_before']:>13.3e} {group['error_after']:>12.3e}")
+    kept = [name for name, layer in manifest["layers"].items() if not layer["quantized"]]
+    click.echo(f"\n{len(manifest['quantized_layers'])} linear layers in W8A8, {len(kept)} kept in float (+ lm_head, embeddings)")
+    click.echo(f"wrote {artifact.path}")

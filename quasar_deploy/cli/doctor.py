@@ -1,0 +1,27 @@
+"""``quasar-deploy doctor``: what this machine can run."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def doctor(as_json):
+    """What this machine can run: CPU features, chosen kernels, every target."""
+    from ..doctor import report
+
+    info = report()
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"cpu            {info['cpu']} ({info['threads']} threads)")
+    click.echo(f"isa            {' '.join(info['isa']) or 'none detected'}")
+    click.echo(f"torch          {info['torch']} (python {info['python']})")
+    click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; fbgemm {'available' if info['fbgemm'] else 'missing'})")
+    click.echo(f"float kernel   {info['float_kernel']} (oneDNN {'available' if info['onednn'] else 'missing'})")
+    click.echo("targets:")
+    for name, reason in info["targets"].items():
+        click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")

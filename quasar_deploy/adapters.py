@@ -88,7 +88,9 @@ class DecoderSpec:
 def _rope(config: dict) -> tuple[float, dict | None]:
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or None
-    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    if not isinstance(params, dict) or not isinstance(scaling, dict | None):
+        raise QuasarError("config.json: rope_parameters and rope_scaling must be JSON objects")
+    theta = _number({"rope_theta": config.get("rope_theta", params.get("rope_theta", 10000.0))}, "rope_theta", float)
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = params
     if scaling is not None:
@@ -97,13 +99,33 @@ def _rope(config: dict) -> tuple[float, dict | None]:
             raise QuasarError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
         if kind == "default":
             scaling = None
-    return float(theta), scaling
+    return theta, scaling
+
+
+_REQUIRED = object()
+
+
+def _number(config: dict, name: str, kind: type, default: object = _REQUIRED, minimum: float | None = None) -> int | float:
+    """One numeric config field, type-checked: a wrong checkpoint fails here, naming the field, not deep inside a forward."""
+    value = config.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise QuasarError(f"config.json: {name} is missing")
+        return default
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    if not numeric or (kind is int and value != int(value)) or not math.isfinite(value):
+        raise QuasarError(f"config.json: {name} must be {'an integer' if kind is int else 'a finite number'}, not {value!r}")
+    if minimum is not None and value < minimum:
+        raise QuasarError(f"config.json: {name} must be >= {minimum}, not {value!r}")
+    return kind(value)
 
 
 def decoder_spec(config: dict, tensor_names: set[str]) -> DecoderSpec:
     """Read a Hugging Face config; refuse, in one line, what the shared decoder cannot run."""
+    if not isinstance(config, dict):
+        raise QuasarError(f"config.json: expected a JSON object, not {type(config).__name__}")
     archs = config.get("architectures") or [config.get("model_type", "unknown")]
-    arch = archs[0]
+    arch = str(archs[0]) if isinstance(archs, list) and archs else str(archs)
     if "model.layers.0.self_attn.q_proj.weight" not in tensor_names or "model.embed_tokens.weight" not in tensor_names:
         raise QuasarError(
             f"unsupported architecture {arch!r}: quasar-deploy runs Llama-like decoders "
@@ -111,27 +133,86 @@ def decoder_spec(config: dict, tensor_names: set[str]) -> DecoderSpec:
         )
     if config.get("hidden_act", "silu") != "silu":
         raise QuasarError(f"unsupported activation {config.get('hidden_act')!r} in {arch}: only silu-gated MLPs are supported")
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
+    hidden = _number(config, "hidden_size", int, minimum=1)
+    heads = _number(config, "num_attention_heads", int, minimum=1)
+    kv_heads = _number(config, "num_key_value_heads", int, heads, minimum=1)
+    if heads % kv_heads:
+        raise QuasarError(f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    head_dim = _number(config, "head_dim", int, hidden // heads, minimum=1)
+    if head_dim % 2:
+        raise QuasarError(f"config.json: head_dim must be even for rotary embeddings, not {head_dim}")
     theta, scaling = _rope(config)
+    if not (math.isfinite(theta) and theta > 0):
+        raise QuasarError(f"config.json: rope_theta must be a positive finite number, not {theta!r}")
+    eps = _number(config, "rms_norm_eps", float, 1e-6, minimum=0.0)
+    if eps <= 0:
+        raise QuasarError(f"config.json: rms_norm_eps must be > 0, not {eps!r}")
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
     return DecoderSpec(
         architecture=arch,
-        vocab_size=int(config["vocab_size"]),
+        vocab_size=_number(config, "vocab_size", int, minimum=1),
         hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
+        intermediate_size=_number(config, "intermediate_size", int, minimum=1),
+        num_layers=_number(config, "num_hidden_layers", int, minimum=1),
         num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=eps,
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_number(config, "max_position_embeddings", int, 2048, minimum=2),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) and "lm_head.weight" not in tensor_names,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in tensor_names,
-        sliding_window=int(window) if window else None,
+        sliding_window=_number(config, "sliding_window", int, minimum=1) if window else None,
     )
+
+
+def expected_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
+    """The shape of every float tensor a checkpoint of ``spec`` holds (quantized linears keep their float weight's shape)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    linear = {"q_proj": (q, spec.hidden_size), "k_proj": (kv, spec.hidden_size), "v_proj": (kv, spec.hidden_size)}
+    linear |= {"o_proj": (spec.hidden_size, q), "gate_proj": (spec.intermediate_size, spec.hidden_size)}
+    linear |= {"up_proj": (spec.intermediate_size, spec.hidden_size), "down_proj": (spec.hidden_size, spec.intermediate_size)}
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size), "model.norm.weight": (spec.hidden_size,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    for i in range(spec.num_layers):
+        p = spec.layer_prefix(i)
+        shapes[f"{p}.input_layernorm.weight"] = shapes[f"{p}.post_attention_layernorm.weight"] = (spec.hidden_size,)
+        if spec.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = shapes[f"{p}.self_attn.k_norm.weight"] = (spec.head_dim,)
+        for name, shape in linear.items():
+            block = "self_attn" if name in ATTENTION_LINEARS else "mlp"
+            shapes[f"{p}.{block}.{name}.weight"] = shape
+            shapes[f"{p}.{block}.{name}.bias"] = shape[:1]
+            shapes[f"{p}.{block}.{name}.weight_scale"] = (shape[0], 1)
+            shapes[f"{p}.{block}.{name}.input_scale"] = (1,)
+    return shapes
+
+
+def check_tensor_shapes(spec: DecoderSpec, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor agrees with config.json, and config.json names every layer the weights hold.
+
+    A config that disagrees with its weights (fewer layers, another vocabulary, a transposed
+    weight) would otherwise load and generate garbage; this names the first disagreement.
+    """
+    layers = {int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
+    if layers and max(layers) + 1 != spec.num_layers:
+        raise QuasarError(f"config.json: num_hidden_layers is {spec.num_layers} but the weights hold {max(layers) + 1} layers")
+    expected = expected_shapes(spec)
+    for name, shape in sorted(shapes.items()):
+        want = expected.get(name)
+        if want is None:
+            continue
+        if name.endswith(".input_scale"):
+            ok = len(shape) <= 1 and (not shape or shape[0] == 1)
+        elif name.endswith(".weight_scale"):
+            ok = tuple(shape) in (want, want[:1])
+        else:
+            ok = tuple(shape) == want
+        if not ok:
+            field = "vocab_size" if name in ("model.embed_tokens.weight", "lm_head.weight") else "its shape fields"
+            raise QuasarError(f"{name} has shape {list(shape)}, but config.json ({field}) implies {list(want)}")
 
 
 def rope_inv_freq(spec: DecoderSpec):

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .adapters import DecoderSpec, decoder_spec
+from .adapters import DecoderSpec, check_tensor_shapes, decoder_spec
 from .checkpoint import Checkpoint
 from .errors import QuasarError
 from .model import Decoder
@@ -179,4 +179,6 @@ def open_model(path: str | Path, verify: bool = True) -> ModelFiles:
             )
         if verify and sha256_file(checkpoint.path / WEIGHTS) != manifest.get("weights_sha256"):
             raise QuasarError(f"{checkpoint.path / WEIGHTS}: checksum mismatch (corrupted or modified artifact)")
-    return ModelFiles(checkpoint, decoder_spec(checkpoint.config, checkpoint.names), manifest)
+    spec = decoder_spec(checkpoint.config, checkpoint.names)
+    check_tensor_shapes(spec, checkpoint.shapes)
+    return ModelFiles(checkpoint, spec, manifest)

@@ -33,11 +33,13 @@ class Checkpoint:
             hint = " (PyTorch .bin weights are not supported: save with safe_serialization=True)" if list(self.path.glob("*.bin")) else ""
             raise QuasarError(f"{self.path}: no *.safetensors weights{hint}")
         self._where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for file in self.files:
             try:
                 with safe_open(file, "pt") as handle:
                     for name in handle.keys():
                         self._where[name] = file
+                        self.shapes[name] = tuple(handle.get_slice(name).get_shape())
             except (SafetensorError, OSError) as exc:
                 raise QuasarError(f"{file}: unreadable safetensors file ({exc})") from None
 

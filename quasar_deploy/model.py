@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import DecoderSpec, rope_inv_freq
+from .errors import QuasarError
 from .kernels import float_linear, int8_linear
 
 
@@ -126,6 +127,16 @@ class KVCache:
 Loader = Callable[[str, bool], "torch.Tensor | None"]
 
 
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """NaN or infinite weights, and scales that are not positive, turn every output to garbage: refuse them at load."""
+    if tensor.dtype == torch.int8:
+        return
+    if not torch.isfinite(tensor).all():
+        raise QuasarError(f"tensor {name!r} holds NaN or infinite values (corrupted checkpoint)")
+    if name.endswith("_scale") and not (tensor > 0).all():
+        raise QuasarError(f"tensor {name!r} holds scales <= 0 (corrupted artifact)")
+
+
 def load_linear(tensors: Loader, prefix: str) -> Linear:
     """Float (``weight`` [+ ``bias``]) or W8A8 (int8 ``weight``, ``weight_scale`` [, ``input_scale``])."""
     linear = Linear(tensors(f"{prefix}.weight", True), tensors(f"{prefix}.bias", False))
@@ -226,6 +237,7 @@ class Decoder(nn.Module):
             if not required and name not in source.names:
                 return None
             t = source.tensor(name)
+            check_finite(name, t)
             return t if t.dtype == torch.int8 or name.endswith("_scale") else t.to(dtype)
 
         self.model = Body(spec, load)

@@ -1,0 +1,109 @@
+"""Hostile and careless inputs: each is refused before any work, in one line naming the cause (regression table)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from quasar_deploy.artifact import open_model
+from quasar_deploy.cli import main
+from quasar_deploy.errors import QuasarError
+
+
+def _copy(source, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(source, target)
+    return target
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is _DELETE:
+            config.pop(key)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+_DELETE = object()
+
+BAD_CONFIGS = [
+    (dict(num_hidden_layers=2), "num_hidden_layers is 2 but the weights hold 3 layers"),
+    (dict(num_hidden_layers=5), "num_hidden_layers is 5 but the weights hold 3 layers"),
+    (dict(vocab_size=4000), "config.json (vocab_size) implies [4000, 64]"),
+    (dict(hidden_size="abc"), "hidden_size must be an integer, not 'abc'"),
+    (dict(hidden_size=_DELETE), "hidden_size is missing"),
+    (dict(num_attention_heads=0), "num_attention_heads must be >= 1"),
+    (dict(num_attention_heads=3), "must be a multiple of num_key_value_heads"),
+    (dict(intermediate_size=161), "config.json (its shape fields) implies"),
+    (dict(rope_theta=0), "rope_theta must be a positive finite number"),
+    (dict(rope_theta=-5.0), "rope_theta must be a positive finite number"),
+    (dict(rope_theta="big"), "rope_theta must be a finite number"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number"),
+    (dict(rms_norm_eps=0), "rms_norm_eps must be > 0"),
+    (dict(rope_scaling=[1, 2]), "rope_parameters and rope_scaling must be JSON objects"),
+    (dict(max_position_embeddings=True), "max_position_embeddings must be an integer"),
+]
+
+
+@pytest.mark.parametrize("changes, message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_a_config_that_disagrees_with_its_weights_is_refused(tiny_qwen3, tmp_path, changes, message):
+    model = _copy(tiny_qwen3, tmp_path)
+    _edit_config(model, **changes)
+    with pytest.raises(QuasarError, match="config.json") as error:
+        open_model(model)
+    assert message in str(error.value)
+    result = CliRunner().invoke(main, ["calibrate", str(model), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.output and message in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_that_is_not_an_object_is_refused(tiny_qwen3, tmp_path):
+    model = _copy(tiny_qwen3, tmp_path)
+    (model / "config.json").write_text("[]")
+    with pytest.raises(QuasarError, match="expected a JSON object, not list"):
+        open_model(model)
+
+
+def _edit_tensors(path, edit):
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+BAD_TENSORS = [
+    ("nan weight", lambda t: t["model.layers.1.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")), "NaN or infinite"),
+    ("inf norm", lambda t: t["model.norm.weight"].__setitem__(3, float("inf")), "NaN or infinite"),
+    (
+        "transposed weight",
+        lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight", t["model.layers.0.mlp.down_proj.weight"].t().contiguous()),
+        "has shape [160, 64]",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, edit, message", BAD_TENSORS, ids=[n for n, _, _ in BAD_TENSORS])
+def test_bad_float_tensors_are_refused_at_load(tiny_qwen3, tmp_path, name, edit, message):
+    model = _copy(tiny_qwen3, tmp_path)
+    _edit_tensors(model, edit)
+    with pytest.raises(QuasarError) as error:
+        open_model(model).decoder()
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
+def test_bad_weight_scales_are_refused_at_load(value):
+    from quasar_deploy.model import check_finite
+
+    scale = torch.full((8, 1), 0.01)
+    scale[3] = value
+    with pytest.raises(QuasarError, match="model.layers.0.mlp.up_proj.weight_scale"):
+        check_finite("model.layers.0.mlp.up_proj.weight_scale", scale)
+    check_finite("model.layers.0.mlp.up_proj.weight_scale", torch.full((8, 1), 0.01))

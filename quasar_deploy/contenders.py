@@ -76,9 +76,9 @@ def _hf_twin(decoder):
 def synthetic_contenders(shape: str, with_hf: bool = True) -> Contenders:
     """Random weights of a published shape (timing only), the demo tokenizer for prompts."""
     float_model, quant_model = synthetic_decoders(shape)
+    hf = _hf_twin(float_model) if with_hf and shape.startswith("qwen3") else None  # before packing releases our copies
     for decoder in (float_model, quant_model):
         decoder.prepare(default_float_kernel(), default_int8_kernel())
     tokenizer = load_tokenizer(demo_model_path())
     engines = [Engine(TorchCausalLM(d), tokenizer, frozenset(), "cpu") for d in (float_model, quant_model)]
-    hf = _hf_twin(float_model) if with_hf and shape.startswith("qwen3") else None
     return Contenders(engines[0], engines[1], hf, "synthetic weights")

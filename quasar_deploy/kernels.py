@@ -54,11 +54,22 @@ def default_float_kernel(device: str = "cpu") -> str:
     return "onednn" if device == "cpu" and onednn_available() else "torch"
 
 
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def packs_weight(weight: torch.Tensor, float_kernel: str, int8_kernel: str) -> bool:
+    """Whether the kernel chosen for ``weight`` keeps its own packed copy, so the caller may release the original."""
+    if weight.dtype == torch.int8:
+        return int8_kernel == "fbgemm"
+    return float_kernel == "onednn" and _onednn_packs(weight)
+
+
 def float_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> LinearFn:
     if kernel == "torch":
         return lambda x: F.linear(x, weight, bias)
     if kernel == "onednn":
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if not _onednn_packs(weight):
             return lambda x: F.linear(x, weight, bias)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -134,4 +145,5 @@ __all__ = [
     "float_linear",
     "int8_linear",
     "onednn_available",
+    "packs_weight",
 ]

@@ -18,7 +18,7 @@ from torch import nn
 
 from .adapters import DecoderSpec, rope_inv_freq
 from .errors import QuasarError
-from .kernels import float_linear, int8_linear
+from .kernels import float_linear, int8_linear, packs_weight
 
 
 class TensorSource(Protocol):
@@ -63,11 +63,20 @@ class Linear(nn.Module):
         self._fn = None
 
     def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference") -> None:
+        """Bind the kernel; a kernel that packs its own copy of the weight (oneDNN, FBGEMM) gets the only copy.
+
+        The released weight stays as a meta tensor, so shapes, dtype and ``quantized`` still
+        tell the truth, but the layer can no longer be re-prepared or saved.
+        """
+        if self.weight.is_meta:
+            raise RuntimeError("this layer's weight was released to its packed kernel; load the model again to change kernels")
         bias = self.bias.data if self.bias is not None else None
         if self.quantized:
             self._fn = int8_linear(self.weight.data, self.weight_scale, bias, self.input_scale, int8_kernel)
         else:
             self._fn = float_linear(self.weight.data, bias, float_kernel)
+        if packs_weight(self.weight, float_kernel, int8_kernel):
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fn is None:

@@ -107,3 +107,21 @@ def test_bad_weight_scales_are_refused_at_load(value):
     with pytest.raises(QuasarError, match="model.layers.0.mlp.up_proj.weight_scale"):
         check_finite("model.layers.0.mlp.up_proj.weight_scale", scale)
     check_finite("model.layers.0.mlp.up_proj.weight_scale", torch.full((8, 1), 0.01))
+
+
+def test_a_missing_tokenizer_is_named(tiny_qwen3, tmp_path):
+    model = _copy(tiny_qwen3, tmp_path)
+    (model / "tokenizer.json").unlink()
+    result = CliRunner().invoke(main, ["generate", str(model), "--prompt", "def f():"])
+    assert result.exit_code == 1 and "no tokenizer" in result.output and "Traceback" not in result.output
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tiny_qwen3, tmp_path):
+    model = _copy(tiny_qwen3, tmp_path)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append(
+        {"id": 5000, "content": "<extra>", "special": True, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+    )
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = CliRunner().invoke(main, ["generate", str(model), "--prompt", "def f():"])
+    assert result.exit_code == 1 and "but the model's vocabulary is 4096" in result.output and "Traceback" not in result.output

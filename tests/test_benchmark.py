@@ -8,9 +8,9 @@ from click.testing import CliRunner
 
 from quasar_deploy import calibrate
 from quasar_deploy.artifact import open_model
-from quasar_deploy.benchmark import MODES
+from quasar_deploy.bench.contenders import _hf_twin
+from quasar_deploy.bench.e2e import MODES
 from quasar_deploy.cli import main
-from quasar_deploy.contenders import _hf_twin
 
 
 @pytest.fixture(scope="module")

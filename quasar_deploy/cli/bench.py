@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..benchmark import MODES as MODE_NAMES
+from ..bench.e2e import MODES as MODE_NAMES
 from ..errors import QuasarError
 
 
@@ -60,9 +60,9 @@ def bench(
     as_json,
 ):
     """Measure decoding modes side by side (float vs W8A8, n-gram, layer-skip, HF prompt lookup, pruned verifier)."""
-    from .. import bench as micro
-    from .. import report as report_writer
-    from ..benchmark import BenchSettings, benchmark
+    from ..bench import micro
+    from ..bench import report as report_writer
+    from ..bench.e2e import BenchSettings, benchmark
     from ..calibration.data import BUILTIN
 
     if verify_step:
@@ -70,8 +70,8 @@ def bench(
         click.echo(json.dumps(result.to_dict(), indent=2) if as_json else micro.describe_verify_step(result))
         return
     if kernels:
-        result = micro.kernels(synthetic or "qwen3-0.6b", repeats=repeats, progress=not as_json)
-        click.echo(json.dumps(result, indent=2) if as_json else micro.describe_kernels(result))
+        result = micro.linear_kernels(synthetic or "qwen3-0.6b", repeats=repeats, progress=not as_json)
+        click.echo(json.dumps(result, indent=2) if as_json else micro.describe_linear_kernels(result))
         return
     if synthetic and (model or artifact):
         raise QuasarError("give MODEL and ARTIFACT, or --synthetic, not both")
@@ -93,8 +93,8 @@ def bench(
     )
     import tempfile
 
-    from ..benchmark import ORT_MODES
-    from ..contenders import synthetic_contenders, trained_contenders
+    from ..bench.contenders import synthetic_contenders, trained_contenders
+    from ..bench.e2e import ORT_MODES
 
     with_hf = "hf-prompt-lookup" in settings.modes
     with tempfile.TemporaryDirectory() as work:

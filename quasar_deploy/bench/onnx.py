@@ -24,10 +24,10 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
+from ..export.onnx import save_graph
+from ..export.onnx_graph import OPSET, GraphBuilder, decoder_graph, w8a8_linear
 from ..scheme import quantize_weight, reference_linear
-from ..synthetic import synthetic_decoders
-from .onnx import save_graph
-from .onnx_graph import OPSET, GraphBuilder, decoder_graph, w8a8_linear
+from .synthetic import synthetic_decoders
 
 
 def _session(model_or_path: Path | onnx.ModelProto, threads: int) -> ort.InferenceSession:

@@ -12,14 +12,15 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from .backends.torch_backend import TorchCausalLM
-from .errors import QuasarError
+from ..backends.torch_backend import TorchCausalLM
+from ..errors import QuasarError
+from .contenders import Contenders
 
 MODES = (
     "ar-float",
@@ -73,18 +74,6 @@ class Run:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-
-
-@dataclass
-class Contenders:
-    """What the modes run on: two engines (float and W8A8 verifier) and, when available, the HF float model."""
-
-    float_engine: object
-    w8a8_engine: object
-    hf_model: object | None
-    weights: str  # "trained" or "synthetic weights"
-    pruned_layers: frozenset[int] = field(default_factory=frozenset)
-    ort_engines: dict[str, object] = field(default_factory=dict)  # "float" / "w8a8": engines on exported ONNX graphs
 
 
 def read_prompts(path: str | Path, limit: int) -> list[str]:
@@ -219,7 +208,7 @@ def environment() -> dict:
     import tokenizers
     import transformers
 
-    from .doctor import report
+    from ..doctor import report
 
     info = report()
     info.update(transformers=transformers.__version__, tokenizers=tokenizers.__version__, platform=platform.platform())

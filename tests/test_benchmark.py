@@ -1,4 +1,7 @@
-"""Benchmark smoke test (not a timing test): every mode runs, the report is complete, lossless modes are lossless."""
+"""Benchmark smoke tests (not timing tests): every mode runs, the report is complete, lossless modes are lossless.
+
+``bench verify-step``, ``bench kernels`` and ``bench onnx`` take minutes at real shapes, so only their command lines are checked here.
+"""
 
 import json
 
@@ -8,9 +11,9 @@ from click.testing import CliRunner
 
 from quasar_deploy import calibrate
 from quasar_deploy.artifact import open_model
-from quasar_deploy.benchmark import MODES
+from quasar_deploy.bench.contenders import _hf_twin
+from quasar_deploy.bench.modes import MODES
 from quasar_deploy.cli import main
-from quasar_deploy.contenders import _hf_twin
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +25,8 @@ def pair(tiny_qwen3, tmp_path_factory):
 def test_every_mode_reports_and_lossless_holds(pair, tmp_path):
     model, artifact = pair
     out = tmp_path / "report"
-    result = CliRunner().invoke(
-        main, ["bench", str(model), str(artifact), "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--sweep-k", "2,4"]
-    )
+    args = ["bench", "e2e", str(artifact), "--reference", str(model), "--limit", "2", "--max-new-tokens", "8"]
+    result = CliRunner().invoke(main, [*args, "-o", str(out), "--sweep-k", "2,4"])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert set(report) >= {"settings", "environment", "modes", "lossless", "sweep_k"}
@@ -41,16 +43,57 @@ def test_every_mode_reports_and_lossless_holds(pair, tmp_path):
 
 def test_sampled_benchmark_runs(pair, tmp_path):
     model, artifact = pair
-    args = ["bench", str(model), str(artifact), "--limit", "1", "--max-new-tokens", "6", "--temperature", "1"]
+    args = ["bench", "e2e", str(artifact), "--reference", str(model), "--limit", "1", "--max-new-tokens", "6", "--temperature", "1"]
     args += ["--modes", "ngram-float,ngram-w8a8"]
-    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path), "--json"])
+    result = CliRunner().invoke(main, [*args, "--output", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
     assert "lossless" not in json.loads(result.output)
 
 
-def test_bench_needs_a_model_pair(tmp_path):
-    result = CliRunner().invoke(main, ["bench", "--out", str(tmp_path)])
-    assert result.exit_code == 1 and "give MODEL" in result.output
+def test_reference_defaults_to_the_recorded_source(pair, tmp_path):
+    model, artifact = pair
+    args = ["bench", "e2e", str(artifact), "--limit", "1", "--max-new-tokens", "4", "--modes", "ar-float,ar-w8a8"]
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["settings"]["model"] == str(model)
+
+
+def test_bench_needs_an_artifact_or_a_shape(pair, tmp_path):
+    result = CliRunner().invoke(main, ["bench", "e2e", "-o", str(tmp_path)])
+    assert result.exit_code == 1 and "give ARTIFACT" in result.output
+    result = CliRunner().invoke(main, ["bench", "e2e", str(pair[1]), "--synthetic", "qwen3-0.6b", "-o", str(tmp_path)])
+    assert result.exit_code == 1 and "not both" in result.output
+
+
+def test_modes_keep_their_names_and_order():
+    assert MODES == (
+        "ar-float",
+        "ar-w8a8",
+        "ngram-float",
+        "ngram-w8a8",
+        "layerskip-float",
+        "layerskip-w8a8",
+        "hf-prompt-lookup",
+        "pruned-verify",
+        "ar-float-ort",
+        "ngram-float-ort",
+        "ngram-w8a8-ort",
+    )
+
+
+@pytest.mark.parametrize(
+    "command", [["e2e"], ["verify-step"], ["kernels"], ["onnx"], ["onnx", "layers"], ["onnx", "step"], ["onnx", "fidelity"]]
+)
+def test_every_bench_subcommand_has_help(command):
+    result = CliRunner().invoke(main, ["bench", *command, "--help"])
+    assert result.exit_code == 0 and "Usage: " in result.output, result.output
+
+
+@pytest.mark.parametrize("command", [["e2e", "--synthetic", "qwen3-0.6b", "--sweep-k"], ["onnx", "layers", "--rows"]])
+def test_integer_lists_fail_as_usage_errors(command):
+    result = CliRunner().invoke(main, ["bench", *command, "1,two"])
+    assert result.exit_code == 2
+    assert f"Invalid value for '{command[-1]}': expected comma-separated integers, not '1,two'" in result.output
 
 
 def test_hf_twin_shares_our_weights(tiny_qwen3):

@@ -1,4 +1,4 @@
-"""``quasar-deploy bench``: every decoding mode side by side, and the verify-step and kernel micro-benchmarks."""
+"""``quasar-deploy bench e2e|verify-step|kernels|onnx``: every speed figure the docs quote, one subcommand per measurement."""
 
 from __future__ import annotations
 
@@ -7,21 +7,30 @@ from pathlib import Path
 
 import click
 
-from ..benchmark import MODES as MODE_NAMES
+from ..bench.modes import MODES, ORT_MODES
 from ..errors import QuasarError
+from .options import INT_LIST
+
+# option decorators the subcommands share (each use makes its own click.Option)
+shape_option = click.option(
+    "--synthetic", "shape", default="qwen3-0.6b", show_default=True, metavar="SHAPE", help="Published shape, random weights (timing only)."
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+threads_option = click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
+onnx_repeats_option = click.option("--repeats", default=10, show_default=True, type=click.IntRange(min=1), help="Timed calls (median).")
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise QuasarError(f"expected comma-separated integers, not {text!r}") from None
+@click.group()
+def bench() -> None:
+    """Measure speed: decoding modes end to end, one verify step, the linear kernels, the exported ONNX forms."""
 
 
-@click.command()
-@click.argument("model", required=False, type=click.Path(path_type=str))
+@bench.command("e2e")
 @click.argument("artifact", required=False, type=click.Path(path_type=str))
-@click.option("--synthetic", help="Instead of MODEL/ARTIFACT: random weights of a published shape (timing only), e.g. qwen3-0.6b.")
+@click.option("--reference", type=click.Path(path_type=str), help="The float checkpoint (default: the source recorded in the artifact).")
+@click.option(
+    "--synthetic", metavar="SHAPE", help="Instead of ARTIFACT: random weights of a published shape (timing only), e.g. qwen3-0.6b."
+)
 @click.option("--prompts", type=click.Path(dir_okay=False), help="Spec-Bench JSONL (turns[0] is the prompt); default: built-in.")
 @click.option("--limit", default=10, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
@@ -29,18 +38,13 @@ def _int_list(text: str) -> tuple[int, ...]:
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-min", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1))
-@click.option("--modes", help="Comma-separated subset of: " + ", ".join(MODE_NAMES) + " (default: all).")
-@click.option("--sweep-k", help="Comma-separated draft lengths: also measure ngram-w8a8 vs ngram-float per k.")
-@click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False), help="Report directory.")
-@click.option("--verify-step", is_flag=True, help="Only time one verify forward (k+1 tokens, warm cache), float vs W8A8, on --synthetic.")
-@click.option("--kernels", is_flag=True, help="Only time the linear kernels at decode/verify shapes against the memory bandwidth.")
-@click.option("--tokens", default=6, show_default=True, type=click.IntRange(min=1), help="--verify-step: tokens per step (k+1).")
-@click.option("--context", default=128, show_default=True, type=click.IntRange(min=1), help="--verify-step: tokens in the cache.")
-@click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1), help="--verify-step/--kernels: timed repeats.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(
-    model,
+@click.option("--modes", help="Comma-separated subset of: " + ", ".join(MODES) + " (default: all).")
+@click.option("--sweep-k", type=INT_LIST, help="Comma-separated draft lengths: also measure ngram-w8a8 vs ngram-float per k.")
+@click.option("-o", "--output", default="bench-out", show_default=True, type=click.Path(file_okay=False), help="Report directory.")
+@json_option
+def e2e(
     artifact,
+    reference,
     synthetic,
     prompts,
     limit,
@@ -51,35 +55,28 @@ def bench(
     ngram_max,
     modes,
     sweep_k,
-    out,
-    verify_step,
-    kernels,
-    tokens,
-    context,
-    repeats,
+    output,
     as_json,
 ):
-    """Measure decoding modes side by side (float vs W8A8, n-gram, layer-skip, HF prompt lookup, pruned verifier)."""
-    from .. import bench as micro
-    from .. import report as report_writer
-    from ..benchmark import BenchSettings, benchmark
-    from ..calibration.data import BUILTIN
+    """Every decoding mode on the same prompts, interleaved prompt by prompt (float vs W8A8 verifier, n-gram, layer-skip...)."""
+    import tempfile
 
-    if verify_step:
-        result = micro.verify_step(synthetic or "qwen3-0.6b", tokens, context, repeats, progress=not as_json)
-        click.echo(json.dumps(result.to_dict(), indent=2) if as_json else micro.describe_verify_step(result))
-        return
-    if kernels:
-        result = micro.kernels(synthetic or "qwen3-0.6b", repeats=repeats, progress=not as_json)
-        click.echo(json.dumps(result, indent=2) if as_json else micro.describe_kernels(result))
-        return
-    if synthetic and (model or artifact):
-        raise QuasarError("give MODEL and ARTIFACT, or --synthetic, not both")
-    if not synthetic and not (model and artifact):
-        raise QuasarError("give MODEL (float checkpoint) and ARTIFACT (its W8A8 artifact), or --synthetic SHAPE")
+    from ..artifact import open_model
+    from ..bench import report as report_writer
+    from ..bench.contenders import synthetic_contenders, trained_contenders
+    from ..bench.e2e import BenchSettings, benchmark
+    from ..calibration.data import BUILTIN
+    from ..fidelity import reference_of
+
+    if synthetic and (artifact or reference):
+        raise QuasarError("give ARTIFACT (and --reference) or --synthetic, not both")
+    if not synthetic and not artifact:
+        raise QuasarError("give ARTIFACT (a W8A8 artifact; --reference MODEL_DIR for its float checkpoint) or --synthetic SHAPE")
+    if artifact:
+        reference = reference or str(reference_of(open_model(artifact)))
     settings = BenchSettings(
         prompts=str(prompts or BUILTIN["prompts"]),
-        model=model,
+        model=reference,
         artifact=artifact,
         synthetic=synthetic,
         limit=limit,
@@ -88,22 +85,89 @@ def bench(
         num_draft=num_draft,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
-        modes=tuple(m.strip() for m in modes.split(",")) if modes else MODE_NAMES,
-        sweep_k=_int_list(sweep_k) if sweep_k else (),
+        modes=tuple(m.strip() for m in modes.split(",")) if modes else MODES,
+        sweep_k=sweep_k or (),
     )
-    import tempfile
-
-    from ..benchmark import ORT_MODES
-    from ..contenders import synthetic_contenders, trained_contenders
-
     with_hf = "hf-prompt-lookup" in settings.modes
     with tempfile.TemporaryDirectory() as work:
         with_ort = Path(work) if set(ORT_MODES) & set(settings.modes) else None
-        contenders = synthetic_contenders(synthetic, with_hf) if synthetic else trained_contenders(model, artifact, with_hf, with_ort)
+        contenders = synthetic_contenders(synthetic, with_hf) if synthetic else trained_contenders(reference, artifact, with_hf, with_ort)
         result = benchmark(settings, contenders, progress=not as_json)
-    written = report_writer.write(result, out)
+    written = report_writer.write(result, output)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(report_writer.markdown(result))
     click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+@bench.command("verify-step")
+@shape_option
+@click.option("--tokens", default=6, show_default=True, type=click.IntRange(min=1), help="Tokens per step (k+1).")
+@click.option("--context", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens in the cache.")
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1), help="Timed pairs.")
+@json_option
+def verify_step(shape, tokens, context, repeats, as_json):
+    """One verify forward (k+1 tokens, warm cache), float vs W8A8, next to the ideal ratio of weight bytes read."""
+    from ..bench import micro
+
+    result = micro.verify_step(shape, tokens, context, repeats, progress=not as_json)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else micro.describe_verify_step(result))
+
+
+@bench.command("kernels")
+@shape_option
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1), help="Timed repeats (the best counts).")
+@json_option
+def kernels(shape, repeats, as_json):
+    """Each linear size of the shape at decode/verify row counts: float vs int8 kernel, each against the memory-bandwidth bound."""
+    from ..bench import micro
+
+    result = micro.linear_kernels(shape, repeats=repeats, progress=not as_json)
+    click.echo(json.dumps(result, indent=2) if as_json else micro.describe_linear_kernels(result))
+
+
+@bench.group("onnx")
+def onnx() -> None:
+    """The exported ONNX forms on ONNX Runtime (needs the onnx extra)."""
+
+
+@onnx.command("layers")
+@click.option("--size", default=4096, show_default=True, type=click.IntRange(min=1), help="Square linear size.")
+@click.option("--depth", default=4, show_default=True, type=click.IntRange(min=1), help="Distinct layers chained.")
+@click.option("--rows", default="1,6,64", show_default=True, type=INT_LIST, help="Comma-separated M (rows of the input).")
+@threads_option
+@onnx_repeats_option
+def onnx_layers(size, depth, rows, threads, repeats):
+    """The exported W8A8 linear vs a float32 MatMul of the same shape, and whether its integer accumulation is exact."""
+    from ..bench.onnx import layers
+
+    for line in layers(size, depth, rows, threads, repeats):
+        click.echo(line)
+
+
+@onnx.command("step")
+@shape_option
+@click.option("--tokens", default=6, show_default=True, type=click.IntRange(min=1), help="Tokens per verify step (k+1).")
+@click.option("--context", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens in the cache.")
+@threads_option
+@onnx_repeats_option
+def onnx_step(shape, tokens, context, threads, repeats):
+    """Whole decoder graphs, float vs W8A8: a k+1-token verify and a one-token decode on a warm cache."""
+    from ..bench.onnx import step
+
+    for line in step(shape, tokens, context, threads, repeats):
+        click.echo(line)
+
+
+@onnx.command("fidelity")
+@click.argument("exported", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--steps", default=64, show_default=True, type=click.IntRange(min=1), help="Greedy tokens compared.")
+@threads_option
+def onnx_fidelity(exported, source, steps, threads):
+    """An EXPORTED directory on ONNX Runtime against the torch decoder of SOURCE (the artifact or checkpoint it was exported from)."""
+    from ..bench.onnx import fidelity
+
+    for line in fidelity(exported, source, steps, threads):
+        click.echo(line)

@@ -10,7 +10,7 @@ import click
 @click.option("--max-new-tokens", default=96, show_default=True, type=click.IntRange(min=1))
 def demo(limit, max_new_tokens):
     """The shipped demo model: calibrate (cached), stream a W8A8 generation, compare n-gram on float vs W8A8."""
-    from ..demo_run import describe, run_demo
+    from ..demo.run import describe, run_demo
 
     def echo(text: str) -> None:
         click.echo(text, nl=False)

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .artifact import open_model
-from .backends.torch_backend import TorchCausalLM
-from .benchmark import Contenders
-from .demo import demo_model_path
-from .engine import Engine, load
-from .errors import QuasarError
-from .kernels import default_float_kernel, default_int8_kernel
+from ..artifact import open_model
+from ..backends.torch_backend import TorchCausalLM
+from ..demo import demo_model_path
+from ..engine import Engine, load
+from ..errors import QuasarError
+from ..kernels import default_float_kernel, default_int8_kernel
+from ..tokenizer import load_tokenizer
 from .synthetic import synthetic_decoders
-from .tokenizer import load_tokenizer
+
+
+@dataclass
+class Contenders:
+    """What the modes run on: two engines (float and W8A8 verifier) and, when available, the HF float model."""
+
+    float_engine: object
+    w8a8_engine: object
+    hf_model: object | None
+    weights: str  # "trained" or "synthetic weights"
+    pruned_layers: frozenset[int] = field(default_factory=frozenset)
+    ort_engines: dict[str, object] = field(default_factory=dict)  # "float" / "w8a8": engines on exported ONNX graphs
 
 
 def _hf_model_from(path: Path):
@@ -25,8 +37,8 @@ def _hf_model_from(path: Path):
 
 def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[str, Engine]:
     """Both models exported to ONNX under ``workdir`` and served by the onnxruntime backend ({} without onnxruntime)."""
-    from .backends.base import BACKENDS
-    from .export import export
+    from ..backends.base import BACKENDS
+    from ..export import export
 
     if BACKENDS["onnxruntime"][1]() is not None:
         return {}

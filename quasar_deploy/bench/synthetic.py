@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .adapters import DecoderSpec
-from .errors import QuasarError
-from .model import Decoder
-from .scheme import quantize_weight
+from ..adapters import DecoderSpec
+from ..errors import QuasarError
+from ..model import Decoder
+from ..scheme import quantize_weight
 
 SHAPES = {
     # name: hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied embeddings (published configs)

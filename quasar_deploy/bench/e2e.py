@@ -12,36 +12,17 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from .backends.torch_backend import TorchCausalLM
-from .errors import QuasarError
-
-MODES = (
-    "ar-float",
-    "ar-w8a8",
-    "ngram-float",
-    "ngram-w8a8",
-    "layerskip-float",
-    "layerskip-w8a8",
-    "hf-prompt-lookup",
-    "pruned-verify",
-    "ar-float-ort",
-    "ngram-float-ort",
-    "ngram-w8a8-ort",
-)
-ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort")
-LOSSLESS_PAIRS = (
-    ("ngram-float", "ar-float"),
-    ("layerskip-float", "ar-float"),
-    ("ngram-w8a8", "ar-w8a8"),
-    ("layerskip-w8a8", "ar-w8a8"),
-    ("ngram-float-ort", "ar-float-ort"),
-)
+from ..backends.torch_backend import TorchCausalLM
+from ..engine import GenerationStats
+from ..errors import QuasarError
+from .contenders import Contenders
+from .modes import LOSSLESS_PAIRS, MODES, ORT_MODES, drafter_and_precision
 
 
 @dataclass
@@ -65,26 +46,12 @@ class BenchSettings:
 
 @dataclass
 class Run:
+    """One mode on one prompt. ``stats`` is the engine's record of its decode loop; transformers' prompt lookup keeps none."""
+
     tokens: list[int]
     tokens_per_s: float
     wall_s: float
-    acceptance_length: float | None = None
-    verify_steps: int = 0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-
-
-@dataclass
-class Contenders:
-    """What the modes run on: two engines (float and W8A8 verifier) and, when available, the HF float model."""
-
-    float_engine: object
-    w8a8_engine: object
-    hf_model: object | None
-    weights: str  # "trained" or "synthetic weights"
-    pruned_layers: frozenset[int] = field(default_factory=frozenset)
-    ort_engines: dict[str, object] = field(default_factory=dict)  # "float" / "w8a8": engines on exported ONNX graphs
+    stats: GenerationStats | None = None
 
 
 def read_prompts(path: str | Path, limit: int) -> list[str]:
@@ -139,8 +106,7 @@ def _engine_run(engine, ids: list[int], settings: BenchSettings, draft: str, **e
     if draft == "layerskip":
         options["skip_fraction"] = settings.skip_fraction
     result = engine.generate(ids, **options)
-    s = result.stats
-    return Run(result.tokens, s.tokens_per_s, s.wall_s, s.acceptance_length, s.verify_steps, s.prefill_s, s.draft_s, s.verify_s)
+    return Run(result.tokens, result.stats.tokens_per_s, result.stats.wall_s, result.stats)
 
 
 def _hf_run(model, ids: list[int], settings: BenchSettings, eos: list[int]) -> Run:
@@ -165,15 +131,15 @@ def run_mode(mode: str, contenders: Contenders, ids: list[int], settings: BenchS
     if mode == "hf-prompt-lookup":
         return _hf_run(contenders.hf_model, ids, settings, sorted(contenders.float_engine.stop_ids) or [0])
     if mode in ORT_MODES:
-        kind, precision, _ = mode.split("-")
-        return _engine_run(contenders.ort_engines[precision], ids, settings, {"ar": "none"}.get(kind, kind))
+        drafter, precision = drafter_and_precision(mode)
+        return _engine_run(contenders.ort_engines[precision], ids, settings, drafter)
     if mode == "pruned-verify":
         engine = contenders.float_engine
         pruned = type(engine)(PrunedLM(engine.lm, contenders.pruned_layers), engine.tokenizer, engine.stop_ids, engine.backend)
         return _engine_run(pruned, ids, settings, "ngram")
-    kind, precision = mode.split("-")
+    drafter, precision = drafter_and_precision(mode)
     engine = contenders.float_engine if precision == "float" else contenders.w8a8_engine
-    return _engine_run(engine, ids, settings, {"ar": "none"}.get(kind, kind))
+    return _engine_run(engine, ids, settings, drafter)
 
 
 def _median(values: list[float]) -> float | None:
@@ -182,20 +148,21 @@ def _median(values: list[float]) -> float | None:
 
 def _summary(runs: list[Run], baseline: dict[str, list[Run]]) -> dict:
     tps = [r.tokens_per_s for r in runs]
-    steps = sum(r.verify_steps for r in runs)
+    loops = [r.stats for r in runs if r.stats is not None]
+    steps = sum(s.verify_steps for s in loops)
     wall = sum(r.wall_s for r in runs)
     figures = {
         "tokens_per_s": statistics.median(tps),
         "tokens_per_s_min": min(tps),
         "tokens_per_s_max": max(tps),
-        "acceptance_length": statistics.mean([r.acceptance_length for r in runs]) if runs[0].acceptance_length is not None else None,
-        "acceptance_lengths": [r.acceptance_length for r in runs],
-        "verify_step_ms": 1000 * sum(r.verify_s for r in runs) / steps if steps else None,
+        "acceptance_length": statistics.mean(s.acceptance_length for s in loops) if loops else None,
+        "acceptance_lengths": [r.stats.acceptance_length if r.stats else None for r in runs],
+        "verify_step_ms": 1000 * sum(s.verify_s for s in loops) / steps if steps else None,
         "time_share": {
-            "prefill": sum(r.prefill_s for r in runs) / wall,
-            "draft": sum(r.draft_s for r in runs) / wall,
-            "verify": sum(r.verify_s for r in runs) / wall,
-            "overhead": max(0.0, 1 - sum(r.prefill_s + r.draft_s + r.verify_s for r in runs) / wall),
+            "prefill": sum(s.prefill_s for s in loops) / wall,
+            "draft": sum(s.draft_s for s in loops) / wall,
+            "verify": sum(s.verify_s for s in loops) / wall,
+            "overhead": max(0.0, 1 - sum(s.prefill_s + s.draft_s + s.verify_s for s in loops) / wall),
         }
         if steps
         else None,
@@ -219,7 +186,7 @@ def environment() -> dict:
     import tokenizers
     import transformers
 
-    from .doctor import report
+    from ..doctor import report
 
     info = report()
     info.update(transformers=transformers.__version__, tokenizers=tokenizers.__version__, platform=platform.platform())
@@ -282,7 +249,7 @@ def sweep_k(settings: BenchSettings, contenders: Contenders, encoded: list[list[
                 "ngram_float_tokens_per_s": statistics.median(f.tokens_per_s for f, _ in pairs),
                 "ngram_w8a8_tokens_per_s": statistics.median(q.tokens_per_s for _, q in pairs),
                 "speedup": statistics.median(q.tokens_per_s / f.tokens_per_s for f, q in pairs),
-                "acceptance_length_w8a8": statistics.mean(q.acceptance_length for _, q in pairs),
+                "acceptance_length_w8a8": statistics.mean(q.stats.acceptance_length for _, q in pairs),
             }
         )
     return rows

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from .kernels import default_float_kernel, default_int8_kernel
-from .model import Decoder
+from ..kernels import default_float_kernel, default_int8_kernel
+from ..model import Decoder
 from .synthetic import synthetic_decoders
 
 
@@ -140,14 +140,14 @@ def _time_all(fns, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 6, 8, 16), repeats: int = 5, progress: bool = True) -> dict:
+def linear_kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 6, 8, 16), repeats: int = 5, progress: bool = True) -> dict:
     """Each distinct linear size of ``shape``: float vs W8A8 kernel time per M, and both as a fraction of the bandwidth bound.
 
     Enough distinct weight copies are cycled (>= 256 MB of float weights) that every call
     streams its weights from memory, as in a real decode step.
     """
-    from .kernels import float_linear, int8_linear
-    from .scheme import quantize_weight
+    from ..kernels import float_linear, int8_linear
+    from ..scheme import quantize_weight
     from .synthetic import synthetic_spec
 
     spec = synthetic_spec(shape)
@@ -203,7 +203,7 @@ def kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 6, 8, 1
     }
 
 
-def describe_kernels(result: dict) -> str:
+def describe_linear_kernels(result: dict) -> str:
     lines = [
         f"linear kernels at {result['shape']} sizes; float {result['float_kernel']}, int8 {result['int8_kernel']}, "
         f"{result['threads']} threads; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s",

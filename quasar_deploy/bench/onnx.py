@@ -1,4 +1,4 @@
-"""Timing the exported ONNX forms on ONNX Runtime: ``python -m quasar_deploy.export.onnx_bench``.
+"""Timing the exported ONNX forms on ONNX Runtime: ``quasar-deploy bench onnx layers|step|fidelity``.
 
 ``layers``: the exported W8A8 linear (``onnx_graph.w8a8_linear``) against a float32 MatMul of the
 same shape, a chain of distinct weights (ORT shares identical initializers, which would put
@@ -7,27 +7,34 @@ every layer's weights in cache), plus a check that the integer accumulation is e
 exact reference int8 kernel (or float), teacher-forced logits and greedy continuations.
 ``step``: whole decoder graphs of a published shape with synthetic weights, float vs W8A8,
 timing a k+1-token verify and a one-token decode on a warm cache. Numbers are per call,
-median of the repeats; docs/onnx.md records what they gave here.
+median of the repeats; docs/onnx.md records what they gave here. Each yields its report line by
+line, since a run takes minutes.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper
 
+from ..errors import QuasarError
+
+try:
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+except ImportError:
+    raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
+
+from ..export.onnx import save_graph
+from ..export.onnx_graph import OPSET, GraphBuilder, decoder_graph, w8a8_linear
 from ..scheme import quantize_weight, reference_linear
-from ..synthetic import synthetic_decoders
-from .onnx import save_graph
-from .onnx_graph import OPSET, GraphBuilder, decoder_graph, w8a8_linear
+from .synthetic import synthetic_decoders
 
 
 def _session(model_or_path: Path | onnx.ModelProto, threads: int) -> ort.InferenceSession:
@@ -64,7 +71,7 @@ def _chain(weights: list[tuple[torch.Tensor, torch.Tensor]], quantized: bool) ->
     )
 
 
-def layers(size: int, depth: int, rows: list[int], threads: int, repeats: int) -> None:
+def layers(size: int, depth: int, rows: tuple[int, ...], threads: int, repeats: int) -> Iterator[str]:
     torch.manual_seed(0)
     weights = [quantize_weight(torch.randn(size, size)) for _ in range(depth)]
     sessions = {"w8a8": _session(_chain(weights, True), threads), "fp32": _session(_chain(weights, False), threads)}
@@ -72,14 +79,14 @@ def layers(size: int, depth: int, rows: list[int], threads: int, repeats: int) -
     x[:, :16] *= 30  # outlier channels: full-range int8 codes, where AVX2 u8 x s8 kernels would overflow
     one = _session(_chain(weights[:1], True), threads).run(None, {"x": x.numpy()})[0]
     exact = torch.equal(torch.from_numpy(one), reference_linear(x, *weights[0]))
-    print(f"{size}x{size}, {depth} distinct layers, {threads} threads; W8A8 linear bit-exact to scheme.reference_linear: {exact}")
+    yield f"{size}x{size}, {depth} distinct layers, {threads} threads; W8A8 linear bit-exact to scheme.reference_linear: {exact}"
     for m in rows:
         feed = {"x": np.random.default_rng(m).standard_normal((m, size), dtype=np.float32)}
         t = {k: _median_ms(s, feed, repeats) / depth for k, s in sessions.items()}
-        print(f"M={m:<4d} fp32 MatMul {t['fp32']:8.3f} ms/layer   W8A8 {t['w8a8']:8.3f} ms/layer   speed-up {t['fp32'] / t['w8a8']:.2f}x")
+        yield f"M={m:<4d} fp32 MatMul {t['fp32']:8.3f} ms/layer   W8A8 {t['w8a8']:8.3f} ms/layer   speed-up {t['fp32'] / t['w8a8']:.2f}x"
 
 
-def step(shape: str, tokens: int, context: int, threads: int, repeats: int) -> None:
+def step(shape: str, tokens: int, context: int, threads: int, repeats: int) -> Iterator[str]:
     float_model, w8a8_model = synthetic_decoders(shape)
     spec = float_model.spec
     rng = np.random.default_rng(0)
@@ -102,7 +109,7 @@ def step(shape: str, tokens: int, context: int, threads: int, repeats: int) -> N
                     **cache,
                 }
                 ms = _median_ms(sess, feed, repeats)
-                print(f"{shape} {label}: {n} token(s) on a {context}-token cache: {ms:8.1f} ms")
+                yield f"{shape} {label}: {n} token(s) on a {context}-token cache: {ms:8.1f} ms"
 
 
 def _greedy(lm, prompt: list[int], steps: int) -> list[int]:
@@ -113,7 +120,7 @@ def _greedy(lm, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-def fidelity(exported: Path, source: Path, steps: int, threads: int) -> None:
+def fidelity(exported: Path, source: Path, steps: int, threads: int) -> Iterator[str]:
     from ..backends.onnxruntime import load_onnx
     from ..backends.torch_backend import load_cpu
     from ..tokenizer import load_tokenizer
@@ -130,41 +137,10 @@ def fidelity(exported: Path, source: Path, steps: int, threads: int) -> None:
         a, b = onnx_lm.verify(ids), torch_lm.verify(ids)
         diff = (a - b).abs().max().item()
         top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-        print(
+        yield (
             f"{len(ids)} positions: max |logit diff| {diff:.3e} (max |logit| {b.abs().max().item():.1f}), "
             f"top-1 agreement {top1:.4f}, greedy identical for {same}/{steps} tokens"
         )
 
 
 FIDELITY_PROMPTS = ("Once upon a time there was a little", "The capital of France is", "def fibonacci(n):")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("layers")
-    p.add_argument("--size", type=int, default=4096)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 6, 64])
-    p = sub.add_parser("step")
-    p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--tokens", type=int, default=6)
-    p.add_argument("--context", type=int, default=128)
-    p = sub.add_parser("fidelity")
-    p.add_argument("exported", type=Path)
-    p.add_argument("source", type=Path, help="the artifact (or float checkpoint) that was exported")
-    p.add_argument("--steps", type=int, default=64)
-    for p in sub.choices.values():
-        p.add_argument("--threads", type=int, default=2)
-        p.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
-    if args.what == "layers":
-        layers(args.size, args.depth, args.rows, args.threads, args.repeats)
-    elif args.what == "fidelity":
-        fidelity(args.exported, args.source, args.steps, args.threads)
-    else:
-        step(args.shape, args.tokens, args.context, args.threads, args.repeats)
-
-
-if __name__ == "__main__":
-    main()

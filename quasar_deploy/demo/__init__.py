@@ -21,12 +21,12 @@ def demo_model_path(variant: str = "plain") -> Path:
     ``variant="outlier"``: the same function with planted activation outliers
     (``quasar_deploy.outliers``), built on first use in the cache, never shipped.
     """
-    plain = Path(__file__).resolve().parent / "demo_model"
+    plain = Path(__file__).resolve().parent.parent / "demo_model"
     if variant == "plain":
         return plain
     if variant != "outlier":
         raise ValueError(f"unknown demo model variant {variant!r}; choose from {VARIANTS}")
-    from .outliers import write_outlier_variant
+    from ..outliers import write_outlier_variant
 
     tag = hashlib.sha256((plain / "model.safetensors").read_bytes()).hexdigest()[:12]
     path = cache_dir() / f"demo-outlier-{tag}"
@@ -42,8 +42,8 @@ def demo_artifact(progress: bool = True) -> Path:
     """The demo model's W8A8 artifact, calibrated once and cached; recalibrated when the model or recipe changes."""
     import json
 
-    from ._version import __version__
-    from .calibration import calibrate
+    from .._version import __version__
+    from ..calibration import calibrate
 
     plain = demo_model_path()
     key = hashlib.sha256((plain / "model.safetensors").read_bytes() + json.dumps([DEMO_RECIPE, __version__]).encode()).hexdigest()[:12]

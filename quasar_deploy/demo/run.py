@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .bench import VerifyStepResult, verify_step
-from .benchmark import BenchSettings, benchmark
-from .calibration.data import BUILTIN, read_texts
-from .contenders import trained_contenders
-from .demo import demo_artifact, demo_model_path
-from .engine import Engine
-from .fidelity import Fidelity, evaluate
+from ..bench.contenders import trained_contenders
+from ..bench.e2e import BenchSettings, benchmark
+from ..bench.micro import VerifyStepResult, verify_step
+from ..calibration.data import BUILTIN, read_texts
+from ..engine import Engine
+from ..fidelity import Fidelity, evaluate
+from . import demo_artifact, demo_model_path
 
 STREAMED_PROMPT = "import os\n\n\ndef list_python_files(root):\n"
 

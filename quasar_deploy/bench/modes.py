@@ -1,0 +1,36 @@
+"""The end-to-end benchmark's mode names, read off the drafter table so that ``--modes`` help lists them without torch.
+
+A mode is ``<drafter>-<precision>`` on the cpu backend (drafter "none" reads "ar", for
+autoregressive), the same with ``-ort`` on exported ONNX graphs, or one of the two
+comparisons that are not a drafter on our engine (transformers' prompt lookup, a pruned verifier).
+"""
+
+from __future__ import annotations
+
+from ..speculative.registry import DRAFTERS
+
+PRECISIONS = ("float", "w8a8")
+# a draft model is a second checkpoint, which the benchmark does not take
+_DRAFTERS = tuple(name for name in DRAFTERS if name != "model")
+_AR = "ar"
+
+ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort")
+MODES = (
+    *(f"{_AR if drafter == 'none' else drafter}-{precision}" for drafter in _DRAFTERS for precision in PRECISIONS),
+    "hf-prompt-lookup",
+    "pruned-verify",
+    *ORT_MODES,
+)
+LOSSLESS_PAIRS = (
+    ("ngram-float", "ar-float"),
+    ("layerskip-float", "ar-float"),
+    ("ngram-w8a8", "ar-w8a8"),
+    ("layerskip-w8a8", "ar-w8a8"),
+    ("ngram-float-ort", "ar-float-ort"),
+)
+
+
+def drafter_and_precision(mode: str) -> tuple[str, str]:
+    """``"ar-w8a8"`` -> ``("none", "w8a8")``, ``"ngram-float-ort"`` -> ``("ngram", "float")``: what the engine is asked for."""
+    kind, precision = mode.split("-")[:2]
+    return "none" if kind == _AR else kind, precision

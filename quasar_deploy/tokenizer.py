@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import QuasarError
+from .files import first_line
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -13,4 +14,4 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types for a missing or custom tokenizer
-        raise QuasarError(f"{path}: cannot load the tokenizer ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
+        raise QuasarError(f"{path}: cannot load the tokenizer ({exc.__class__.__name__}: {first_line(exc)})") from None

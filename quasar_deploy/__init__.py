@@ -19,6 +19,7 @@ from .errors import QuasarError
 
 _API = {
     "calibrate": "quasar_deploy.calibration",
+    "CalibrationRecipe": "quasar_deploy.calibration",
     "demo_model_path": "quasar_deploy.demo",
     "load": "quasar_deploy.engine",
     "Engine": "quasar_deploy.engine",

@@ -18,13 +18,7 @@ write leaves nothing that loads):
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,22 +28,13 @@ from safetensors.torch import save_file
 from .adapters import DecoderSpec, check_tensor_shapes, decoder_spec
 from .checkpoint import Checkpoint
 from .errors import QuasarError
+from .files import atomic_directory, copy_files, sha256_files
 from .model import Decoder
 from .scheme import W8A8Scheme
 
 FORMAT_VERSION = 1
 MANIFEST = "quasar.json"
 WEIGHTS = "model.safetensors"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 
 
 def compressed_tensors_config(scheme: W8A8Scheme, ignore: list[str]) -> dict:
@@ -78,39 +63,9 @@ def compressed_tensors_config(scheme: W8A8Scheme, ignore: list[str]) -> dict:
     }
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@contextmanager
-def atomic_directory(output: Path) -> Iterator[Path]:
-    """A temp dir beside ``output`` that becomes ``output`` in one rename on success and vanishes on any failure."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{output.name}-", dir=output.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def copy_files(source: Path, target: Path, names: tuple[str, ...] = TOKENIZER_FILES) -> None:
-    for name in names:
-        if (source / name).is_file():
-            shutil.copy2(source / name, target / name)
-
-
 def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W8A8Scheme, manifest: dict) -> Path:
     """Write atomically; ``output`` must not exist yet (we never overwrite a user's files)."""
     output = Path(output)
-    if output.exists():
-        raise QuasarError(f"{output}: already exists; choose a new --output or remove it first")
     with atomic_directory(output) as tmp:
         source_dtype = getattr(torch, source.config.get("torch_dtype") or source.config.get("dtype") or "float32", torch.float32)
         tensors: dict[str, torch.Tensor] = {}
@@ -127,7 +82,7 @@ def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W
         config["quantization_config"] = compressed_tensors_config(scheme, ignore)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_files(source.path, tmp)
-        manifest = {"format_version": FORMAT_VERSION, **manifest, "weights_sha256": sha256_file(tmp / WEIGHTS)}
+        manifest = {"format_version": FORMAT_VERSION, **manifest, "weights_sha256": sha256_files(tmp / WEIGHTS)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return output
 
@@ -177,7 +132,7 @@ def open_model(path: str | Path, verify: bool = True) -> ModelFiles:
             raise QuasarError(
                 f"{manifest_file}: artifact format {manifest.get('format_version')!r}, this quasar-deploy reads {FORMAT_VERSION}"
             )
-        if verify and sha256_file(checkpoint.path / WEIGHTS) != manifest.get("weights_sha256"):
+        if verify and sha256_files(checkpoint.path / WEIGHTS) != manifest.get("weights_sha256"):
             raise QuasarError(f"{checkpoint.path / WEIGHTS}: checksum mismatch (corrupted or modified artifact)")
     spec = decoder_spec(checkpoint.config, checkpoint.names)
     check_tensor_shapes(spec, checkpoint.shapes)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import QuasarError
+from .files import sha256_files
 
 
 class Checkpoint:
@@ -59,9 +59,4 @@ class Checkpoint:
 
     def fingerprint(self) -> str:
         """sha256 over config and weight files, so an artifact names exactly what it came from."""
-        digest = hashlib.sha256((self.path / "config.json").read_bytes())
-        for file in self.files:
-            with open(file, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(block)
-        return digest.hexdigest()
+        return sha256_files(self.path / "config.json", *self.files)

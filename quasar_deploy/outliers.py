@@ -11,7 +11,6 @@ model computes exactly the same logits; the quantizer sees outliers of size f.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,8 +18,7 @@ from safetensors.torch import save_file
 
 from .adapters import decoder_spec
 from .checkpoint import Checkpoint
-
-COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+from .files import atomic_directory, copy_files
 
 
 def outlier_tensors(checkpoint: Checkpoint, factor: float = 64.0, hidden_channels: int = 4, inner_channels: int = 8, seed: int = 0) -> dict:
@@ -50,18 +48,12 @@ def write_outlier_variant(source: str | Path, output: str | Path, factor: float 
     """A float32 HF checkpoint at ``output`` computing the same function as ``source``, with outlier channels."""
     checkpoint = Checkpoint(source)
     output = Path(output)
-    tmp = output.with_name(f".tmp-{output.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors = outlier_tensors(checkpoint, factor)
     if checkpoint.config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = dict(checkpoint.config, torch_dtype="float32", dtype="float32")
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    for name in COPIED:
-        if (checkpoint.path / name).is_file():
-            shutil.copy2(checkpoint.path / name, tmp / name)
-    shutil.rmtree(output, ignore_errors=True)
-    tmp.rename(output)
+    with atomic_directory(output) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = dict(checkpoint.config, torch_dtype="float32", dtype="float32")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        copy_files(checkpoint.path, tmp)
     return output

@@ -10,12 +10,13 @@ GEMM: int8 x int8 with exact integer accumulation, then
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 QMAX = 127
 ActivationMode = Literal["dynamic", "static"]
+ACTIVATION_MODES: tuple[str, ...] = get_args(ActivationMode)
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class W8A8Scheme:
     activation: ActivationMode = "dynamic"
 
     def __post_init__(self) -> None:
-        if self.activation not in ("dynamic", "static"):
+        if self.activation not in ACTIVATION_MODES:
             raise ValueError(f"activation must be 'dynamic' or 'static', not {self.activation!r}")
 
     def to_dict(self) -> dict:

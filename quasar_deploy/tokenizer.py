@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .errors import QuasarError
+from .files import first_line
 
 # Any one of these is a tokenizer; without them transformers quietly builds a useless one-token tokenizer.
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -29,7 +30,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types for a missing or custom tokenizer
-        raise QuasarError(f"{path}: cannot load the tokenizer ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
+        raise QuasarError(f"{path}: cannot load the tokenizer ({exc.__class__.__name__}: {first_line(exc)})") from None
     vocab_size = _model_vocab_size(path)
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise QuasarError(

@@ -1,13 +1,17 @@
 """Calibration end to end on tiny random checkpoints: the artifact, its numerics, and what smoothing buys."""
 
 import json
+from dataclasses import FrozenInstanceError
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+import quasar_deploy
 from quasar_deploy import QuasarError, calibrate
 from quasar_deploy.artifact import open_model
+from quasar_deploy.calibration import CalibrationRecipe
 from quasar_deploy.outliers import write_outlier_variant
 
 FAST = dict(num_samples=8, seq_len=64, progress=False)
@@ -143,3 +147,77 @@ def test_calibration_data_formats(tiny_qwen3, tmp_path, filename, content):
     data.write_text(content)
     artifact = calibrate(tiny_qwen3, tmp_path / "out", calib_data=data, **FAST)
     assert artifact.manifest["calibration"]["samples"] >= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(alpha="high"), "--alpha must be 'auto', 'off' or a number in [0, 1], not 'high'"),
+        (dict(alpha=None), "--alpha must be 'auto', 'off' or a number in [0, 1], not None"),
+        (dict(alpha=1.5), "--alpha must be in [0, 1], not 1.5"),
+        (dict(alpha="-0.1"), "--alpha must be in [0, 1], not -0.1"),
+        (dict(activation="per-channel"), "--activation must be 'dynamic' or 'static', not 'per-channel'"),
+        (dict(num_samples=0), "--num-samples must be an integer >= 1, not 0"),
+        (dict(seq_len=1.5), "--seq-len must be an integer >= 2, not 1.5"),
+        (dict(keep_float="*.down_proj"), "--keep-float must be a sequence of glob patterns, not '*.down_proj'"),
+        (dict(keep_float_above="high"), "--keep-float-above must be a number, not 'high'"),
+    ],
+)
+def test_recipe_validation_names_the_flag(kwargs, message):
+    with pytest.raises(QuasarError) as info:
+        CalibrationRecipe(**kwargs)
+    assert str(info.value) == message
+
+
+def test_recipe_normalizes_what_the_cli_and_callers_pass():
+    recipe = CalibrationRecipe(alpha="0.5", keep_float=["*.down_proj"], calib_data=Path("c.jsonl"))
+    assert recipe == CalibrationRecipe(alpha=0.5, keep_float=("*.down_proj",), calib_data="c.jsonl")
+    assert recipe.to_dict() == {
+        "alpha": 0.5,
+        "activation": "dynamic",
+        "num_samples": 64,
+        "seq_len": 512,
+        "keep_float": ["*.down_proj"],
+        "keep_float_above": None,
+        "calib_data": "c.jsonl",
+    }
+    assert CalibrationRecipe(activation="static").scheme.activation == "static"
+    assert quasar_deploy.CalibrationRecipe is CalibrationRecipe
+    with pytest.raises(FrozenInstanceError):
+        recipe.alpha = 1.0
+
+
+def test_recipe_and_keywords_together_are_refused(tiny_qwen3, tmp_path):
+    with pytest.raises(QuasarError, match=r"a recipe or its fields as keywords, not both \(got recipe= and alpha\)$"):
+        calibrate(tiny_qwen3, tmp_path / "out", recipe=CalibrationRecipe(), alpha="off", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_recipe_form_and_keyword_form_write_the_same_artifact(tiny_qwen3, tmp_path):
+    keywords = dict(num_samples=4, seq_len=32, alpha="0.5", activation="static", keep_float=["*.down_proj"], keep_float_above=0.5)
+    by_keywords = calibrate(tiny_qwen3, output=tmp_path / "keywords", progress=False, **keywords)
+    by_recipe = calibrate(tiny_qwen3, tmp_path / "recipe", recipe=CalibrationRecipe(**keywords), progress=False)
+    manifests = [{k: v for k, v in a.manifest.items() if k != "created"} for a in (by_keywords, by_recipe)]
+    assert manifests[0] == manifests[1]
+    assert manifests[0]["recipe"] == {
+        "scheme": {"activation": "static"},
+        "alpha": 0.5,
+        "alpha_grid": None,
+        "num_samples": 4,
+        "seq_len": 32,
+        "keep_float": ["*.down_proj"],
+        "keep_float_above": 0.5,
+    }
+
+
+def test_demo_cache_key_follows_the_recipe(monkeypatch, tmp_path):
+    import quasar_deploy.calibration
+    from quasar_deploy import demo
+
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
+    used = []
+    monkeypatch.setattr(quasar_deploy.calibration, "calibrate", lambda model, output, recipe, progress: used.append((output, recipe)))
+    default = demo.demo_artifact(progress=False)
+    assert used == [(default, demo.demo_recipe())]
+    monkeypatch.setattr(demo, "demo_recipe", lambda: CalibrationRecipe(num_samples=8, seq_len=256))
+    assert demo.demo_artifact(progress=False) != default

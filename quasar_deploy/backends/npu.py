@@ -32,6 +32,7 @@ from torch import nn
 
 from ..artifact import ModelFiles, open_model
 from ..errors import QuasarError
+from ..files import first_line
 from ..kernels import float_linear
 from ..model import Decoder, Linear
 from ..scheme import QMAX
@@ -55,11 +56,6 @@ def _cann_home() -> Path | None:
     return CANN_DEFAULT if CANN_DEFAULT.is_dir() else None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def unavailable() -> str | None:
     """Why the NPU backend cannot run here, in one line; never imports torch_npu unless it and CANN are present."""
     if importlib.util.find_spec("torch_npu") is None:
@@ -69,7 +65,7 @@ def unavailable() -> str | None:
     try:
         torch_npu = importlib.import_module("torch_npu")
     except (ImportError, OSError) as exc:
-        return f"torch_npu does not import ({_first_line(exc)})"
+        return f"torch_npu does not import ({first_line(exc)})"
     if not torch_npu.npu.is_available() or torch_npu.npu.device_count() == 0:
         return "no NPU device (torch_npu sees none; check the driver and ASCEND_RT_VISIBLE_DEVICES)"
     return None
@@ -80,7 +76,7 @@ def torch_npu_module() -> ModuleType:
     try:
         return importlib.import_module("torch_npu")
     except (ImportError, OSError) as exc:
-        raise QuasarError(f"torch_npu cannot be imported: {_first_line(exc)}") from None
+        raise QuasarError(f"torch_npu cannot be imported: {first_line(exc)}") from None
 
 
 def npu_int8_linear(

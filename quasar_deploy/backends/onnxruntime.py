@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import QuasarError
+from ..files import first_line
 from .base import register
 
 CONFIG_FILE = "genai_config.json"
@@ -168,8 +169,7 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     try:
         session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=providers)
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...) for a bad file
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise QuasarError(f"{path}: ONNX Runtime cannot load the graph ({first_line})") from None
+        raise QuasarError(f"{path}: ONNX Runtime cannot load the graph ({first_line(exc)})") from None
     return OnnxCausalLM(session, config, session.get_providers()[0])
 
 

@@ -70,3 +70,11 @@ def token_samples(tokenizer, texts: list[str], num_samples: int, seq_len: int) -
 
 def fingerprint(samples: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(samples).encode()).hexdigest()
+
+
+def calibration_samples(tokenizer, path: str | Path | None, num_samples: int, seq_len: int) -> list[list[int]]:
+    """``token_samples`` of the calibration set; a set with no usable sample fails here, before the model loads."""
+    samples = token_samples(tokenizer, read_texts(path), num_samples, seq_len)
+    if not samples:
+        raise QuasarError(f"{path or 'built-in calibration set'}: no sample of at least 2 tokens")
+    return samples

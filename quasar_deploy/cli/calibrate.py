@@ -18,20 +18,19 @@ import click
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own tokenizer code to run.")
 def calibrate(model_dir, output, calib_data, num_samples, seq_len, alpha, activation, keep_float, keep_float_above, trust_remote_code):
     """Calibrate MODEL_DIR (a local HF checkpoint) into a W8A8 artifact."""
+    from ..calibration import CalibrationRecipe
     from ..calibration import calibrate as run
 
-    artifact = run(
-        model_dir,
-        output=output,
-        calib_data=calib_data,
-        num_samples=num_samples,
-        seq_len=seq_len,
+    recipe = CalibrationRecipe(
         alpha=alpha,
         activation=activation,
+        num_samples=num_samples,
+        seq_len=seq_len,
         keep_float=keep_float,
         keep_float_above=keep_float_above,
-        trust_remote_code=trust_remote_code,
+        calib_data=calib_data,
     )
+    artifact = run(model_dir, output=output, recipe=recipe, trust_remote_code=trust_remote_code)
     manifest = artifact.manifest
     click.echo(f"\n{'group':<32} {'alpha':>6} {'error before':>13} {'error after':>12}")
     for group in manifest["groups"]:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .calibration import CalibrationRecipe
 
 VARIANTS = ("plain", "outlier")
 
@@ -35,7 +39,11 @@ def demo_model_path(variant: str = "plain") -> Path:
     return path
 
 
-DEMO_RECIPE = {"num_samples": 24, "seq_len": 256, "alpha": "auto", "activation": "dynamic"}
+def demo_recipe() -> CalibrationRecipe:
+    """Built on call, not at import: the recipe's package loads torch, and ``demo_model_path`` must not."""
+    from .calibration import CalibrationRecipe
+
+    return CalibrationRecipe(num_samples=24, seq_len=256, alpha="auto", activation="dynamic")
 
 
 def demo_artifact(progress: bool = True) -> Path:
@@ -46,8 +54,9 @@ def demo_artifact(progress: bool = True) -> Path:
     from ..calibration import calibrate
 
     plain = demo_model_path()
-    key = hashlib.sha256((plain / "model.safetensors").read_bytes() + json.dumps([DEMO_RECIPE, __version__]).encode()).hexdigest()[:12]
+    recipe = demo_recipe()
+    key = hashlib.sha256((plain / "model.safetensors").read_bytes() + json.dumps([recipe.to_dict(), __version__]).encode()).hexdigest()[:12]
     path = cache_dir() / f"demo-w8a8-{key}"
     if not (path / "quasar.json").exists():
-        calibrate(plain, output=path, progress=progress, **DEMO_RECIPE)
+        calibrate(plain, output=path, recipe=recipe, progress=progress)
     return path

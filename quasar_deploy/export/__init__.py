@@ -11,6 +11,7 @@ import importlib
 from pathlib import Path
 
 from ..errors import QuasarError
+from ..files import require_new
 
 TARGETS = {"onnx": "quasar_deploy.export.onnx", "npu": "quasar_deploy.export.npu"}
 
@@ -21,9 +22,7 @@ def export(artifact: str | Path, target: str, output: str | Path, **options) -> 
 
     if target not in TARGETS:
         raise QuasarError(f"unknown export target {target!r}; choose from {', '.join(TARGETS)}")
-    output = Path(output)
-    if output.exists():
-        raise QuasarError(f"{output}: already exists; choose a new --output or remove it first")
+    output = require_new(output)
     files = open_model(artifact)
     module = importlib.import_module(TARGETS[target])
     return module.export(files, output, **options)

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..artifact import ModelFiles, atomic_directory, copy_files
+from ..artifact import ModelFiles
 from ..errors import QuasarError
+from ..files import atomic_directory, copy_files, require_new
 
 DESCRIPTION = "quant_model_description.json"
 WEIGHTS = "quant_model_weights.safetensors"
@@ -113,9 +114,7 @@ def export(files: ModelFiles, output: Path, dtype: str | None = None) -> Path:
     dtype = dtype or default_dtype(files.checkpoint.config)
     if dtype not in EXPORT_DTYPES:
         raise QuasarError(f"--dtype for the npu target must be one of {', '.join(EXPORT_DTYPES)}, not {dtype!r}")
-    output = Path(output)
-    if output.exists():
-        raise QuasarError(f"{output}: already exists; choose a new --output or remove it first")
+    output = require_new(output)
     torch_dtype = EXPORT_DTYPES[dtype]
     activation = files.scheme.activation
     quant_type = QUANT_TYPES[activation]

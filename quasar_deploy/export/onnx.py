@@ -18,7 +18,8 @@ try:
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
-from ..artifact import TOKENIZER_FILES, ModelFiles, atomic_directory, copy_files
+from ..artifact import ModelFiles
+from ..files import TOKENIZER_FILES, atomic_directory, copy_files
 from .onnx_graph import OPSET, decoder_graph
 
 MODEL_FILE = "model.onnx"

@@ -35,7 +35,6 @@ from ..errors import QuasarError
 from ..kernels import float_linear
 from ..model import Decoder, Linear
 from ..scheme import QMAX
-from .base import register
 from .torch_backend import TorchCausalLM
 
 ACL_FORMAT_FRACTAL_NZ = 29
@@ -153,6 +152,3 @@ def load_npu(
     kind = "W8A8" if files.is_artifact else "float"
     scheme = f", {files.scheme.activation} activations" if files.is_artifact else ""
     return TorchCausalLM(decoder, max_length, description=f"npu {kind} ({dtype}{scheme}; npu_quant_matmul, NZ weights)")
-
-
-register("npu", load_npu, unavailable)

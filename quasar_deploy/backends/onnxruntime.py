@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from ..errors import QuasarError
-from .base import register
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {
@@ -171,6 +170,3 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise QuasarError(f"{path}: ONNX Runtime cannot load the graph ({first_line})") from None
     return OnnxCausalLM(session, config, session.get_providers()[0])
-
-
-register("onnxruntime", load_onnx, unavailable)

@@ -28,8 +28,11 @@ class TensorSource(Protocol):
     def tensor(self, name: str) -> torch.Tensor: ...
 
 
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
 class Linear(nn.Module):
-    """A linear layer in float or W8A8 form; ``prepare`` binds the kernel that runs it."""
+    """A linear layer in float or W8A8 form; ``prepare`` binds one of ``kernels.py``'s kernels, ``bind`` any other."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -37,7 +40,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.register_buffer("weight_scale", None)
         self.register_buffer("input_scale", None)
-        self._fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._fn: LinearFn | None = None
 
     @property
     def quantized(self) -> bool:
@@ -67,6 +70,10 @@ class Linear(nn.Module):
             self._fn = int8_linear(self.weight.data, self.weight_scale, bias, self.input_scale, int8_kernel)
         else:
             self._fn = float_linear(self.weight.data, bias, float_kernel)
+
+    def bind(self, fn: LinearFn) -> None:
+        """Run this layer with ``fn`` (2-D input to 2-D output): the hook for kernels that live with their backend (NPU)."""
+        self._fn = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fn is None:
@@ -240,6 +247,10 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare(float_kernel, int8_kernel)
+
+    def move_to(self, device: torch.device | str) -> None:
+        """Move every tensor to ``device`` except meta placeholders (weights a bound kernel already holds on the device)."""
+        self._apply(lambda t: t if t.is_meta else t.to(device))
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.spec, self.dtype, self.inv_freq.device, capacity)

@@ -86,7 +86,7 @@ class GenerationOptions:
             raise QuasarError(f"seed must be an integer, got {self.seed!r}")
         if self.draft != "none" and (isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or self.num_draft < 1):
             raise QuasarError(f"num_draft must be an integer >= 1 (for plain decoding use draft='none'), got {self.num_draft!r}")
-        check_drafter_options(self.draft, {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) != f.default})
+        check_drafter_options(self.draft, [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default])
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> GenerationOptions:

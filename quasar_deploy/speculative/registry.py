@@ -8,7 +8,7 @@ is one module with a factory and one row here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -62,8 +62,8 @@ def drafter_entry(name: str) -> DrafterEntry:
     return DRAFTERS[name]
 
 
-def check_drafter_options(name: str, given: Mapping[str, Any]) -> None:
-    """Refuse options (``given``: the ones set to other than their defaults) that drafter ``name`` does not read."""
+def check_drafter_options(name: str, given: Iterable[str]) -> None:
+    """Refuse any option in ``given`` (those set to other than their defaults) that another drafter owns and ``name`` does not read."""
     reads = drafter_entry(name).options
     for option in given:
         if option in reads:

@@ -16,27 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backends import CausalLM, create_backend
+from .backends import create_backend
 from .errors import QuasarError
-from .speculative import (
-    Drafter,
-    LayerSkipDrafter,
-    LoopStats,
-    ModelDrafter,
-    NgramDrafter,
-    NoDrafter,
-    Sampler,
-    SamplingParams,
-    check_same_vocabulary,
-    choose_skip_layers,
-    speculate,
-)
-from .speculative.layerskip import check_can_skip
-from .speculative.ngram import check_ngram_range
+from .speculative.acceptance import Sampler, SamplingParams
+from .speculative.causal_lm import CausalLM
+from .speculative.draft_model import check_same_vocabulary
+from .speculative.drafters import Drafter
+from .speculative.layerskip import check_can_skip, choose_skip_layers
+from .speculative.loop import LoopStats, speculate
+from .speculative.registry import check_drafter_options, create_drafter, drafter_entry
 from .tokenizer import load_tokenizer
-
-DRAFTERS = ("none", "ngram", "layerskip", "model")
-DEFAULT_SKIP_FRACTION = 0.5
 
 # Short and mixed (prose and code), so the layers chosen for skipping suit whatever the model writes.
 SKIP_CALIBRATION_TEXT = '''The quick brown fox jumps over the lazy dog. A language model predicts the next token from the ones before it.
@@ -65,9 +54,11 @@ Prompt = str | Sequence[Message] | Sequence[int]
 class GenerationOptions:
     """Everything ``generate`` and ``stream`` accept besides the prompt.
 
-    ``draft`` picks the drafter (none, ngram, layerskip, model) and ``num_draft`` its k.
-    ``skip_layers`` (explicit) or ``skip_fraction`` (chosen by measuring top-1 agreement,
-    default 0.5) configure layerskip; ``draft_model`` is the draft model's path.
+    ``draft`` picks the drafter (a name in ``speculative.registry.DRAFTERS``) and ``num_draft``
+    its k (>= 1; plain decoding is ``draft="none"``). ``ngram_min``/``ngram_max`` configure
+    ngram, ``skip_layers`` (explicit) or ``skip_fraction`` (chosen by measuring top-1
+    agreement, default 0.5) layerskip, ``draft_model`` (the draft model's path) model; the
+    registry says which drafter reads which, and setting another drafter's option is an error.
     ``seed`` None draws a fresh seed; the same seed and options reproduce a sampled output.
     """
 
@@ -86,24 +77,16 @@ class GenerationOptions:
     draft_model: str | Path | None = None
 
     def __post_init__(self) -> None:
-        if self.draft not in DRAFTERS:
-            raise QuasarError(f"unknown drafter {self.draft!r}; choose from {', '.join(DRAFTERS)}")
+        drafter_entry(self.draft)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise QuasarError("stop strings must be non-empty strings")
         object.__setattr__(self, "stop", stop)
-        check_ngram_range(self.ngram_min, self.ngram_max)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise QuasarError(f"seed must be an integer, got {self.seed!r}")
-        for name, drafter in (("skip_layers", "layerskip"), ("skip_fraction", "layerskip"), ("draft_model", "model")):
-            if getattr(self, name) is not None and self.draft != drafter:
-                raise QuasarError(f"{name} applies to draft={drafter!r}, not draft={self.draft!r}")
-        if self.skip_layers is not None and self.skip_fraction is not None:
-            raise QuasarError("give skip_layers or skip_fraction, not both")
-        if self.skip_fraction is not None and not (isinstance(self.skip_fraction, int | float) and 0 < self.skip_fraction < 1):
-            raise QuasarError(f"skip_fraction must be in (0, 1), got {self.skip_fraction!r}")
-        if self.draft == "model" and self.draft_model is None:
-            raise QuasarError("draft='model' needs draft_model, the path of a small model with the same tokenizer")
+        if self.draft != "none" and (isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or self.num_draft < 1):
+            raise QuasarError(f"num_draft must be an integer >= 1 (for plain decoding use draft='none'), got {self.num_draft!r}")
+        check_drafter_options(self.draft, [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default])
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> GenerationOptions:
@@ -117,41 +100,71 @@ class GenerationOptions:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
+def _from_loop(name: str) -> property:
+    """A read-only attribute of ``GenerationStats`` answered by its ``LoopStats``, so the two never disagree."""
+    return property(lambda self: getattr(self.loop, name), doc=f"``LoopStats.{name}``")
+
+
 @dataclass(frozen=True)
 class GenerationStats:
-    """``acceptance_length``: mean tokens emitted per verify step (1.0 without drafting; the prefill is not a step).
+    """The loop's own counters plus what only the whole generation knows (tokens after stop strings, wall time).
 
+    ``acceptance_length``: mean tokens emitted per verify step (1.0 without drafting; the prefill is not a step).
     ``wall_s`` runs from the prefill to the last token; drafter setup (loading a
     draft model, choosing skipped layers) is a one-time cost outside it.
     """
 
+    loop: LoopStats
     new_tokens: int
-    verify_steps: int
-    drafted: int
-    accepted: int
-    acceptance_length: float
     wall_s: float
-    tokens_per_s: float
-    prefill_s: float
-    draft_s: float
-    verify_s: float
 
-    def as_dict(self) -> dict[str, float | int]:
-        return dataclasses.asdict(self)
+    verify_steps = _from_loop("verify_steps")
+    drafted = _from_loop("drafted")
+    accepted = _from_loop("accepted")
+    acceptance_length = _from_loop("acceptance_length")
+    prefill_s = _from_loop("prefill_s")
+    draft_s = _from_loop("draft_s")
+    verify_s = _from_loop("verify_s")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s
+
+    def to_dict(self) -> dict[str, float | int]:
+        """One flat record (what ``--stats`` prints and ``--json`` writes under "stats")."""
+        return {
+            "new_tokens": self.new_tokens,
+            **dataclasses.asdict(self.loop),
+            "acceptance_length": self.acceptance_length,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """``tokens`` are the new ids, a final stop token included; ``finish_reason`` is "stop" or "length"."""
+    """``tokens`` are the new ids, a final stop token included; ``finish_reason`` is "stop" or "length".
+
+    ``context_full`` says a "length" finish came from the verifier's context window
+    rather than ``max_new_tokens``: fewer tokens than asked for, and no way to get more.
+    """
 
     text: str
     tokens: list[int]
     stats: GenerationStats
     finish_reason: str
     prompt_tokens: int
+    context_full: bool = False
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "stats": self.stats.as_dict()}
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "stats": self.stats.to_dict(),
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "context_full": self.context_full,
+        }
 
 
 class Detokenizer:
@@ -223,6 +236,7 @@ class Stream:
     def __init__(self, engine: Engine, prompt: Prompt, options: GenerationOptions):
         self._engine = engine
         self._prompt = engine.encode(prompt)
+        self._max_new_tokens = options.max_new_tokens
         self._sampler = Sampler(options.sampling, options.seed)
         self._stats = LoopStats()
         self._steps = speculate(
@@ -269,22 +283,10 @@ class Stream:
             if tail:
                 text.append(tail)
                 yield tail
-        wall = time.perf_counter() - began
-        s = self._stats
+        stats = GenerationStats(self._stats, len(tokens), time.perf_counter() - began)
         finish = "stop" if stopped or (tokens and tokens[-1] in self._engine.stop_ids) else "length"
-        stats = GenerationStats(
-            new_tokens=len(tokens),
-            verify_steps=s.verify_steps,
-            drafted=s.drafted,
-            accepted=s.accepted,
-            acceptance_length=s.acceptance_length,
-            wall_s=wall,
-            tokens_per_s=len(tokens) / wall,
-            prefill_s=s.prefill_s,
-            draft_s=s.draft_s,
-            verify_s=s.verify_s,
-        )
-        self.result = GenerationResult("".join(text), tokens, stats, finish, len(self._prompt))
+        context_full = finish == "length" and len(tokens) < self._max_new_tokens
+        self.result = GenerationResult("".join(text), tokens, stats, finish, len(self._prompt), context_full)
 
 
 @dataclass
@@ -343,17 +345,8 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def drafter(self, options: GenerationOptions) -> Drafter:
-        """A fresh drafter for one generation (drafters keep per-sequence state)."""
-        if options.draft == "none":
-            return NoDrafter()
-        if options.draft == "ngram":
-            return NgramDrafter(options.ngram_min, options.ngram_max)
-        if options.draft == "layerskip":
-            layers = options.skip_layers
-            if layers is None:
-                layers = self.choose_skip_layers(options.skip_fraction or DEFAULT_SKIP_FRACTION)
-            return LayerSkipDrafter(self.lm, layers)
-        return ModelDrafter(self.draft_lm(options.draft_model), self.lm.vocab_size)
+        """A fresh drafter for one generation (drafters keep per-sequence state); the engine is the factory's context."""
+        return create_drafter(options.draft, self, dataclasses.asdict(options))
 
     def choose_skip_layers(self, fraction: float, text: str = SKIP_CALIBRATION_TEXT) -> frozenset[int]:
         """Which ``fraction`` of the layers to skip when drafting: those that keep the most top-1 agreement on ``text``.
@@ -361,9 +354,9 @@ class Engine:
         Measured once per (layer count, text) and remembered. Rolls the verifier's
         cache back, so never call it mid-generation.
         """
-        num_layers = check_can_skip(self.lm)
-        if not 0 < fraction < 1:
+        if not (isinstance(fraction, int | float) and 0 < fraction < 1):
             raise QuasarError(f"skip_fraction must be in (0, 1), got {fraction!r}")
+        num_layers = check_can_skip(self.lm).num_layers
         count = min(num_layers - 1, max(1, round(fraction * num_layers)))
         key = (count, text)
         if key not in self._skip_choices:

@@ -29,8 +29,11 @@ class TensorSource(Protocol):
     def tensor(self, name: str) -> torch.Tensor: ...
 
 
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
 class Linear(nn.Module):
-    """A linear layer in float or W8A8 form; ``prepare`` binds the kernel that runs it."""
+    """A linear layer in float or W8A8 form; ``prepare`` binds one of ``kernels.py``'s kernels, ``bind`` any other."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -38,7 +41,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.register_buffer("weight_scale", None)
         self.register_buffer("input_scale", None)
-        self._fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._fn: LinearFn | None = None
 
     @property
     def quantized(self) -> bool:
@@ -77,6 +80,10 @@ class Linear(nn.Module):
             self._fn = float_linear(self.weight.data, bias, float_kernel)
         if packs_weight(self.weight, float_kernel, int8_kernel):
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+
+    def bind(self, fn: LinearFn) -> None:
+        """Run this layer with ``fn`` (2-D input to 2-D output): the hook for kernels that live with their backend (NPU)."""
+        self._fn = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fn is None:
@@ -261,6 +268,10 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare(float_kernel, int8_kernel)
+
+    def move_to(self, device: torch.device | str) -> None:
+        """Move every tensor to ``device`` except meta placeholders (weights a bound kernel already holds on the device)."""
+        self._apply(lambda t: t if t.is_meta else t.to(device))
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.spec, self.dtype, self.inv_freq.device, capacity)

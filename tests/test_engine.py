@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from quasar_deploy.artifact import write_artifact
 from quasar_deploy.checkpoint import Checkpoint
-from quasar_deploy.cli.generate import generate
+from quasar_deploy.cli import main
 from quasar_deploy.engine import Detokenizer, Engine, StopStrings, load
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.scheme import W8A8Scheme
@@ -140,7 +140,8 @@ def test_token_id_prompts(engine):
         ([], {}, "prompt is empty"),
         ("x " * 600, {}, "context window is 512"),
         ([5000], {}, "outside the vocabulary"),
-        (PROMPT, {"num_draft": -1}, "draft tokens must be an integer >= 0"),
+        (PROMPT, {"num_draft": -1}, r"num_draft must be an integer >= 1 \(for plain decoding use draft='none'\), got -1"),
+        (PROMPT, {"num_draft": 0, "draft": "layerskip"}, "num_draft must be an integer >= 1"),
         (PROMPT, {"top_p": 0.0, "temperature": 1.0}, r"top_p must be in \(0, 1\]"),
         (PROMPT, {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         (PROMPT, {"temperature": -0.5}, "temperature"),
@@ -186,7 +187,7 @@ def test_load_errors_are_one_line(tmp_path):
 
 
 def cli(*args, input=None):
-    return CliRunner().invoke(generate, [str(a) for a in args], input=input)
+    return CliRunner().invoke(main, ["generate", *(str(a) for a in args)], input=input)
 
 
 def test_cli_streams_the_text_and_prints_stats(engine, tiny_qwen3):
@@ -215,9 +216,6 @@ def test_cli_json_and_prompt_file(engine, tiny_qwen3, tmp_path):
         (["--prompt", ""], "prompt is empty"),
         ([], "exactly one of --prompt or --prompt-file"),
         (["--prompt", "x", "--prompt-file", "-"], "exactly one of --prompt or --prompt-file"),
-        (["--prompt", "x", "-k", "-1"], "draft tokens must be an integer >= 0"),
-        (["--prompt", "x", "--top-p", "2"], "top_p"),
-        (["--prompt", "x", "--draft", "eagle"], "unknown drafter 'eagle'"),
         (["--prompt", "x", "--stop", ""], "stop strings must be non-empty"),
         (["--prompt", "x", "--draft", "layerskip", "--skip-layers", "a,b"], "--skip-layers takes comma-separated"),
         (["--prompt", "x", "--chat"], "no chat template"),
@@ -234,3 +232,75 @@ def test_cli_bad_input_is_one_line(tiny_qwen3, args, message):
 def test_cli_missing_model(tmp_path):
     result = cli(tmp_path / "nope", "--prompt", "x")
     assert result.exit_code == 1 and result.output.startswith("error: ") and "no such directory" in result.output
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["-k", "-1"], "'--num-draft' / '-k'"),
+        (["-k", "0"], "'--num-draft' / '-k'"),
+        (["--top-p", "2"], "'--top-p'"),
+        (["--max-new-tokens", "0"], "'--max-new-tokens'"),
+        (["--temperature", "-1"], "'--temperature'"),
+        (["--skip-fraction", "1"], "'--skip-fraction'"),
+        (["--draft", "eagle"], "'--draft'"),
+        (["--backend", "cuda"], "'--backend'"),
+    ],
+)
+def test_cli_bad_values_name_the_flag(tiny_qwen3, args, flag):
+    result = cli(tiny_qwen3, "--prompt", "x", *args)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"Invalid value for {flag}" in result.output, result.output
+
+
+def test_cli_choices_come_from_the_registries():
+    from quasar_deploy.backends import BACKENDS
+    from quasar_deploy.speculative.registry import DRAFTERS
+
+    options = {p.name: p for p in main.commands["generate"].params}
+    assert list(options["draft"].type.choices) == list(DRAFTERS)
+    assert list(options["backend"].type.choices) == ["auto", *BACKENDS] and "cuda" not in BACKENDS
+
+
+def test_cli_error_while_streaming_is_one_line(tiny_qwen3, monkeypatch):
+    from quasar_deploy.backends.torch_backend import TorchCausalLM
+
+    calls = []
+    verify = TorchCausalLM.verify
+
+    def failing(self, ids):
+        calls.append(ids)
+        if len(calls) > 3:
+            raise QuasarError("the device went away")
+        return verify(self, ids)
+
+    monkeypatch.setattr(TorchCausalLM, "verify", failing)
+    result = cli(tiny_qwen3, "--prompt", PROMPT, "--draft", "none", "--max-new-tokens", 20)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0] and lines[-1] == "error: the device went away", result.output
+
+
+@pytest.fixture(scope="module")
+def short_context_model(tmp_path_factory):
+    from .tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("short-context"), "qwen3", max_position_embeddings=30)
+
+
+def test_the_context_window_ending_a_generation_is_flagged(short_context_model):
+    engine = load(short_context_model, backend="cpu")
+    prompt = engine.encode(PROMPT)
+    result = engine.generate(prompt, max_new_tokens=50, draft="none")
+    assert len(result.tokens) == 30 - len(prompt) and result.finish_reason == "length" and result.context_full
+    assert not engine.generate(prompt, max_new_tokens=5).context_full
+
+
+def test_cli_warns_when_the_context_window_ends_the_generation(short_context_model):
+    result = cli(short_context_model, "--prompt", PROMPT, "--max-new-tokens", 50, "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["context_full"] and out["finish_reason"] == "length"
+    warnings = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: the context window (30 tokens) ended the generation"), result.stderr
+    assert f"after {len(out['tokens'])} of 50 new tokens" in warnings[0]

@@ -148,7 +148,7 @@ def test_unavailable_without_device(monkeypatch, tmp_path):
 
 
 def test_registered_and_refused_here(tiny_qwen3):
-    from quasar_deploy.backends.base import BACKENDS, create_backend
+    from quasar_deploy.backends import BACKENDS, create_backend
 
     assert "npu" in BACKENDS
     if npu_backend.unavailable() is not None:

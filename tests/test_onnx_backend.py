@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime")
 
 import quasar_deploy  # noqa: E402
 from quasar_deploy.artifact import open_model  # noqa: E402
-from quasar_deploy.backends.base import BACKENDS, create_backend  # noqa: E402
+from quasar_deploy.backends import BACKENDS, create_backend  # noqa: E402
 from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx, unavailable  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402

@@ -16,7 +16,10 @@ import torch
 
 import quasar_deploy.speculative.loop as loop
 from quasar_deploy.backends import create_backend
-from quasar_deploy.speculative import Draft, LayerSkipDrafter, Sampler, SamplingParams, Verdict, speculate
+from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, Verdict
+from quasar_deploy.speculative.drafters import Draft
+from quasar_deploy.speculative.layerskip import LayerSkipDrafter
+from quasar_deploy.speculative.loop import speculate
 
 V = 4
 

@@ -15,19 +15,12 @@ import torch
 from quasar_deploy.backends import create_backend
 from quasar_deploy.backends.torch_backend import TorchCausalLM
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.speculative import (
-    Draft,
-    LayerSkipDrafter,
-    LoopStats,
-    ModelDrafter,
-    NgramDrafter,
-    NoDrafter,
-    Sampler,
-    SamplingParams,
-    accept,
-    choose_skip_layers,
-    speculate,
-)
+from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, accept
+from quasar_deploy.speculative.draft_model import ModelDrafter
+from quasar_deploy.speculative.drafters import Draft, NoDrafter
+from quasar_deploy.speculative.layerskip import LayerSkipDrafter, choose_skip_layers
+from quasar_deploy.speculative.loop import LoopStats, speculate
+from quasar_deploy.speculative.ngram import NgramDrafter
 
 from .tiny import naive_w8a8_decoder
 
@@ -148,7 +141,7 @@ def test_layerskip_drafts_from_the_accepted_prefix(verifiers, tiny_qwen3):
             fresh.prefill(tokens[:-1])
             expected, token = [], tokens[-1]
             for _ in range(k):
-                token = int(fresh.verify([token], skip_layers=skip)[-1].argmax())
+                token = int(fresh.verify_skipping([token], skip)[-1].argmax())
                 expected.append(token)
             assert draft.tokens == expected
             Checked.calls += 1
@@ -291,7 +284,7 @@ def test_choose_skip_layers_finds_the_best_single_layer(verifiers):
 
     def agreement(layer):
         lm.truncate(0)
-        return float((lm.verify(ids, skip_layers=frozenset({layer})).argmax(-1) == target).float().mean())
+        return float((lm.verify_skipping(ids, frozenset({layer})).argmax(-1) == target).float().mean())
 
     best = max(agreement(layer) for layer in range(3))
     (chosen,) = choose_skip_layers(lm, ids, 1)

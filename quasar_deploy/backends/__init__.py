@@ -1,6 +1,9 @@
-"""Backends: each serves the same small ``CausalLM`` interface to the speculative loop."""
+"""Backends: each serves the speculative loop's ``CausalLM`` protocol; the registry picks one by name.
 
-from . import npu, onnxruntime, torch_backend  # noqa: F401  (register "npu", "onnxruntime" and "cpu")
-from .base import BACKENDS, CausalLM, available_backends, create_backend
+Importing this package loads no backend module (and no torch): the registry imports
+a backend when it is created or its availability is asked for.
+"""
 
-__all__ = ["BACKENDS", "CausalLM", "available_backends", "create_backend"]
+from .registry import BACKENDS, available_backends, create_backend
+
+__all__ = ["BACKENDS", "available_backends", "create_backend"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -34,17 +33,14 @@ from ..artifact import ModelFiles, open_model
 from ..errors import QuasarError
 from ..files import first_line
 from ..kernels import float_linear
-from ..model import Decoder, Linear
+from ..model import Decoder, Linear, LinearFn
 from ..scheme import QMAX
-from .base import register
 from .torch_backend import TorchCausalLM
 
 ACL_FORMAT_FRACTAL_NZ = 29
 CANN_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
 CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _cann_home() -> Path | None:
@@ -119,18 +115,20 @@ def bind_npu_kernels(decoder: Decoder, device: torch.device | str, npu: ModuleTy
     for module in decoder.modules():
         if isinstance(module, Linear) and module.quantized:
             wq = module.weight.data
-            module._fn = npu_int8_linear(
-                npu,
-                wq.to(device),
-                module.weight_scale.to(device),
-                module.bias.data.to(device) if module.bias is not None else None,
-                module.input_scale.to(device) if module.input_scale is not None else None,
+            module.bind(
+                npu_int8_linear(
+                    npu,
+                    wq.to(device),
+                    module.weight_scale.to(device),
+                    module.bias.data.to(device) if module.bias is not None else None,
+                    module.input_scale.to(device) if module.input_scale is not None else None,
+                )
             )
             module.weight = nn.Parameter(torch.empty_like(wq, device="meta"), requires_grad=False)
-    decoder._apply(lambda t: t if t.is_meta else t.to(device))
+    decoder.move_to(device)
     for module in decoder.modules():
         if isinstance(module, Linear) and not module.quantized:
-            module._fn = float_linear(module.weight.data, module.bias.data if module.bias is not None else None, "torch")
+            module.bind(float_linear(module.weight.data, module.bias.data if module.bias is not None else None, "torch"))
 
 
 def load_npu(
@@ -149,6 +147,3 @@ def load_npu(
     kind = "W8A8" if files.is_artifact else "float"
     scheme = f", {files.scheme.activation} activations" if files.is_artifact else ""
     return TorchCausalLM(decoder, max_length, description=f"npu {kind} ({dtype}{scheme}; npu_quant_matmul, NZ weights)")
-
-
-register("npu", load_npu, unavailable)

@@ -18,7 +18,6 @@ import torch
 
 from ..errors import QuasarError
 from ..files import first_line
-from .base import register
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {
@@ -171,6 +170,3 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...) for a bad file
         raise QuasarError(f"{path}: ONNX Runtime cannot load the graph ({first_line(exc)})") from None
     return OnnxCausalLM(session, config, session.get_providers()[0])
-
-
-register("onnxruntime", load_onnx, unavailable)

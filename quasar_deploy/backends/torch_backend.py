@@ -11,11 +11,15 @@ from ..artifact import ModelFiles, open_model
 from ..errors import QuasarError
 from ..kernels import default_float_kernel, default_int8_kernel
 from ..model import Decoder
-from .base import register
+
+
+def unavailable() -> None:
+    """The cpu backend runs wherever torch does."""
+    return None
 
 
 class TorchCausalLM:
-    """Serves ``CausalLM`` from a ``Decoder``; ``skip_layers`` lets a self-speculative drafter run a shallower copy."""
+    """Serves ``LayerSkippingLM`` from a ``Decoder``: ``verify_skipping`` lets a self-speculative drafter run a shallower copy."""
 
     def __init__(self, decoder: Decoder, max_length: int | None = None, description: str = ""):
         self.decoder = decoder
@@ -37,7 +41,10 @@ class TorchCausalLM:
         self.cache.truncate(0)
         return self.decoder(self._ids(ids), self.cache)[-1]
 
-    def verify(self, ids: Sequence[int], skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
+    def verify(self, ids: Sequence[int]) -> torch.Tensor:
+        return self.decoder(self._ids(ids), self.cache)
+
+    def verify_skipping(self, ids: Sequence[int], skip_layers: frozenset[int]) -> torch.Tensor:
         return self.decoder(self._ids(ids), self.cache, skip_layers)
 
     def truncate(self, length: int) -> None:
@@ -68,6 +75,3 @@ def load_cpu(
     decoder.prepare(float_kernel, int8_kernel)
     kind = "W8A8" if files.is_artifact else "float"
     return TorchCausalLM(decoder, description=f"cpu {kind} (float kernel {float_kernel}, int8 kernel {int8_kernel})")
-
-
-register("cpu", load_cpu, lambda: None)

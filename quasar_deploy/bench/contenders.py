@@ -37,10 +37,10 @@ def _hf_model_from(path: Path):
 
 def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[str, Engine]:
     """Both models exported to ONNX under ``workdir`` and served by the onnxruntime backend ({} without onnxruntime)."""
-    from ..backends.base import BACKENDS
+    from ..backends.registry import unavailable
     from ..export import export
 
-    if BACKENDS["onnxruntime"][1]() is not None:
+    if unavailable("onnxruntime") is not None:
         return {}
     float_dir = export(model, "onnx", workdir / "float-onnx", precision="float")
     w8a8_dir = export(artifact, "onnx", workdir / "w8a8-onnx", precision="w8a8")

@@ -84,10 +84,10 @@ class PrunedLM:
 
     def prefill(self, ids):
         self.lm.truncate(0)
-        return self.lm.verify(ids, self.removed)[-1]
+        return self.lm.verify_skipping(ids, self.removed)[-1]
 
     def verify(self, ids):
-        return self.lm.verify(ids, self.removed)
+        return self.lm.verify_skipping(ids, self.removed)
 
     def truncate(self, length: int) -> None:
         self.lm.truncate(length)

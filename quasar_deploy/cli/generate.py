@@ -1,4 +1,8 @@
-"""``quasar-deploy generate``: one completion from the command line, streamed as the verifier accepts it."""
+"""``quasar-deploy generate``: one completion from the command line, streamed as the verifier accepts it.
+
+Errors are left to the CLI group, which prints them as one ``error: ...`` line; click's
+types check the numbers, so a bad value is reported under its flag's name.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,9 @@ from pathlib import Path
 
 import click
 
-from ..engine import DRAFTERS, load
+from ..backends.registry import BACKENDS
 from ..errors import QuasarError
+from ..speculative.registry import DRAFTERS
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -42,38 +47,62 @@ def _print_stats(stats: dict) -> None:
 @click.option("--prompt", help="The prompt text.")
 @click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=str), help="Read the prompt from a file ('-': stdin).")
 @click.option("--chat", is_flag=True, help="Send the prompt as one user message through the tokenizer's chat template.")
-@click.option("--max-new-tokens", default=256, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0: greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int, help="0: off.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0: greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0: off.")
 @click.option("--seed", type=int, help="Seed for sampling (default: a fresh one).")
-@click.option("--draft", default="ngram", show_default=True, help=f"Drafter: {', '.join(DRAFTERS)}.")
-@click.option("--num-draft", "-k", default=5, show_default=True, type=int, help="Tokens drafted per verify step.")
-@click.option("--ngram-min", default=1, show_default=True, type=int)
-@click.option("--ngram-max", default=3, show_default=True, type=int)
+@click.option(
+    "--draft",
+    default="ngram",
+    show_default=True,
+    type=click.Choice(list(DRAFTERS)),
+    help="Drafter: " + "; ".join(f"{name}: {entry.help}" for name, entry in DRAFTERS.items()) + ".",
+)
+@click.option(
+    "--num-draft",
+    "-k",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens drafted per verify step (plain: --draft none).",
+)
+@click.option("--ngram-min", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--skip-layers", help="layerskip: comma-separated layers to skip, e.g. 2,3.")
-@click.option("--skip-fraction", type=float, help="layerskip: fraction of layers to skip, chosen by top-1 agreement (default 0.5).")
+@click.option(
+    "--skip-fraction",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    help="layerskip: fraction of layers to skip, chosen by top-1 agreement (default 0.5).",
+)
 @click.option("--draft-model", type=click.Path(path_type=str), help="model: path of a small draft model with the same tokenizer.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
-@click.option("--backend", default="auto", show_default=True, help="cpu, cuda, ... or auto.")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", *BACKENDS]))
 @click.option("--stats", "show_stats", is_flag=True, help="Print speed and acceptance statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish_reason, stats) instead of streaming.")
 def generate(path, prompt, prompt_file, chat, backend, show_stats, as_json, skip_layers, **options):
     """Generate a completion with the model at PATH (W8A8 artifact or Hugging Face checkpoint)."""
-    try:
-        text = _prompt(prompt, prompt_file, chat)
-        engine = load(path, backend=backend)
-        stream = engine.stream(text, skip_layers=_layers(skip_layers), **options)
-        for piece in stream:
-            if not as_json:
-                click.echo(piece, nl=False)
-    except QuasarError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
-    result = stream.result
+    from ..engine import load
+
+    text = _prompt(prompt, prompt_file, chat)
+    stream = load(path, backend=backend).stream(text, skip_layers=_layers(skip_layers), **options)
     if as_json:
-        click.echo(json.dumps(result.as_dict()))
-        return
-    click.echo()
-    if show_stats:
-        _print_stats({"finish_reason": result.finish_reason, **result.stats.as_dict()})
+        for _ in stream:
+            pass
+    else:
+        try:
+            for piece in stream:
+                click.echo(piece, nl=False)
+        finally:
+            click.echo()  # ends the text's line, also when an error cuts it short, so the error gets a line of its own
+    result = stream.result
+    if result.context_full:
+        click.echo(
+            f"warning: the context window ({result.prompt_tokens + len(result.tokens)} tokens) ended the generation "
+            f"after {len(result.tokens)} of {options['max_new_tokens']} new tokens",
+            err=True,
+        )
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+    elif show_stats:
+        _print_stats({"finish_reason": result.finish_reason, **result.stats.to_dict()})

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .calibration import CalibrationRecipe
+    from ..calibration import CalibrationRecipe
 
 VARIANTS = ("plain", "outlier")
 
@@ -41,7 +41,7 @@ def demo_model_path(variant: str = "plain") -> Path:
 
 def demo_recipe() -> CalibrationRecipe:
     """Built on call, not at import: the recipe's package loads torch, and ``demo_model_path`` must not."""
-    from .calibration import CalibrationRecipe
+    from ..calibration import CalibrationRecipe
 
     return CalibrationRecipe(num_samples=24, seq_len=256, alpha="auto", activation="dynamic")
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..backends import CausalLM
 from ..errors import QuasarError
 from .acceptance import Sampler
+from .causal_lm import CausalLM
 from .drafters import NO_DRAFT, Draft, draft_autoregressive
+
+if TYPE_CHECKING:
+    from .registry import DrafterContext
 
 
 def check_same_vocabulary(verifier_vocab: dict[str, int], draft_vocab: dict[str, int], draft_name: str) -> None:
@@ -63,3 +67,10 @@ class ModelDrafter:
             logits = self.lm.verify(tokens[keep:])[-1]
         self._agreed = len(tokens)
         return draft_autoregressive(self._fit(logits), self._step, k, sampler)
+
+
+def model_drafter(context: DrafterContext, options: Mapping[str, Any]) -> ModelDrafter:
+    """The registry's factory for "model": the draft model comes through the context, which loads each path once."""
+    if options["draft_model"] is None:
+        raise QuasarError("draft='model' needs draft_model, the path of a small model with the same tokenizer")
+    return ModelDrafter(context.draft_lm(options["draft_model"]), context.lm.vocab_size)

@@ -8,13 +8,16 @@ so a drafter may keep incremental state about ``tokens``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .acceptance import Sampler
+
+if TYPE_CHECKING:
+    from .registry import DrafterContext
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ class NoDrafter:
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         return NO_DRAFT
+
+
+def no_drafter(context: DrafterContext, options: Mapping[str, Any]) -> NoDrafter:
+    """The registry's factory for "none": plain decoding reads neither the verifier nor any option."""
+    return NoDrafter()
 
 
 def draft_autoregressive(logits: torch.Tensor, step: Callable[[int], torch.Tensor], k: int, sampler: Sampler) -> Draft:

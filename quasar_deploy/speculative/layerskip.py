@@ -9,26 +9,31 @@ into the verifier's cache.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..backends import CausalLM
 from ..errors import QuasarError
 from .acceptance import Sampler
+from .causal_lm import CausalLM, LayerSkippingLM
 from .drafters import Draft, draft_autoregressive
 
+if TYPE_CHECKING:
+    from .registry import DrafterContext
 
-def check_can_skip(lm: CausalLM) -> int:
-    """The verifier's layer count; a one-line error for a backend that cannot skip layers (e.g. a whole exported graph)."""
-    if not hasattr(lm, "num_layers") or "skip_layers" not in inspect.signature(lm.verify).parameters:
+DEFAULT_SKIP_FRACTION = 0.5
+
+
+def check_can_skip(lm: CausalLM) -> LayerSkippingLM:
+    """``lm`` itself once it is known to skip layers; a one-line error for a backend that cannot (e.g. a whole exported graph)."""
+    if not isinstance(lm, LayerSkippingLM):
         raise QuasarError(f"backend {getattr(lm, 'description', type(lm).__name__)!r} cannot skip layers; use another drafter")
-    return lm.num_layers
+    return lm
 
 
 def check_skip_layers(lm: CausalLM, layers: Iterable[int]) -> frozenset[int]:
-    num_layers = check_can_skip(lm)
+    num_layers = check_can_skip(lm).num_layers
     chosen = frozenset(layers)
     bad = sorted(i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers)
     if bad:
@@ -42,11 +47,11 @@ class LayerSkipDrafter:
     """Drafts k tokens with the verifier's ``skip_layers`` switched off, then truncates its cache back."""
 
     def __init__(self, lm: CausalLM, skip_layers: Iterable[int]):
-        self.lm = lm
         self.skip_layers = check_skip_layers(lm, skip_layers)
+        self.lm = check_can_skip(lm)
 
     def _step(self, token: int) -> torch.Tensor:
-        return self.lm.verify([token], skip_layers=self.skip_layers)[-1]
+        return self.lm.verify_skipping([token], self.skip_layers)[-1]
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         start = self.lm.length
@@ -54,6 +59,20 @@ class LayerSkipDrafter:
             return draft_autoregressive(self._step(tokens[-1]), self._step, k, sampler)
         finally:
             self.lm.truncate(start)
+
+
+def layerskip_drafter(context: DrafterContext, options: Mapping[str, Any]) -> LayerSkipDrafter:
+    """The registry's factory for "layerskip": explicit ``skip_layers``, or the context's choice for ``skip_fraction``.
+
+    The choice goes through the context because measuring it costs a few dozen
+    forwards: the engine does it once per fraction and remembers it.
+    """
+    layers, fraction = options["skip_layers"], options["skip_fraction"]
+    if layers is not None and fraction is not None:
+        raise QuasarError("give skip_layers or skip_fraction, not both")
+    if layers is None:
+        layers = context.choose_skip_layers(DEFAULT_SKIP_FRACTION if fraction is None else fraction)
+    return LayerSkipDrafter(context.lm, layers)
 
 
 def choose_skip_layers(lm: CausalLM, ids: Sequence[int], count: int) -> frozenset[int]:
@@ -64,7 +83,8 @@ def choose_skip_layers(lm: CausalLM, ids: Sequence[int], count: int) -> frozense
     search. Ties in agreement go to the set that gives the full model's choice
     the higher mean log-probability. Clobbers the cache: call between generations.
     """
-    num_layers = check_can_skip(lm)
+    lm = check_can_skip(lm)
+    num_layers = lm.num_layers
     if not 1 <= count < num_layers:
         raise QuasarError(f"can skip between 1 and {num_layers - 1} of {num_layers} layers, not {count}")
     if len(ids) < 2:
@@ -72,7 +92,7 @@ def choose_skip_layers(lm: CausalLM, ids: Sequence[int], count: int) -> frozense
 
     def forward(skip: frozenset[int]) -> torch.Tensor:
         lm.truncate(0)
-        return lm.verify(ids, skip_layers=skip)
+        return lm.verify_skipping(ids, skip)
 
     target = forward(frozenset()).argmax(-1)
     chosen: frozenset[int] = frozenset()

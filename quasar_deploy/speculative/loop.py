@@ -15,9 +15,9 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..backends import CausalLM
 from ..errors import QuasarError
 from .acceptance import Sampler, accept
+from .causal_lm import CausalLM
 from .drafters import NO_DRAFT, Drafter
 
 

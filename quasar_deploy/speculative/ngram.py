@@ -7,11 +7,15 @@ paper: k = 5, n from 3 down to 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import QuasarError
 from .acceptance import Sampler
 from .drafters import NO_DRAFT, Draft
+
+if TYPE_CHECKING:
+    from .registry import DrafterContext
 
 
 def check_ngram_range(ngram_min: int, ngram_max: int) -> None:
@@ -57,3 +61,8 @@ class NgramDrafter:
                     draft.append(tokens[position] if position < length else draft[position - length])
                 return Draft(draft)
         return NO_DRAFT
+
+
+def ngram_drafter(context: DrafterContext, options: Mapping[str, Any]) -> NgramDrafter:
+    """The registry's factory for "ngram": model-free, so it needs only its n range."""
+    return NgramDrafter(options["ngram_min"], options["ngram_max"])

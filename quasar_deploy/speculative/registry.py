@@ -2,30 +2,78 @@
 
 Each entry names its factory as ``"module:callable"``, imported on first use, so reading the
 table (for ``--help`` choices, say) loads no torch. ``options`` are the generation options the
-drafter reads; giving one that the chosen drafter does not read is an error.
+drafter reads; giving one that the chosen drafter does not read is an error. Adding a drafter
+is one module with a factory and one row here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..errors import QuasarError
+from ..lazy import resolve
+
+if TYPE_CHECKING:
+    from .causal_lm import CausalLM
+    from .drafters import Drafter
+
+
+class DrafterContext(Protocol):
+    """What a drafter factory may use besides its options: the verifier and the engine's cached setup work."""
+
+    lm: CausalLM
+
+    def choose_skip_layers(self, fraction: float) -> frozenset[int]:
+        """The verifier's layers to skip for a layer-skipping draft of ``fraction`` of them (measured once, remembered)."""
+
+    def draft_lm(self, path: str | Path) -> CausalLM:
+        """The draft model at ``path``, loaded once, its tokenizer checked against the verifier's."""
 
 
 @dataclass(frozen=True)
 class DrafterEntry:
+    """``factory(context, options)`` builds a fresh drafter for one generation; ``options`` maps each name in ``options`` to its value."""
+
     factory: str
     options: tuple[str, ...]
     help: str
 
 
 DRAFTERS: dict[str, DrafterEntry] = {
-    "none": DrafterEntry("quasar_deploy.speculative.drafters:NoDrafter", (), "plain autoregressive decoding on the verifier"),
+    "none": DrafterEntry("quasar_deploy.speculative.drafters:no_drafter", (), "plain autoregressive decoding on the verifier"),
     "ngram": DrafterEntry(
-        "quasar_deploy.speculative.ngram:NgramDrafter", ("ngram_min", "ngram_max"), "prompt lookup: continue a repeated n-gram"
+        "quasar_deploy.speculative.ngram:ngram_drafter", ("ngram_min", "ngram_max"), "prompt lookup: continue a repeated n-gram"
     ),
     "layerskip": DrafterEntry(
-        "quasar_deploy.speculative.layerskip:LayerSkipDrafter",
+        "quasar_deploy.speculative.layerskip:layerskip_drafter",
         ("skip_layers", "skip_fraction"),
         "the verifier itself with some layers skipped",
     ),
-    "model": DrafterEntry("quasar_deploy.speculative.draft_model:ModelDrafter", ("draft_model",), "a small draft model, same tokenizer"),
+    "model": DrafterEntry("quasar_deploy.speculative.draft_model:model_drafter", ("draft_model",), "a small draft model, same tokenizer"),
 }
+
+
+def drafter_entry(name: str) -> DrafterEntry:
+    if name not in DRAFTERS:
+        raise QuasarError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
+    return DRAFTERS[name]
+
+
+def check_drafter_options(name: str, given: Iterable[str]) -> None:
+    """Refuse any option in ``given`` (those set to other than their defaults) that another drafter owns and ``name`` does not read."""
+    reads = drafter_entry(name).options
+    for option in given:
+        if option in reads:
+            continue
+        owner = next((n for n, e in DRAFTERS.items() if option in e.options), None)
+        if owner is not None:
+            raise QuasarError(f"{option} applies to draft={owner!r}, not draft={name!r}")
+
+
+def create_drafter(name: str, context: DrafterContext, options: Mapping[str, Any]) -> Drafter:
+    """A fresh drafter ``name``, given the whole ``options`` mapping (its factory sees only the options it reads)."""
+    entry = drafter_entry(name)
+    return resolve(entry.factory)(context, {option: options[option] for option in entry.options})

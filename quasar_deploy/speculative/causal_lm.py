@@ -1,0 +1,50 @@
+"""What the speculative loop needs from a verifier (and a draft model): the ``CausalLM`` protocol.
+
+The protocol belongs to the loop, not to the backends: backends implement it, the
+loop and the drafters only ever see it. A backend owns one sequence's KV cache; the
+loop only prefills, appends a block of tokens (one for plain decoding, k+1 to verify
+a draft) and rolls the cache back after a rejection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    vocab_size: int
+    max_length: int
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """Start a new sequence: cache ``ids`` and return the logits [vocab] of the last position."""
+
+    def verify(self, ids: Sequence[int]) -> torch.Tensor:
+        """Append ``ids`` to the cache and return their logits [len(ids), vocab] (float32)."""
+
+    def truncate(self, length: int) -> None:
+        """Roll the cache back to its first ``length`` positions."""
+
+    @property
+    def length(self) -> int:
+        """Positions currently cached."""
+
+
+@runtime_checkable
+class LayerSkippingLM(CausalLM, Protocol):
+    """A verifier that can also run with some decoder layers switched off (self-speculative drafting).
+
+    A method of its own, not an optional argument of ``verify``, so that ``isinstance``
+    tells a backend that can skip from one that merely has layers (a whole exported graph).
+    """
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers, numbered 0..num_layers-1."""
+
+    def verify_skipping(self, ids: Sequence[int], skip_layers: frozenset[int]) -> torch.Tensor:
+        """``verify`` without the layers in ``skip_layers``; their cache slots at these positions are left stale."""

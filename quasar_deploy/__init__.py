@@ -27,7 +27,7 @@ _API = {
     "evaluate": "quasar_deploy.fidelity",
     "export": "quasar_deploy.export",
     "ModelFiles": "quasar_deploy.artifact",
-    "open_model": "quasar_deploy.artifact",
+    "open_model_files": "quasar_deploy.artifact",
 }
 
 

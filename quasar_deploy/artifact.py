@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .adapters import DecoderSpec, check_tensor_shapes, decoder_spec
 from .checkpoint import Checkpoint
+from .decoder_spec import DecoderSpec, check_tensor_shapes, decoder_spec
 from .errors import QuasarError
 from .files import atomic_directory, copy_files, sha256_files
 from .model import Decoder
@@ -118,7 +118,7 @@ class ModelFiles:
         return decoder
 
 
-def open_model(path: str | Path, verify: bool = True) -> ModelFiles:
+def open_model_files(path: str | Path, verify: bool = True) -> ModelFiles:
     """Open a W8A8 artifact or a float HF checkpoint; corrupted artifacts fail here, in one line."""
     checkpoint = Checkpoint(path)
     manifest = None

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .artifact import ModelFiles, open_model
+from .artifact import ModelFiles, open_model_files
 from .calibration import data
 from .errors import QuasarError
 from .kernels import default_float_kernel, default_int8_kernel
@@ -41,8 +41,8 @@ def evaluate(
     seq_len: int = 256,
     progress: bool = True,
 ) -> Fidelity:
-    quantized_files = open_model(artifact)
-    float_files = open_model(reference)
+    quantized_files = open_model_files(artifact)
+    float_files = open_model_files(reference)
     if not quantized_files.is_artifact:
         raise QuasarError(f"{quantized_files.path}: not a W8A8 artifact (no quasar.json); calibrate it first")
     if float_files.is_artifact:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .adapters import DecoderSpec, rope_inv_freq
+from .decoder_spec import DecoderSpec, rope_inv_freq
 from .errors import QuasarError
 from .kernels import float_linear, int8_linear, packs_weight
 

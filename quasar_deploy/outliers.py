@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .adapters import decoder_spec
 from .checkpoint import Checkpoint
+from .decoder_spec import decoder_spec
 from .files import atomic_directory, copy_files
 
 

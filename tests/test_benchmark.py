@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from quasar_deploy import calibrate
-from quasar_deploy.artifact import open_model
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.bench.contenders import _hf_twin
 from quasar_deploy.bench.modes import MODES
 from quasar_deploy.cli import main
@@ -97,7 +97,7 @@ def test_integer_lists_fail_as_usage_errors(command):
 
 
 def test_hf_twin_shares_our_weights(tiny_qwen3):
-    decoder = open_model(tiny_qwen3).decoder()
+    decoder = open_model_files(tiny_qwen3).decoder()
     twin = _hf_twin(decoder)
     ids = torch.arange(5, 30)
     with torch.no_grad():

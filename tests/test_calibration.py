@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import quasar_deploy
 from quasar_deploy import QuasarError, calibrate
-from quasar_deploy.artifact import open_model
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.calibration import CalibrationRecipe
 from quasar_deploy.outliers import write_outlier_variant
 
@@ -23,7 +23,7 @@ def qwen3_artifact(tiny_qwen3, tmp_path_factory):
 
 
 def _logits(path, ids):
-    decoder = open_model(path).decoder()
+    decoder = open_model_files(path).decoder()
     return decoder(ids, decoder.new_cache())
 
 

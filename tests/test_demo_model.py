@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quasar_deploy import calibrate, demo_model_path, evaluate
-from quasar_deploy.artifact import open_model
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.tokenizer import load_tokenizer
 
 
@@ -27,7 +27,7 @@ def test_trained_far_below_unigram():
 
 def test_greedy_continuation_looks_like_python():
     tokenizer = load_tokenizer(demo_model_path())
-    decoder = open_model(demo_model_path()).decoder()
+    decoder = open_model_files(demo_model_path()).decoder()
     ids = tokenizer("import os\n\n\ndef list_files(path):\n")["input_ids"]
     cache = decoder.new_cache()
     logits = decoder(torch.tensor(ids), cache)[-1]
@@ -44,7 +44,7 @@ def test_greedy_continuation_looks_like_python():
 def test_outlier_variant_preserves_float_and_hurts_naive_w8a8(tmp_path):
     plain, outlier = demo_model_path(), demo_model_path("outlier")
     ids = torch.arange(100, 164)
-    a, b = open_model(plain).decoder(), open_model(outlier).decoder()
+    a, b = open_model_files(plain).decoder(), open_model_files(outlier).decoder()
     assert torch.equal(a(ids, a.new_cache()), b(ids, b.new_cache()))
     kl = {}
     for name, model in (("plain", plain), ("outlier", outlier)):

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from quasar_deploy.artifact import open_model
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
 
@@ -57,7 +57,7 @@ def test_a_config_that_disagrees_with_its_weights_is_refused(tiny_qwen3, tmp_pat
     model = _copy(tiny_qwen3, tmp_path)
     _edit_config(model, **changes)
     with pytest.raises(QuasarError, match="config.json") as error:
-        open_model(model)
+        open_model_files(model)
     assert message in str(error.value)
     result = CliRunner().invoke(main, ["calibrate", str(model), "-o", str(tmp_path / "out")])
     assert result.exit_code == 1 and "Traceback" not in result.output and message in result.output
@@ -68,7 +68,7 @@ def test_a_config_that_is_not_an_object_is_refused(tiny_qwen3, tmp_path):
     model = _copy(tiny_qwen3, tmp_path)
     (model / "config.json").write_text("[]")
     with pytest.raises(QuasarError, match="expected a JSON object, not list"):
-        open_model(model)
+        open_model_files(model)
 
 
 def _edit_tensors(path, edit):
@@ -94,7 +94,7 @@ def test_bad_float_tensors_are_refused_at_load(tiny_qwen3, tmp_path, name, edit,
     model = _copy(tiny_qwen3, tmp_path)
     _edit_tensors(model, edit)
     with pytest.raises(QuasarError) as error:
-        open_model(model).decoder()
+        open_model_files(model).decoder()
     assert message in str(error.value)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from quasar_deploy.artifact import open_model
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends import create_backend
 
 from .tiny import save_tiny
@@ -38,7 +38,7 @@ def test_logits_match_transformers(tmp_path, arch, overrides):
     ids = torch.randint(0, 4096, (24,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(ids[None]).logits[0]
-    decoder = open_model(path).decoder()
+    decoder = open_model_files(path).decoder()
     cache = decoder.new_cache(capacity=4)
     pieces = [decoder(ids[:9], cache), decoder(ids[9:10], cache), decoder(ids[10:], cache)]
     torch.testing.assert_close(torch.cat(pieces), expected, atol=2e-5, rtol=1e-4)

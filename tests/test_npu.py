@@ -86,7 +86,7 @@ def test_kernel_matches_reference_linear(activation, dtype):
 
 
 def test_backend_logits_and_greedy_match_the_reference(artifact, fake_torch_npu):
-    files = quasar_deploy.artifact.open_model(artifact.path)
+    files = quasar_deploy.artifact.open_model_files(artifact.path)
     lm = npu_backend.load_npu(files, dtype="bfloat16", device="cpu")
     ref = reference_lm(files)
     assert "npu W8A8" in lm.description

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import quasar_deploy
-from quasar_deploy.artifact import open_model
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.export import export
 from quasar_deploy.export.npu import DESCRIPTION, WEIGHTS
@@ -163,7 +163,7 @@ def test_export_refuses_bad_input(artifacts, tiny_qwen2, tmp_path):
     with pytest.raises(QuasarError, match="already exists"):
         export(artifacts["dynamic"].path, "npu", tmp_path / "c")
     assert not list(tmp_path.glob(".tmp-*"))
-    assert open_model(artifacts["dynamic"].path).is_artifact
+    assert open_model_files(artifacts["dynamic"].path).is_artifact
 
 
 def test_cli_export(artifacts, tmp_path):

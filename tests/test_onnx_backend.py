@@ -12,7 +12,7 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 import quasar_deploy  # noqa: E402
-from quasar_deploy.artifact import open_model  # noqa: E402
+from quasar_deploy.artifact import open_model_files  # noqa: E402
 from quasar_deploy.backends import BACKENDS, create_backend  # noqa: E402
 from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx, unavailable  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
@@ -44,7 +44,7 @@ def test_greedy_decoding_matches_ort_and_torch(artifact_and_onnx):
     tokens = greedy(lm, PROMPT, 20)
     assert lm.length == len(PROMPT) + 20
     # ORT's own answer: recompute the whole sequence at every step, no cache
-    sess, spec, ort_tokens = session(out / "model.onnx"), open_model(artifact).spec, []
+    sess, spec, ort_tokens = session(out / "model.onnx"), open_model_files(artifact).spec, []
     for _ in range(20):
         ort_tokens.append(int(run_full(sess, spec, PROMPT + ort_tokens)[-1].argmax()))
     assert tokens == ort_tokens

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 import quasar_deploy  # noqa: E402
 from quasar_deploy import demo_model_path  # noqa: E402
-from quasar_deploy.artifact import open_model  # noqa: E402
+from quasar_deploy.artifact import open_model_files  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
 from quasar_deploy.export import export  # noqa: E402
@@ -96,7 +96,7 @@ def test_graph_is_checker_clean_and_matches_torch(exported, kind, tmp_path):
     source, out = exported[kind]
     onnx.checker.check_model(str(out / "model.onnx"), full_check=True)
     assert {p.name for p in out.iterdir()} >= {"model.onnx", "genai_config.json", "config.json", "tokenizer.json"}
-    files = open_model(source)
+    files = open_model_files(source)
     sess = session(out / "model.onnx", optimized=tmp_path / "optimized.onnx")
     got = torch.from_numpy(run_full(sess, files.spec, PROMPT))
     expected = load_cpu(source, int8_kernel="reference").verify(PROMPT)
@@ -114,7 +114,7 @@ def test_graph_is_checker_clean_and_matches_torch(exported, kind, tmp_path):
 def test_batch_axis_is_dynamic(exported):
     """Two different sequences in one call give each one's own logits (per-token scales are per row)."""
     source, out = exported["dynamic"]
-    spec, sess = open_model(source).spec, session(out / "model.onnx")
+    spec, sess = open_model_files(source).spec, session(out / "model.onnx")
     other = [7, 7, 3000, 2, 5, 100, 8, 9, 10]
     n = len(PROMPT)
     feed = {
@@ -137,7 +137,7 @@ def test_sidecar_describes_the_graph(exported):
     assert decoder["inputs"]["past_key_names"] % 2 == "past_key_values.2.key"
     assert decoder["outputs"]["present_value_names"] % 0 == "present.0.value"
     assert config["quasar"]["precision"] == "w8a8" and config["quasar"]["activation"] == "static"
-    assert config["quasar"]["source_weights_sha256"] == open_model(exported["static"][0]).manifest["weights_sha256"]
+    assert config["quasar"]["source_weights_sha256"] == open_model_files(exported["static"][0]).manifest["weights_sha256"]
     graph = onnx.load(str(exported["static"][1] / "model.onnx"), load_external_data=False).graph
     dims = [d.dim_param or d.dim_value for d in graph.input[3].type.tensor_type.shape.dim]
     assert graph.input[3].name == "past_key_values.0.key" and dims == ["batch_size", 2, "past_sequence_length", 128]
@@ -148,7 +148,7 @@ def test_large_models_use_external_data(exported, tmp_path, monkeypatch):
     source, small = exported["dynamic"]
     out = export(source, "onnx", tmp_path / "external")
     assert (out / "model.onnx.data").stat().st_size > 10 * (out / "model.onnx").stat().st_size
-    spec = open_model(source).spec
+    spec = open_model_files(source).spec
     np.testing.assert_array_equal(
         run_full(session(out / "model.onnx"), spec, PROMPT), run_full(session(small / "model.onnx"), spec, PROMPT)
     )
@@ -159,7 +159,7 @@ def test_demo_model_w8a8_graph_matches_torch(tmp_path):
     artifact = quasar_deploy.calibrate(demo_model_path(), output=tmp_path / "demo", num_samples=8, seq_len=64, progress=False).path
     out = export(artifact, "onnx", tmp_path / "demo-onnx")
     ids = list(range(3, 60, 3))
-    got = torch.from_numpy(run_full(session(out / "model.onnx"), open_model(artifact).spec, ids))
+    got = torch.from_numpy(run_full(session(out / "model.onnx"), open_model_files(artifact).spec, ids))
     expected = load_cpu(artifact, int8_kernel="reference").verify(ids)
     assert (got - expected).abs().max().item() < 1e-3 * expected.abs().max().item()
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
@@ -173,7 +173,7 @@ def test_demo_model_w8a8_graph_matches_torch(tmp_path):
 def test_other_families_match_torch(tmp_path, arch, overrides):
     """No QK-norm (Llama), q/k/v biases (Qwen2), a sliding window shorter than the prompt (Mistral)."""
     source = save_tiny(tmp_path / arch, arch, num_hidden_layers=2, **overrides)
-    spec = open_model(source).spec
+    spec = open_model_files(source).spec
     assert spec.sliding_window == overrides.get("sliding_window", spec.sliding_window)
     got = torch.from_numpy(run_full(session(export(source, "onnx", tmp_path / "onnx", precision="float") / "model.onnx"), spec, PROMPT))
     expected = load_cpu(source).verify(PROMPT)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from quasar_deploy import demo_model_path
-from quasar_deploy.artifact import open_model
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.scheme import quantize_weight
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -50,7 +50,7 @@ def save_tiny(path: Path, arch: str = "qwen3", seed: int = 0, **overrides) -> Pa
 
 def naive_w8a8_decoder(path: Path, int8_kernel: str = "reference"):
     """A W8A8 decoder without calibration (no smoothing): for tests that need any W8A8 verifier."""
-    decoder = open_model(path).decoder()
+    decoder = open_model_files(path).decoder()
     for _, linear in decoder.linears():
         wq, scale = quantize_weight(linear.weight.data)
         linear.set_quantized(wq, scale, None)

@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ..artifact import ModelFiles, open_model
+from ..artifact import ModelFiles, open_model_files
 from ..errors import QuasarError
 from ..files import first_line
 from ..kernels import float_linear
@@ -140,7 +140,7 @@ def load_npu(
     """W8A8 artifact (or float checkpoint) on an Ascend NPU, computing in ``dtype`` (bfloat16 or float16)."""
     if dtype not in COMPUTE_DTYPES:
         raise QuasarError(f"NPU compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {dtype!r}")
-    files = path if isinstance(path, ModelFiles) else open_model(path)
+    files = path if isinstance(path, ModelFiles) else open_model_files(path)
     npu = torch_npu_module()
     decoder = files.decoder(COMPUTE_DTYPES[dtype])
     bind_npu_kernels(decoder, device, npu)

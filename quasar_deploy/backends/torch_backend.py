@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..artifact import ModelFiles, open_model
+from ..artifact import ModelFiles, open_model_files
 from ..errors import QuasarError
 from ..kernels import default_float_kernel, default_int8_kernel
 from ..model import Decoder
@@ -66,7 +66,7 @@ def load_cpu(
     threads: int | None = None,
 ) -> TorchCausalLM:
     """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has."""
-    files = path if isinstance(path, ModelFiles) else open_model(path)
+    files = path if isinstance(path, ModelFiles) else open_model_files(path)
     if threads:
         torch.set_num_threads(threads)
     float_kernel = float_kernel or default_float_kernel("cpu")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..artifact import open_model
+from ..artifact import open_model_files
 from ..backends.torch_backend import TorchCausalLM
 from ..demo import demo_model_path
 from ..engine import Engine, load
@@ -49,9 +49,9 @@ def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[
 
 def trained_contenders(model: str | Path, artifact: str | Path, with_hf: bool = True, ort_workdir: Path | None = None) -> Contenders:
     """A float checkpoint and its W8A8 artifact on the cpu backend (fastest exact kernels); on ONNX Runtime too with ``ort_workdir``."""
-    if not open_model(artifact).is_artifact:
+    if not open_model_files(artifact).is_artifact:
         raise QuasarError(f"{artifact}: not a W8A8 artifact (no quasar.json)")
-    if open_model(model).is_artifact:
+    if open_model_files(model).is_artifact:
         raise QuasarError(f"{model}: expected the float checkpoint, got an artifact")
     float_engine, w8a8_engine = load(model, backend="cpu"), load(artifact, backend="cpu")
     ort = ort_engines(model, artifact, ort_workdir) if ort_workdir else {}

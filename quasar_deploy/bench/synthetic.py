@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..adapters import DecoderSpec
+from ..decoder_spec import DecoderSpec
 from ..errors import QuasarError
 from ..model import Decoder
 from ..scheme import quantize_weight

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..artifact import ModelFiles, open_model, write_artifact
+from ..artifact import ModelFiles, open_model_files, write_artifact
 from ..errors import QuasarError
 from ..files import require_new
 from ..tokenizer import load_tokenizer
@@ -42,7 +42,7 @@ def calibrate(
     if recipe is None:
         recipe = CalibrationRecipe(**options)
     output = require_new(output)
-    source = open_model(model_dir)
+    source = open_model_files(model_dir)
     if source.is_artifact:
         raise QuasarError(f"{source.path}: is already a W8A8 artifact; calibrate the float checkpoint it came from")
     tokenizer = load_tokenizer(source.path, trust_remote_code)
@@ -58,7 +58,7 @@ def calibrate(
 
     manifest = build_manifest(source, recipe, samples, folded, quantized_layers)
     write_artifact(decoder, source.checkpoint, output, recipe.scheme, manifest)
-    return open_model(output)
+    return open_model_files(output)
 
 
 __all__ = ["CalibrationRecipe", "calibrate"]

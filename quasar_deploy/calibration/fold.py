@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..adapters import SmoothGroup
+from ..decoder_spec import SmoothGroup
 from ..errors import QuasarError
 from ..model import Decoder
 from . import smoothing

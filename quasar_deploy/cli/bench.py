@@ -61,7 +61,7 @@ def e2e(
     """Every decoding mode on the same prompts, interleaved prompt by prompt (float vs W8A8 verifier, n-gram, layer-skip...)."""
     import tempfile
 
-    from ..artifact import open_model
+    from ..artifact import open_model_files
     from ..bench import report as report_writer
     from ..bench.contenders import synthetic_contenders, trained_contenders
     from ..bench.e2e import BenchSettings, benchmark
@@ -73,7 +73,7 @@ def e2e(
     if not synthetic and not artifact:
         raise QuasarError("give ARTIFACT (a W8A8 artifact; --reference MODEL_DIR for its float checkpoint) or --synthetic SHAPE")
     if artifact:
-        reference = reference or str(reference_of(open_model(artifact)))
+        reference = reference or str(reference_of(open_model_files(artifact)))
     settings = BenchSettings(
         prompts=str(prompts or BUILTIN["prompts"]),
         model=reference,

@@ -24,11 +24,11 @@ def _sets(eval_data: tuple[str, ...]) -> dict[str, str | None]:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def evaluate(artifact, reference, eval_data, num_samples, seq_len, layers, as_json):
     """Fidelity of a W8A8 ARTIFACT to its float model: top-1 agreement, KL, perplexity (per text set)."""
-    from ..artifact import open_model
+    from ..artifact import open_model_files
     from ..fidelity import evaluate as run
     from ..fidelity import reference_of
 
-    files = open_model(artifact)
+    files = open_model_files(artifact)
     reference = reference or reference_of(files)
     results = {
         name: run(files.path, reference, eval_data=d, num_samples=num_samples, seq_len=seq_len, progress=not as_json).to_dict()

@@ -18,11 +18,11 @@ TARGETS = {"onnx": "quasar_deploy.export.onnx", "npu": "quasar_deploy.export.npu
 
 def export(artifact: str | Path, target: str, output: str | Path, **options) -> Path:
     """Export a W8A8 artifact (or, where the target allows ``precision="float"``, a float checkpoint)."""
-    from ..artifact import open_model
+    from ..artifact import open_model_files
 
     if target not in TARGETS:
         raise QuasarError(f"unknown export target {target!r}; choose from {', '.join(TARGETS)}")
     output = require_new(output)
-    files = open_model(artifact)
+    files = open_model_files(artifact)
     module = importlib.import_module(TARGETS[target])
     return module.export(files, output, **options)

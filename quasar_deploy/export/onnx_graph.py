@@ -24,7 +24,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ..adapters import DecoderSpec
+from ..decoder_spec import DecoderSpec
 from ..model import MLP, Attention, Decoder, Linear, RMSNorm
 from ..scheme import QMAX
 

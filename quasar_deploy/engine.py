@@ -3,15 +3,20 @@
 The engine turns text into token ids and back, picks and builds the drafter,
 and cuts the output at stop strings; the speculative loop itself knows only
 token ids. One engine serves one sequence at a time (the verifier holds one KV
-cache), so a server must serialise calls.
+cache): generations from several threads take turns on a lock, and a second
+generation started in a thread whose own stream is still unfinished is refused
+with a clear error rather than corrupting that stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +50,9 @@ class Counter:
     def add(self, key):
         self.counts[key] = self.counts.get(key, 0) + 1
 '''
+
+MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
+CHAT_TEMPLATE_SECONDS = 5.0  # a template is a program from the checkpoint: bound how long it may run
 
 Message = Mapping[str, str]
 Prompt = str | Sequence[Message] | Sequence[int]
@@ -82,8 +90,8 @@ class GenerationOptions:
         if any(not isinstance(s, str) or not s for s in stop):
             raise QuasarError("stop strings must be non-empty strings")
         object.__setattr__(self, "stop", stop)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise QuasarError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            raise QuasarError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
         if self.draft != "none" and (isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or self.num_draft < 1):
             raise QuasarError(f"num_draft must be an integer >= 1 (for plain decoding use draft='none'), got {self.num_draft!r}")
         check_drafter_options(self.draft, [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default])
@@ -165,6 +173,40 @@ class GenerationResult:
             "prompt_tokens": self.prompt_tokens,
             "context_full": self.context_full,
         }
+
+
+def check_text(text: str, what: str) -> None:
+    """Text the tokenizer can encode: a lone surrogate (undecodable bytes on a command line, or from Python) is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise QuasarError(f"{what} is not valid UTF-8 text (character {exc.start} is a lone surrogate)") from None
+
+
+class TimeLimit(BaseException):
+    """Raised inside a time-limited call; a BaseException so the code it interrupts cannot swallow it."""
+
+
+def within_seconds(seconds: float, call: Callable[[], Any]) -> Any:
+    """``call()``, interrupted with ``TimeLimit`` once it has run ``seconds``.
+
+    A trace function checks the clock at every Python line the call runs, which
+    interrupts pure-Python work (a Jinja template is compiled to Python) in any
+    thread, where a signal-based alarm works only in the main thread.
+    """
+    deadline = time.monotonic() + seconds
+
+    def trace(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TimeLimit
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        return call()
+    finally:
+        sys.settrace(previous)
 
 
 class Detokenizer:
@@ -260,6 +302,10 @@ class Stream:
         return next(self._pieces)
 
     def _run(self) -> Iterator[str]:
+        with self._engine.exclusive():
+            yield from self._generate()
+
+    def _generate(self) -> Iterator[str]:
         began = time.perf_counter()
         detokenizer = Detokenizer(self._engine.tokenizer, self._prompt)
         tokens: list[int] = []
@@ -299,10 +345,24 @@ class Engine:
     backend: str = "cpu"
     _draft_lms: dict[str, CausalLM] = field(default_factory=dict, repr=False)
     _skip_choices: dict[tuple[int, str], frozenset[int]] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _holder: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.stop_ids = frozenset(self.stop_ids) | ({eos} if eos is not None else set())
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the verifier (and its one KV cache): other threads wait; this thread may not nest a second generation."""
+        if self._holder == threading.get_ident():
+            raise QuasarError("this engine is busy with an unfinished stream in this thread; finish or close it first")
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
 
     def generate(self, prompt: Prompt, **options: Any) -> GenerationResult:
         """Generate a completion; ``options`` are ``GenerationOptions`` fields (max_new_tokens, temperature, draft, ...)."""
@@ -317,9 +377,12 @@ class Engine:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text, chat messages (through the tokenizer's chat template) or token ids, as the verifier's input ids."""
+        if isinstance(prompt, bytes | bytearray | memoryview):
+            raise QuasarError("the prompt is bytes; pass text as str (decode it first) or token ids as a list of ints")
         if isinstance(prompt, str):
             if not prompt:
                 raise QuasarError("the prompt is empty")
+            check_text(prompt, "the prompt")
             return list(self.tokenizer.encode(prompt))
         if not isinstance(prompt, Sequence) or len(prompt) == 0:
             raise QuasarError("the prompt is empty" if isinstance(prompt, Sequence) else f"unsupported prompt type {type(prompt).__name__}")
@@ -333,13 +396,21 @@ class Engine:
         raise QuasarError("a prompt is a string, a list of chat messages ({'role', 'content'}) or a list of token ids")
 
     def _chat(self, messages: Sequence[Message]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise QuasarError("this model's tokenizer has no chat template; pass the prompt as plain text")
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise QuasarError("each chat message needs a string 'role' and a string 'content'")
+            check_text(m["content"], "a chat message")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise QuasarError("this model's tokenizer has no chat template; pass the prompt as plain text")
         try:
-            text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
+            text = within_seconds(
+                CHAT_TEMPLATE_SECONDS,
+                lambda: self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True),
+            )
+        except TimeLimit:
+            raise QuasarError(
+                f"the chat template did not finish rendering within {CHAT_TEMPLATE_SECONDS:g} s (an unbounded loop?)"
+            ) from None
         except Exception as exc:  # jinja2 errors, raise_exception() in templates: all mean the messages do not fit the template
             raise QuasarError(f"the chat template rejected the messages: {exc}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -351,8 +422,8 @@ class Engine:
     def choose_skip_layers(self, fraction: float, text: str = SKIP_CALIBRATION_TEXT) -> frozenset[int]:
         """Which ``fraction`` of the layers to skip when drafting: those that keep the most top-1 agreement on ``text``.
 
-        Measured once per (layer count, text) and remembered. Rolls the verifier's
-        cache back, so never call it mid-generation.
+        Measured once per (layer count, text) and remembered. It runs the verifier, so it
+        takes the engine's lock like a generation does.
         """
         if not (isinstance(fraction, int | float) and 0 < fraction < 1):
             raise QuasarError(f"skip_fraction must be in (0, 1), got {fraction!r}")
@@ -361,7 +432,8 @@ class Engine:
         key = (count, text)
         if key not in self._skip_choices:
             ids = list(self.tokenizer.encode(text))[: self.lm.max_length]
-            self._skip_choices[key] = choose_skip_layers(self.lm, ids, count)
+            with self.exclusive():
+                self._skip_choices[key] = choose_skip_layers(self.lm, ids, count)
         return self._skip_choices[key]
 
     def draft_lm(self, path: str | Path) -> CausalLM:

@@ -125,3 +125,106 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tiny_qwen3, tmp_path)
     (model / "tokenizer.json").write_text(json.dumps(tokenizer))
     result = CliRunner().invoke(main, ["generate", str(model), "--prompt", "def f():"])
     assert result.exit_code == 1 and "but the model's vocabulary is 4096" in result.output and "Traceback" not in result.output
+
+
+# --- the engine: concurrency, prompts, seeds, templates, numerics ---
+
+PROMPTS = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(self, x):\n", "import os\n\nfor name in", "x = [1, 2, 3]\n"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3):
+    from quasar_deploy.engine import load
+
+    return load(tiny_qwen3, backend="cpu")
+
+
+def test_threads_sharing_an_engine_get_the_sequential_results(engine):
+    import threading
+
+    expected = [engine.generate(p, max_new_tokens=12).tokens for p in PROMPTS]
+    got: dict[tuple[int, int], list[int]] = {}
+    failures: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i, prompt in enumerate(PROMPTS):
+                got[t, i] = engine.generate(prompt, max_new_tokens=12, draft="ngram" if t % 2 else "none").tokens
+        except BaseException as exc:  # collected and re-raised by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert all(got[t, i] == expected[i] for t in range(4) for i in range(len(PROMPTS)))
+
+
+def test_a_paused_stream_is_never_corrupted_by_another_generation(engine):
+    expected = engine.generate(PROMPTS[0], max_new_tokens=20).text
+    stream = engine.stream(PROMPTS[0], max_new_tokens=20)
+    first = next(stream)
+    with pytest.raises(QuasarError, match="unfinished stream in this thread"):
+        engine.generate(PROMPTS[1], max_new_tokens=5)
+    assert first + "".join(stream) == expected
+    assert engine.generate(PROMPTS[1], max_new_tokens=5).tokens  # the lock is free again
+
+
+@pytest.mark.parametrize(
+    "prompt, options, message",
+    [
+        (b"def f():", {}, "the prompt is bytes"),
+        ("def f():\udcff", {}, "not valid UTF-8 text"),
+        ([{"role": "user", "content": "hi \ud800"}], {}, "not valid UTF-8 text"),
+        ("def f():", {"seed": 2**70}, "seed must be an integer in [0, 2**64 - 1]"),
+        ("def f():", {"seed": -1}, "seed must be an integer in [0, 2**64 - 1]"),
+    ],
+)
+def test_bad_prompts_and_seeds_are_one_line_errors(engine, prompt, options, message):
+    with pytest.raises(QuasarError) as error:
+        engine.generate(prompt, max_new_tokens=2, **options)
+    assert message in str(error.value)
+
+
+def test_cli_refuses_an_undecodable_prompt_and_a_huge_seed(tiny_qwen3):
+    runner = CliRunner()
+    bad = runner.invoke(main, ["generate", str(tiny_qwen3), "--prompt", "def f():\udcff"])
+    assert bad.exit_code == 1 and "not valid UTF-8 text" in bad.output and "Traceback" not in bad.output
+    seed = runner.invoke(main, ["generate", str(tiny_qwen3), "--prompt", "x", "--seed", str(2**70)])
+    assert seed.exit_code == 2 and "Invalid value for '--seed'" in seed.output
+
+
+def test_an_endless_chat_template_is_stopped(engine, monkeypatch):
+    import quasar_deploy.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CHAT_TEMPLATE_SECONDS", 0.5)
+    monkeypatch.setattr(
+        engine.tokenizer, "chat_template", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", raising=False
+    )
+    with pytest.raises(QuasarError, match="did not finish rendering within 0.5 s"):
+        engine.generate([{"role": "user", "content": "hi"}], max_new_tokens=2)
+
+
+def test_non_finite_logits_stop_generation_with_an_error(engine):
+    from quasar_deploy.engine import Engine
+
+    class Broken:
+        vocab_size, max_length, length = engine.lm.vocab_size, 64, 0
+
+        def prefill(self, ids):
+            return torch.full((self.vocab_size,), float("nan"))
+
+    with pytest.raises(QuasarError, match="non-finite logit"):
+        Engine(Broken(), engine.tokenizer).generate("def f():", max_new_tokens=3, draft="none")
+
+
+def test_calibration_refuses_overflowing_statistics(tiny_qwen3, tmp_path):
+    from quasar_deploy import calibrate
+
+    model = _copy(tiny_qwen3, tmp_path)
+    _edit_tensors(model, lambda t: t["model.layers.0.post_attention_layernorm.weight"].fill_(1e30))
+    with pytest.raises(QuasarError, match=r"model.layers.0.mlp.down_proj: its calibration inputs hold NaN or infinity"):
+        calibrate(model, tmp_path / "out", num_samples=2, seq_len=16, progress=False)
+    assert not (tmp_path / "out").exists()

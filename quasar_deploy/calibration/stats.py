@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from ..decoder_spec import SmoothGroup
+from ..errors import QuasarError
 from ..model import Decoder
 
 
@@ -51,4 +52,7 @@ def collect(
     finally:
         for handle in handles:
             handle.remove()
+    for group in groups:
+        if not torch.isfinite(absmax[group.name]).all():
+            raise QuasarError(f"{group.linears[0]}: its calibration inputs hold NaN or infinity (the float model overflows on this data)")
     return {g.name: GroupStats(absmax[g.name], torch.cat(rows[g.name])[:rows_per_group]) for g in groups}

@@ -51,7 +51,7 @@ def _print_stats(stats: dict) -> None:
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0: greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0: off.")
-@click.option("--seed", type=int, help="Seed for sampling (default: a fresh one).")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Seed for sampling (default: a fresh one).")
 @click.option(
     "--draft",
     default="ngram",

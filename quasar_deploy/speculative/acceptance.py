@@ -101,7 +101,11 @@ def accept(logits: torch.Tensor, draft: Sequence[int], draft_probs: torch.Tensor
 
     ``draft_probs`` [len(draft), vocab] is the distribution each drafted token was
     sampled from, or None when the drafter's choice was deterministic (n-gram, greedy).
+    A non-finite logit (a float16 overflow, corrupted weights) is an error: argmax and
+    softmax would otherwise turn it into a confident wrong token.
     """
+    if not torch.isfinite(logits).all():
+        raise QuasarError("the model produced a non-finite logit (NaN or infinity); its weights or numerics are broken")
     if sampler.greedy:
         return accept_greedy(logits, draft)
     return accept_sampled(sampler.distribution(logits), draft, draft_probs, sampler)

@@ -17,3 +17,21 @@ def test_builtin_text_sets_ship_with_the_package():
     calibration, held_out = read_texts(BUILTIN["calibration"]), read_texts(BUILTIN["eval"])
     assert len(calibration) >= 16 and len(held_out) >= 8
     assert not set(calibration) & set(held_out)
+
+
+def test_help_imports_no_torch():
+    """`quasar-deploy --help` (and each command's) must be instant: torch, transformers and numpy load only inside commands."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from quasar_deploy.cli import main\n"
+        "for args in (['--help'], ['generate', '--help'], ['bench', 'e2e', '--help'], ['export', '--help'], ['calibrate', '--help']):\n"
+        "    result = CliRunner().invoke(main, args)\n"
+        "    assert result.exit_code == 0, result.output\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"

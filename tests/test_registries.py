@@ -87,3 +87,19 @@ def test_only_backends_that_can_skip_layers_are_layer_skipping(tiny_qwen3):
     cpu = create_backend("cpu", tiny_qwen3)
     assert isinstance(cpu, CausalLM) and isinstance(cpu, LayerSkippingLM)
     assert isinstance(OrtLike(), CausalLM) and not isinstance(OrtLike(), LayerSkippingLM)
+
+
+def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from quasar_deploy.engine import load
+    from quasar_deploy.export import export
+
+    onnx_dir = export(tiny_qwen3, "onnx", tmp_path / "onnx", precision="float")
+    engine = load(onnx_dir)
+    assert engine.lm.description.startswith("onnxruntime") and engine.backend == "auto"
+    assert engine.generate("def f():", max_new_tokens=4).tokens == load(tiny_qwen3).generate("def f():", max_new_tokens=4).tokens
+    npu_dir = tmp_path / "npu"
+    npu_dir.mkdir()
+    (npu_dir / "quant_model_description.json").write_text("{}")
+    with pytest.raises(QuasarError, match="served by vLLM-Ascend"):
+        load(npu_dir)

@@ -9,6 +9,7 @@ until someone asks for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import QuasarError
@@ -46,10 +47,24 @@ def available_backends() -> dict[str, str | None]:
     return {name: unavailable(name) for name in BACKENDS}
 
 
+def auto_backend(path: Any) -> str:
+    """The backend for what ``path`` holds: an ONNX export runs on onnxruntime; artifacts and checkpoints on the first of
+    ``AUTO_ORDER`` that runs here. An NPU export is vLLM-Ascend's to serve, not ours."""
+    directory = Path(path)
+    if (directory / "genai_config.json").is_file():
+        return "onnxruntime"
+    if (directory / "quant_model_description.json").is_file():
+        raise QuasarError(
+            f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "
+            "to run on an NPU with quasar-deploy, load the artifact it came from with backend 'npu'"
+        )
+    return next(n for n in AUTO_ORDER if n in BACKENDS and unavailable(n) is None)
+
+
 def create_backend(name: str, path: Any, **options: Any) -> CausalLM:
-    """The model at ``path`` on backend ``name`` ("auto": the first of ``AUTO_ORDER`` that runs here)."""
+    """The model at ``path`` on backend ``name`` ("auto": chosen by ``auto_backend``)."""
     if name == "auto":
-        name = next(n for n in AUTO_ORDER if n in BACKENDS and unavailable(n) is None)
+        name = auto_backend(path)
     if name not in BACKENDS:
         raise QuasarError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
     reason = unavailable(name)

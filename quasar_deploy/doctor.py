@@ -3,35 +3,12 @@
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import torch
 
 from .backends import available_backends
+from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
 from .kernels import default_float_kernel, default_int8_kernel, fbgemm_available, onednn_available
-
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "asimd", "asimddp", "i8mm")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def report() -> dict:

@@ -17,6 +17,11 @@ accumulation; they differ only in speed and in where they run):
   since FBGEMM hands back float32: the worst case 64*127*K passes that at K > 1032,
   real activation rows sit far below it, and the tests compare against the
   reference). Cost: 2M+2 rows of compute, one pass over the weights.
+- ``fbgemm-vnni``: the same call without the split, for CPUs with AVX-512 VNNI, where
+  FBGEMM's kernel accumulates u8*s8 products straight into 32 bits and cannot overflow:
+  the full-range int8 rows plus pinning rows -127 and 128 (scale 1, zero point 127), M+2
+  rows of compute; the accumulation is recovered as above (exact while |acc| < 2^23).
+  Chosen by default where the CPU has VNNI; tested bit-identical to the reference there.
 - ``cuda`` / ``npu`` kernels live with their backends.
 
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
@@ -31,10 +36,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .cpuinfo import cpu_flags
 from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activation
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
-INT8_KERNELS = ("reference", "fbgemm")
+INT8_KERNELS = ("reference", "fbgemm", "fbgemm-vnni")
 FLOAT_KERNELS = ("torch", "onednn")
 
 
@@ -46,8 +52,15 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def vnni_available() -> bool:
+    """FBGEMM runs its VNNI kernel (u8*s8 summed straight into 32 bits: no overflow) on CPUs with AVX-512 VNNI."""
+    return "avx512_vnni" in cpu_flags()
+
+
 def default_int8_kernel(device: str = "cpu") -> str:
-    return "fbgemm" if device == "cpu" and fbgemm_available() else "reference"
+    if device != "cpu" or not fbgemm_available():
+        return "reference"
+    return "fbgemm-vnni" if vnni_available() else "fbgemm"
 
 
 def default_float_kernel(device: str = "cpu") -> str:
@@ -61,7 +74,7 @@ def _onednn_packs(weight: torch.Tensor) -> bool:
 def packs_weight(weight: torch.Tensor, float_kernel: str, int8_kernel: str) -> bool:
     """Whether the kernel chosen for ``weight`` keeps its own packed copy, so the caller may release the original."""
     if weight.dtype == torch.int8:
-        return int8_kernel == "fbgemm"
+        return int8_kernel.startswith("fbgemm")
     return float_kernel == "onednn" and _onednn_packs(weight)
 
 
@@ -91,19 +104,28 @@ def _reference(wq, w_scale, bias, input_scale) -> LinearFn:
     return run
 
 
-def _fbgemm(wq, w_scale, bias, input_scale) -> LinearFn:
+def _fbgemm_packed(wq: torch.Tensor, w_scale: torch.Tensor):
     torch.backends.quantized.engine = "fbgemm"
-    out_features, in_features = wq.shape
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         qweight = torch._make_per_channel_quantized_tensor(
-            wq.cpu(), w_scale.reshape(-1).double().cpu(), torch.zeros(out_features, dtype=torch.long), 0
+            wq.cpu(), w_scale.reshape(-1).double().cpu(), torch.zeros(wq.shape[0], dtype=torch.long), 0
         )
-    packed = torch.ops.quantized.linear_prepack(qweight, None)
+    return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def _pinning_rows(in_features: int, low: float, high: float) -> torch.Tensor:
+    """Two rows holding ``low`` and ``high``: FBGEMM's per-tensor quantization of the stacked input then picks scale 1."""
+    pin = torch.zeros(2, in_features)
+    pin[0, 0], pin[1, 0] = low, high
+    return pin
+
+
+def _fbgemm(wq, w_scale, bias, input_scale) -> LinearFn:
+    packed = _fbgemm_packed(wq, w_scale)
     w_row = w_scale.float().reshape(1, -1)
     inv_w = 1.0 / w_scale.double().reshape(1, -1)
-    pin = torch.zeros(2, in_features)
-    pin[0, 0], pin[1, 0] = -64.0, 63.0
+    pin = _pinning_rows(wq.shape[1], -64.0, 63.0)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -113,6 +135,22 @@ def _fbgemm(wq, w_scale, bias, input_scale) -> LinearFn:
         out = torch.ops.quantized.linear_dynamic(torch.cat([high, q - 2.0 * high, pin]), packed, True)
         halves = torch.round(out[: 2 * rows].double() * inv_w)
         y = (2.0 * halves[:rows] + halves[rows:]).float() * scale * w_row
+        return y + bias if bias is not None else y
+
+    return run
+
+
+def _fbgemm_vnni(wq, w_scale, bias, input_scale) -> LinearFn:
+    packed = _fbgemm_packed(wq, w_scale)
+    w_row = w_scale.float().reshape(1, -1)
+    inv_w = 1.0 / w_scale.double().reshape(1, -1)
+    pin = _pinning_rows(wq.shape[1], -127.0, 128.0)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        scale = _activation_scale(x, input_scale)
+        out = torch.ops.quantized.linear_dynamic(torch.cat([quantize_activation(x, scale), pin]), packed, False)
+        y = torch.round(out[:rows].double() * inv_w).float() * scale * w_row
         return y + bias if bias is not None else y
 
     return run
@@ -128,10 +166,12 @@ def int8_linear(
     """A function computing the scheme's W8A8 linear on 2-D float input, with the chosen kernel."""
     if kernel == "reference":
         return _reference(wq, w_scale, bias, input_scale)
-    if kernel == "fbgemm":
+    if kernel in ("fbgemm", "fbgemm-vnni"):
         if not fbgemm_available():
-            raise ValueError("the fbgemm kernel needs a PyTorch build with FBGEMM (x86 CPUs)")
-        return _fbgemm(wq, w_scale, bias, input_scale)
+            raise ValueError(f"the {kernel} kernel needs a PyTorch build with FBGEMM (x86 CPUs)")
+        if kernel == "fbgemm-vnni" and not vnni_available():
+            raise ValueError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
+        return (_fbgemm_vnni if kernel == "fbgemm-vnni" else _fbgemm)(wq, w_scale, bias, input_scale)
     raise ValueError(f"unknown int8 kernel {kernel!r}; choose from {INT8_KERNELS}")
 
 
@@ -142,6 +182,7 @@ __all__ = [
     "default_float_kernel",
     "default_int8_kernel",
     "fbgemm_available",
+    "vnni_available",
     "float_linear",
     "int8_linear",
     "onednn_available",

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from quasar_deploy.doctor import cpu_flags
-from quasar_deploy.kernels import fbgemm_available, int8_linear
+from quasar_deploy.cpuinfo import cpu_flags
+from quasar_deploy.kernels import default_int8_kernel, fbgemm_available, int8_linear, vnni_available
 from quasar_deploy.scheme import int8_matmul_exact, per_token_scale, quantize_activation, quantize_weight, reference_linear
 
 
@@ -41,18 +41,30 @@ def test_reference_is_batch_invariant():
         assert torch.equal(reference_linear(x[i : i + 1], wq, scale, bias)[0], batch[i])
 
 
-@pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")
+FBGEMM_KERNELS = [
+    pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")),
+    pytest.param("fbgemm-vnni", marks=pytest.mark.skipif(not (fbgemm_available() and vnni_available()), reason="needs AVX-512 VNNI")),
+]
+
+
+@pytest.mark.parametrize("kernel", FBGEMM_KERNELS)
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("in_features", [1, 96, 1024])
-def test_fbgemm_kernel_equals_reference(static, in_features):
+@pytest.mark.parametrize("in_features", [1, 96, 1024, 4096])
+def test_fbgemm_kernels_equal_reference(kernel, static, in_features):
     weight, x, bias = _layer(in_features=in_features)
+    x[:, :4] *= 40  # outlier channels: full-range int8 codes in every row
     wq, scale = quantize_weight(weight)
     input_scale = (x.abs().max() / 127).reshape(1) if static else None
     expected = int8_linear(wq, scale, bias, input_scale, "reference")(x)
-    got = int8_linear(wq, scale, bias, input_scale, "fbgemm")(x)
+    got = int8_linear(wq, scale, bias, input_scale, kernel)(x)
     assert torch.equal(got, expected)
-    one_row = int8_linear(wq, scale, bias, input_scale, "fbgemm")(x[2:3])
+    one_row = int8_linear(wq, scale, bias, input_scale, kernel)(x[2:3])
     assert torch.equal(one_row[0], got[2])
+
+
+def test_the_default_int8_kernel_follows_the_cpu():
+    expected = "reference" if not fbgemm_available() else "fbgemm-vnni" if vnni_available() else "fbgemm"
+    assert default_int8_kernel("cpu") == expected and default_int8_kernel("cuda") == "reference"
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import platform
 from functools import cache
 from pathlib import Path
@@ -29,3 +31,32 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs the cgroup's quota allows (containers: ``docker run --cpus``), from cgroup v2 or v1; None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def default_threads() -> int:
+    """Threads to compute with: the CPUs this process may run on and its cgroup quota allows, not the host's cores.
+
+    In a container limited to 2 CPUs on a 64-core host, a library that sizes its thread pool
+    from the host runs 32 threads on 2 CPUs, and OpenMP barriers then spin for most of each step.
+    """
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return max(1, min(allowed, math.ceil(limit) if limit else allowed))

@@ -138,6 +138,12 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second after the prefill: the decoding speed, apart from the prompt's cost."""
+        decode_s = self.wall_s - self.prefill_s
+        return (self.new_tokens - 1) / decode_s if self.new_tokens > 1 and decode_s > 0 else 0.0
+
     def to_dict(self) -> dict[str, float | int]:
         """One flat record (what ``--stats`` prints and ``--json`` writes under "stats")."""
         return {
@@ -146,6 +152,7 @@ class GenerationStats:
             "acceptance_length": self.acceptance_length,
             "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
         }
 
 
@@ -467,4 +474,22 @@ def load(path: str | Path, backend: str = "auto", trust_remote_code: bool = Fals
     ``backend_options`` go to the backend's factory (e.g. ``threads``, ``int8_kernel`` for cpu).
     """
     lm = create_backend(backend, path, **backend_options)
-    return Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)
+    engine = Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)
+    warm_up(lm)
+    return engine
+
+
+WARM_UP_BLOCK = 8  # verify blocks up to k+1 = 8 tokens get their kernels built at load
+
+
+def warm_up(lm: CausalLM) -> None:
+    """Run a prefill and every verify block size once, so one-time costs (kernel and primitive creation, allocator
+    growth) land in ``load`` and the first generation's speed is the steady state."""
+    length = min(WARM_UP_BLOCK, lm.max_length - WARM_UP_BLOCK - 1)
+    if length < 1:
+        return
+    lm.prefill([0] * length)
+    for block in range(1, WARM_UP_BLOCK + 1):
+        lm.verify([0] * block)
+        lm.truncate(length)
+    lm.truncate(0)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..files import first_line
 
@@ -163,8 +164,7 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     config = read_config(path)
     providers = choose_providers(provider, ort.get_available_providers())
     options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
+    options.intra_op_num_threads = threads or default_threads()  # ORT's own default counts the host's cores
     try:
         session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=providers)
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...) for a bad file

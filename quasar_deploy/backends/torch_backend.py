@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..artifact import ModelFiles, open_model_files
+from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..kernels import default_float_kernel, default_int8_kernel
 from ..model import Decoder
@@ -67,8 +68,8 @@ def load_cpu(
 ) -> TorchCausalLM:
     """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has."""
     files = path if isinstance(path, ModelFiles) else open_model_files(path)
-    if threads:
-        torch.set_num_threads(threads)
+    # torch sizes its pool from the host's cores; never let it exceed what this process may use (affinity, cgroup quota)
+    torch.set_num_threads(threads or min(torch.get_num_threads(), default_threads()))
     float_kernel = float_kernel or default_float_kernel("cpu")
     int8_kernel = int8_kernel or default_int8_kernel("cpu")
     decoder = files.decoder(torch.float32)

@@ -93,6 +93,50 @@ class Linear(nn.Module):
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
+def fuse_linears(linears: list[Linear], float_kernel: str, int8_kernel: str) -> LinearFn | None:
+    """One kernel call for linears that read the same input (q/k/v, gate/up): their output columns side by side.
+
+    Each output column of a W8A8 linear depends only on its own weight row, its scale and the
+    row's activation scale (shared: same input), so the fused result equals the separate ones
+    bit for bit while the per-call overhead is paid once. Linears that differ in kind (float
+    next to int8) or in static input scale cannot share one activation quantization: None.
+    The members' own weights are released (meta); only the fused kernel holds them.
+    """
+    first = linears[0]
+    if any(lin.quantized != first.quantized or lin.weight.is_meta for lin in linears):
+        return None
+    if first.quantized and any(not _same(lin.input_scale, first.input_scale) for lin in linears):
+        return None
+    weight = torch.cat([lin.weight.data for lin in linears])
+    biases = [lin.bias.data if lin.bias is not None else None for lin in linears]
+    present = next((b for b in biases if b is not None), None)
+    filled = [present.new_zeros(lin.out_features) if b is None else b for b, lin in zip(biases, linears)] if present is not None else []
+    bias = torch.cat(filled) if filled else None
+    if first.quantized:
+        scale = torch.cat([lin.weight_scale for lin in linears])
+        fn = int8_linear(weight, scale, bias, first.input_scale, int8_kernel)
+    else:
+        fn = float_linear(weight, bias, float_kernel)
+    for lin in linears:
+        lin.weight = nn.Parameter(torch.empty_like(lin.weight, device="meta"), requires_grad=False)
+        lin.bind(_released)
+    return fn
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _released(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("this linear runs fused with its siblings (Decoder.prepare(fuse=True)); call the fused projection")
+
+
+def _split(fused: LinearFn, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    shape = x.shape
+    y = fused(x.reshape(-1, shape[-1])).to(x.dtype)
+    return tuple(part.reshape(*shape[:-1], part.shape[-1]) for part in y.split(sizes, dim=-1))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -175,14 +219,24 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(tensors(f"{prefix}.q_norm.weight"), spec.rms_norm_eps)
             self.k_norm = RMSNorm(tensors(f"{prefix}.k_norm.weight"), spec.rms_norm_eps)
+        self.qkv: LinearFn | None = None
+
+    def fuse(self, float_kernel: str, int8_kernel: str) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], float_kernel, int8_kernel)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return _split(self.qkv, x, [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features])
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
         start = cache.length
-        q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        q, k, v = self._project(x)
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -213,9 +267,17 @@ class MLP(nn.Module):
         super().__init__()
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(self, name, load_linear(tensors, f"{prefix}.{name}"))
+        self.gate_up: LinearFn | None = None
+
+    def fuse(self, float_kernel: str, int8_kernel: str) -> None:
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], float_kernel, int8_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = _split(self.gate_up, x, [self.gate_proj.out_features, self.up_proj.out_features])
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -264,9 +326,15 @@ class Decoder(nn.Module):
     def linears(self) -> Iterable[tuple[str, Linear]]:
         return ((n, m) for n, m in self.named_modules() if isinstance(m, Linear) and n != "lm_head")
 
-    def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference") -> None:
+    def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference", fuse: bool = False) -> None:
+        """Bind kernels to every linear; ``fuse`` runs q/k/v and gate/up as one call each (for serving: fewer calls,
+        same results). Calibration keeps them apart, since it hooks each linear's input."""
+        for layer in self.model.layers:
+            if fuse:
+                layer.self_attn.fuse(float_kernel, int8_kernel)
+                layer.mlp.fuse(float_kernel, int8_kernel)
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module._fn is not _released:
                 module.prepare(float_kernel, int8_kernel)
 
     def move_to(self, device: torch.device | str) -> None:

@@ -73,6 +73,6 @@ def load_cpu(
     float_kernel = float_kernel or default_float_kernel("cpu")
     int8_kernel = int8_kernel or default_int8_kernel("cpu")
     decoder = files.decoder(torch.float32)
-    decoder.prepare(float_kernel, int8_kernel)
+    decoder.prepare(float_kernel, int8_kernel, fuse=True)
     kind = "W8A8" if files.is_artifact else "float"
     return TorchCausalLM(decoder, description=f"cpu {kind} (float kernel {float_kernel}, int8 kernel {int8_kernel})")

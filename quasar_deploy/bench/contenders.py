@@ -90,7 +90,7 @@ def synthetic_contenders(shape: str, with_hf: bool = True) -> Contenders:
     float_model, quant_model = synthetic_decoders(shape)
     hf = _hf_twin(float_model) if with_hf and shape.startswith("qwen3") else None  # before packing releases our copies
     for decoder in (float_model, quant_model):
-        decoder.prepare(default_float_kernel(), default_int8_kernel())
+        decoder.prepare(default_float_kernel(), default_int8_kernel(), fuse=True)
     tokenizer = load_tokenizer(demo_model_path())
     engines = [Engine(TorchCausalLM(d), tokenizer, frozenset(), "cpu") for d in (float_model, quant_model)]
     return Contenders(engines[0], engines[1], hf, "synthetic weights")

@@ -34,9 +34,8 @@ from safetensors.torch import save_file
 from .checkpoint import Checkpoint
 from .decoder_spec import DecoderSpec, check_tensor_shapes, decoder_spec
 from .errors import QuasarError
-from .export import EXPORT_MANIFEST
 from .files import atomic_directory, copy_files
-from .integrity import read_manifest, write_manifest
+from .integrity import EXPORT_MANIFEST, read_manifest, write_manifest
 from .model import Decoder
 from .scheme import W8A8Scheme
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ._version import __version__
 from .errors import QuasarError
 from .files import UNFINISHED, sha256_files
 
 # documentation and git metadata that hubs add and nothing here reads
 UNCHECKED = frozenset({"README.md", "LICENSE", ".gitattributes"})
+# here rather than in ``export``: importing that subpackage early would shadow the ``quasar_deploy.export`` function
+EXPORT_MANIFEST = "quasar-export.json"
+EXPORT_FORMAT_VERSION = 1
 
 
 def checksums(directory: Path, manifest: str) -> dict[str, str]:
@@ -63,3 +67,19 @@ def verify_files(directory: Path, file: Path, listed: object, verify: bool = Tru
             raise QuasarError(f"{path}: missing, but listed in {file.name} (incomplete copy?)")
         if verify and sha256_files(path) != digest:
             raise QuasarError(f"{path}: checksum mismatch (corrupted or modified)")
+
+
+def write_export_manifest(directory: Path, target: str, source: Path) -> None:
+    """The last file an exporter writes: target, provenance, and the sha256 of every other file in ``directory``."""
+    record = {"format_version": EXPORT_FORMAT_VERSION, "target": target, "quasar_deploy_version": __version__, "source": str(source)}
+    write_manifest(directory, EXPORT_MANIFEST, record)
+
+
+def read_export_manifest(directory: Path, target: str) -> dict:
+    """What a loader of ``target`` exports checks first: the manifest exists, names ``target``, and every file matches it."""
+    if not (directory / EXPORT_MANIFEST).is_file():
+        raise QuasarError(f"{directory}: no {EXPORT_MANIFEST} (not a complete {target} export of this quasar-deploy); export it again")
+    record = read_manifest(directory, EXPORT_MANIFEST, EXPORT_FORMAT_VERSION)
+    if record.get("target") != target:
+        raise QuasarError(f"{directory / EXPORT_MANIFEST}: a {record.get('target')!r} export, not {target!r}")
+    return record

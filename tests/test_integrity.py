@@ -21,9 +21,9 @@ import quasar_deploy
 from quasar_deploy.artifact import MANIFEST, open_model_files
 from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.export import EXPORT_MANIFEST, export
+from quasar_deploy.export import export
 from quasar_deploy.files import UNFINISHED, atomic_directory, copy_files, sha256_files
-from quasar_deploy.integrity import write_manifest
+from quasar_deploy.integrity import EXPORT_MANIFEST, write_manifest
 
 SCALE = "model.layers.1.mlp.up_proj.weight_scale"
 

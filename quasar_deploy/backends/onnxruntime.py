@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ..errors import QuasarError
-from ..export import read_export_manifest
 from ..files import first_line, refuse_unfinished
+from ..integrity import read_export_manifest
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {

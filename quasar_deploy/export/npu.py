@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from ..artifact import ModelFiles
 from ..errors import QuasarError
 from ..files import atomic_directory, copy_files, require_new
-from . import write_export_manifest
+from ..integrity import write_export_manifest
 
 DESCRIPTION = "quant_model_description.json"
 WEIGHTS = "quant_model_weights.safetensors"

@@ -21,7 +21,7 @@ except ImportError:
 
 from ..artifact import WEIGHTS, ModelFiles
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files
-from . import write_export_manifest
+from ..integrity import write_export_manifest
 from .onnx_graph import OPSET, decoder_graph
 
 MODEL_FILE = "model.onnx"

@@ -42,8 +42,8 @@ from .scheme import W8A8Scheme
 FORMAT_VERSION = 2  # 2: ``files`` (per-file sha256) replaced ``weights_sha256``
 MANIFEST = "quasar.json"
 WEIGHTS = "model.safetensors"
-# what the code reads from a manifest, checked at open so a damaged one is one line, not a KeyError
-RECORD_FIELDS = {"recipe": dict, "quantized_layers": list, "layers": dict, "groups": list}
+# what loading reads from a manifest, checked at open so a damaged one is one line, not a KeyError
+RECORD_FIELDS = {"recipe": dict, "quantized_layers": list}
 QUANTIZED_DTYPES = ("I8", "U8", "F8_E4M3", "F8_E5M2")
 
 
@@ -153,6 +153,8 @@ def _check_record(file: Path, manifest: dict) -> W8A8Scheme:
     for field, kind in RECORD_FIELDS.items():
         if not isinstance(manifest.get(field), kind):
             raise QuasarError(f"{file}: {field!r} is missing or not a JSON {'object' if kind is dict else 'array'} (corrupted manifest)")
+    if not all(isinstance(name, str) for name in manifest["quantized_layers"]):
+        raise QuasarError(f"{file}: 'quantized_layers' must list layer names (corrupted manifest)")
     scheme = manifest["recipe"].get("scheme")
     try:
         return W8A8Scheme(**scheme)

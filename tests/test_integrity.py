@@ -104,6 +104,7 @@ ARTIFACT_DAMAGE = [
     ("quasar.json is []", lambda d: (d / MANIFEST).write_text("[]"), "quasar.json: expected a JSON object, not list"),
     ("quasar.json is not JSON", lambda d: (d / MANIFEST).write_text("{"), "quasar.json: not valid JSON"),
     ("no recipe", lambda d: edit_manifest(d, lambda r: r.pop("recipe") and None), "'recipe' is missing or not a JSON object"),
+    ("quantized_layers not names", lambda d: edit_manifest(d, lambda r: r.__setitem__("quantized_layers", [[1]])), "must list layer names"),
     ("unknown activation", set_activation("per-channel"), "is not a W8A8 scheme this quasar-deploy runs"),
     ("format 1 manifest", lambda d: edit_manifest(d, format_1), "format 1, but this quasar-deploy reads format 2 only"),
     ("static without input_scale", set_activation("static"), "'static' activations, but model.layers.0.mlp.down_proj lacks an input_scale"),

@@ -13,7 +13,13 @@ write leaves nothing that loads):
   lm_head) in the source's float dtype.
 - tokenizer files and ``generation_config.json``, copied from the source.
 - ``quasar.json``: format version, recipe, per-group alpha and errors, per-layer
-  error, calibration-data fingerprint, source checkpoint hash, weights sha256.
+  error, calibration-data fingerprint, source checkpoint hash, and ``files``: the sha256
+  of every other file (``integrity.py``). The artifact is exactly those files.
+
+Opening checks the manifest before anything trusts it: the listed files and their bytes,
+the record's shape, and that the tensors carry what its activation mode needs. A directory
+with quantized weights but no manifest is refused, so deleting ``quasar.json`` cannot turn
+the checks off (it would otherwise load as a float checkpoint and run int8 weights as float).
 """
 
 from __future__ import annotations
@@ -28,13 +34,17 @@ from safetensors.torch import save_file
 from .checkpoint import Checkpoint
 from .decoder_spec import DecoderSpec, check_tensor_shapes, decoder_spec
 from .errors import QuasarError
-from .files import atomic_directory, copy_files, sha256_files
+from .files import atomic_directory, copy_files
+from .integrity import EXPORT_MANIFEST, read_manifest, write_manifest
 from .model import Decoder
 from .scheme import W8A8Scheme
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: ``files`` (per-file sha256) replaced ``weights_sha256``
 MANIFEST = "quasar.json"
 WEIGHTS = "model.safetensors"
+# what loading reads from a manifest, checked at open so a damaged one is one line, not a KeyError
+RECORD_FIELDS = {"recipe": dict, "quantized_layers": list}
+QUANTIZED_DTYPES = ("I8", "U8", "F8_E4M3", "F8_E5M2")
 
 
 def compressed_tensors_config(scheme: W8A8Scheme, ignore: list[str]) -> dict:
@@ -82,8 +92,7 @@ def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W
         config["quantization_config"] = compressed_tensors_config(scheme, ignore)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_files(source.path, tmp)
-        manifest = {"format_version": FORMAT_VERSION, **manifest, "weights_sha256": sha256_files(tmp / WEIGHTS)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        write_manifest(tmp, MANIFEST, {"format_version": FORMAT_VERSION, **manifest})
     return output
 
 
@@ -119,21 +128,61 @@ class ModelFiles:
 
 
 def open_model_files(path: str | Path, verify: bool = True) -> ModelFiles:
-    """Open a W8A8 artifact or a float HF checkpoint; corrupted artifacts fail here, in one line."""
+    """Open a W8A8 artifact or a float HF checkpoint; corrupted, modified or foreign quantized directories fail here, in one line.
+
+    ``verify=False`` skips hashing the files' bytes (the file list and the record are still checked).
+    """
     checkpoint = Checkpoint(path)
+    if (checkpoint.path / EXPORT_MANIFEST).exists():
+        raise QuasarError(f"{checkpoint.path}: an export ({EXPORT_MANIFEST}), not an artifact; pass the artifact it was exported from")
     manifest = None
-    manifest_file = checkpoint.path / MANIFEST
-    if manifest_file.exists():
-        try:
-            manifest = json.loads(manifest_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise QuasarError(f"{manifest_file}: not valid JSON (corrupted artifact)") from None
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise QuasarError(
-                f"{manifest_file}: artifact format {manifest.get('format_version')!r}, this quasar-deploy reads {FORMAT_VERSION}"
-            )
-        if verify and sha256_files(checkpoint.path / WEIGHTS) != manifest.get("weights_sha256"):
-            raise QuasarError(f"{checkpoint.path / WEIGHTS}: checksum mismatch (corrupted or modified artifact)")
+    if (checkpoint.path / MANIFEST).exists():
+        manifest = read_manifest(checkpoint.path, MANIFEST, FORMAT_VERSION, verify)
+        scheme = _check_record(checkpoint.path / MANIFEST, manifest)
+    else:
+        _refuse_foreign_quantized(checkpoint)
     spec = decoder_spec(checkpoint.config, checkpoint.names)
     check_tensor_shapes(spec, checkpoint.shapes)
+    if manifest is not None:
+        _check_activation(checkpoint, manifest["quantized_layers"], scheme)
     return ModelFiles(checkpoint, spec, manifest)
+
+
+def _check_record(file: Path, manifest: dict) -> W8A8Scheme:
+    """The fields the code reads have their types, and the scheme is one we run; returns the scheme."""
+    for field, kind in RECORD_FIELDS.items():
+        if not isinstance(manifest.get(field), kind):
+            raise QuasarError(f"{file}: {field!r} is missing or not a JSON {'object' if kind is dict else 'array'} (corrupted manifest)")
+    if not all(isinstance(name, str) for name in manifest["quantized_layers"]):
+        raise QuasarError(f"{file}: 'quantized_layers' must list layer names (corrupted manifest)")
+    scheme = manifest["recipe"].get("scheme")
+    try:
+        return W8A8Scheme(**scheme)
+    except (TypeError, ValueError) as exc:
+        raise QuasarError(f"{file}: recipe.scheme {scheme!r} is not a W8A8 scheme this quasar-deploy runs ({exc})") from None
+
+
+def _check_activation(checkpoint: Checkpoint, quantized_layers: list, scheme: W8A8Scheme) -> None:
+    """Static activations need an ``input_scale`` on every quantized layer, dynamic ones none: else the backends would disagree."""
+    with_scale = {name.removesuffix(".input_scale") for name in checkpoint.names if name.endswith(".input_scale")}
+    expected = set(quantized_layers) if scheme.activation == "static" else set()
+    if with_scale != expected:
+        name = sorted(with_scale ^ expected, key=str)[0]
+        has = "has" if name in with_scale else "lacks"
+        raise QuasarError(f"{checkpoint.path / MANIFEST}: {scheme.activation!r} activations, but {name} {has} an input_scale (corrupted)")
+
+
+def _refuse_foreign_quantized(checkpoint: Checkpoint) -> None:
+    """Without our manifest, quantized weights would run as float (or not at all): we run only the artifacts we write."""
+    config = checkpoint.config.get("quantization_config") if isinstance(checkpoint.config, dict) else None
+    int8 = next((name for name, dtype in sorted(checkpoint.dtypes.items()) if dtype in QUANTIZED_DTYPES), None)
+    if config is None and int8 is None:
+        return
+    if config is None:
+        what = f"{int8} is {checkpoint.dtypes[int8]}"
+    else:
+        what = f"config.json has a quantization_config, quant_method {config.get('quant_method') if isinstance(config, dict) else None!r}"
+    raise QuasarError(
+        f"{checkpoint.path}: quantized ({what}) but no {MANIFEST}: quasar-deploy runs only the W8A8 artifacts it writes, "
+        "not other tools' compressed-tensors or quantized checkpoints; pass the float checkpoint (and calibrate it)"
+    )

@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import QuasarError
-from .files import sha256_files
+from .files import refuse_unfinished, sha256_files
 
 
 class Checkpoint:
@@ -21,6 +21,7 @@ class Checkpoint:
             raise QuasarError(f"{self.path}: no such directory")
         if not self.path.is_dir():
             raise QuasarError(f"{self.path}: not a directory (expected a Hugging Face checkpoint directory)")
+        refuse_unfinished(self.path)
         config_file = self.path / "config.json"
         if not config_file.is_file():
             raise QuasarError(f"{self.path}: no config.json (not a Hugging Face checkpoint directory)")
@@ -34,12 +35,15 @@ class Checkpoint:
             raise QuasarError(f"{self.path}: no *.safetensors weights{hint}")
         self._where: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}  # safetensors' names: "F32", "BF16", "I8", ...
         for file in self.files:
             try:
                 with safe_open(file, "pt") as handle:
                     for name in handle.keys():
                         self._where[name] = file
-                        self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+                        tensor = handle.get_slice(name)
+                        self.shapes[name] = tuple(tensor.get_shape())
+                        self.dtypes[name] = tensor.get_dtype()
             except (SafetensorError, OSError) as exc:
                 raise QuasarError(f"{file}: unreadable safetensors file ({exc})") from None
 

@@ -55,7 +55,7 @@ def test_artifact_layout_is_compressed_tensors_w8a8(qwen3_artifact):
         assert f.get_tensor("lm_head.weight").dtype == torch.float32
     assert not any(n.endswith("input_scale") for n in names)
     manifest = json.loads((path / "quasar.json").read_text())
-    assert manifest["format_version"] == 1 and len(manifest["source"]["sha256"]) == 64
+    assert manifest["format_version"] == 2 and len(manifest["source"]["sha256"]) == 64
     assert len(manifest["quantized_layers"]) == 3 * 7 and len(manifest["groups"]) == 3 * 4
     assert all(g["error_after"] <= g["error_before"] + 1e-12 for g in manifest["groups"])
     assert (path / "tokenizer.json").exists()

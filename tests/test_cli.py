@@ -115,7 +115,7 @@ def test_artifact_with_missing_tensor(artifact, tiny_qwen3, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight_scale"]
     save_file(tensors, str(weights))
     manifest = json.loads((broken / "quasar.json").read_text())
-    manifest["weights_sha256"] = sha256_files(weights)
+    manifest["files"]["model.safetensors"] = sha256_files(weights)
     (broken / "quasar.json").write_text(json.dumps(manifest))
     assert_one_line_error(run("eval", broken, "--reference", tiny_qwen3), "'model.layers.1.mlp.up_proj.weight_scale' is missing")
 

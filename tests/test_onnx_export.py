@@ -137,7 +137,7 @@ def test_sidecar_describes_the_graph(exported):
     assert decoder["inputs"]["past_key_names"] % 2 == "past_key_values.2.key"
     assert decoder["outputs"]["present_value_names"] % 0 == "present.0.value"
     assert config["quasar"]["precision"] == "w8a8" and config["quasar"]["activation"] == "static"
-    assert config["quasar"]["source_weights_sha256"] == open_model_files(exported["static"][0]).manifest["weights_sha256"]
+    assert config["quasar"]["source_weights_sha256"] == open_model_files(exported["static"][0]).manifest["files"]["model.safetensors"]
     graph = onnx.load(str(exported["static"][1] / "model.onnx"), load_external_data=False).graph
     dims = [d.dim_param or d.dim_value for d in graph.input[3].type.tensor_type.shape.dim]
     assert graph.input[3].name == "past_key_values.0.key" and dims == ["batch_size", 2, "past_sequence_length", 128]

@@ -18,7 +18,8 @@ import torch
 
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
-from ..files import first_line
+from ..files import first_line, refuse_unfinished
+from ..integrity import read_export_manifest
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {
@@ -52,12 +53,14 @@ def choose_providers(provider: str | None, available: Sequence[str]) -> list[str
 
 
 def read_config(path: Path) -> dict:
-    """The sidecar written by the exporter; anything missing or unreadable is a one-line error."""
+    """The sidecar written by the exporter, once the export's manifest vouches for every file; else a one-line error."""
     if not path.is_dir():
         raise QuasarError(f"{path}: no such directory")
+    refuse_unfinished(path)
     file = path / CONFIG_FILE
     if not file.is_file():
         raise QuasarError(f"{path}: no {CONFIG_FILE} (not an ONNX export; run quasar-deploy export --target onnx)")
+    read_export_manifest(path, "onnx")
     try:
         config = json.loads(file.read_text())
         decoder = config["model"]["decoder"]

@@ -47,15 +47,17 @@ def demo_recipe() -> CalibrationRecipe:
 
 
 def demo_artifact(progress: bool = True) -> Path:
-    """The demo model's W8A8 artifact, calibrated once and cached; recalibrated when the model or recipe changes."""
+    """The demo model's W8A8 artifact, calibrated once and cached; recalibrated when the model, recipe or artifact format changes."""
     import json
 
     from .._version import __version__
+    from ..artifact import FORMAT_VERSION
     from ..calibration import calibrate
 
     plain = demo_model_path()
     recipe = demo_recipe()
-    key = hashlib.sha256((plain / "model.safetensors").read_bytes() + json.dumps([recipe.to_dict(), __version__]).encode()).hexdigest()[:12]
+    inputs = json.dumps([recipe.to_dict(), __version__, FORMAT_VERSION]).encode()
+    key = hashlib.sha256((plain / "model.safetensors").read_bytes() + inputs).hexdigest()[:12]
     path = cache_dir() / f"demo-w8a8-{key}"
     if not (path / "quasar.json").exists():
         calibrate(plain, output=path, recipe=recipe, progress=progress)

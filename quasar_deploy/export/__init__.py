@@ -1,8 +1,10 @@
 """Exporters: one module per target format, each turning the canonical artifact into what that target runs.
 
-Each target module exposes ``export(files: ModelFiles, output: Path, **options) -> Path`` and
-writes atomically (temp dir, then rename). This package imports nothing heavy, so the CLI can
-list the targets without loading torch.
+Each target module exposes ``export(files: ModelFiles, output: Path, **options) -> Path``,
+writes atomically (temp dir, then rename) and ends with ``integrity.write_export_manifest``: the
+``quasar-export.json`` that lists every file it wrote with its sha256, which our loaders
+verify as they do an artifact's. This package imports nothing heavy, so the CLI can list the
+targets without loading torch.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Output directory (written to a temp dir, then renamed):
 - ``config.json``: the artifact's config without ``quantization_config`` (vLLM would otherwise
   insist on compressed-tensors) and with ``torch_dtype`` set to the export dtype;
 - tokenizer and generation files, copied;
+- ``quasar-export.json``: the sha256 of every other file (for a future loader of ours; vLLM ignores it);
 - ``quant_model_description.json``: ``model_quant_type``, ``version`` and one type per tensor:
   ``W8A8_DYNAMIC`` (our default per-token scheme) or ``W8A8`` (static per-tensor) for every
   tensor of a quantized linear, ``FLOAT`` for everything else (embeddings, norms, float linears);
@@ -36,6 +37,7 @@ from safetensors.torch import save_file
 from ..artifact import ModelFiles
 from ..errors import QuasarError
 from ..files import atomic_directory, copy_files, require_new
+from ..integrity import write_export_manifest
 
 DESCRIPTION = "quant_model_description.json"
 WEIGHTS = "quant_model_weights.safetensors"
@@ -144,4 +146,5 @@ def export(files: ModelFiles, output: Path, dtype: str | None = None) -> Path:
         (tmp / DESCRIPTION).write_text(json.dumps(description, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_files(files.path, tmp)
+        write_export_manifest(tmp, "npu", files.path)
     return output

@@ -3,7 +3,8 @@
 The output directory is self-contained for ``quasar_deploy.load(DIR, backend="onnxruntime")``
 and for onnxruntime-genai style front ends: ``model.onnx`` (+ ``model.onnx.data`` when the
 weights pass protobuf's 2 GB limit), ``genai_config.json`` describing inputs and outputs,
-and the source's ``config.json``, ``generation_config.json`` and tokenizer files.
+the source's ``config.json``, ``generation_config.json`` and tokenizer files, and
+``quasar-export.json`` with the sha256 of each, which ``load_onnx`` verifies.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ try:
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
-from ..artifact import ModelFiles
+from ..artifact import WEIGHTS, ModelFiles
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files
+from ..integrity import write_export_manifest
 from .onnx_graph import OPSET, decoder_graph
 
 MODEL_FILE = "model.onnx"
@@ -66,7 +68,7 @@ def genai_config(files: ModelFiles, precision: str) -> dict:
             "activation": scheme.activation if precision == "w8a8" else None,
             "linear": "u8xu8 MatMulInteger, exact int32 accumulation" if precision == "w8a8" else "float32 MatMul",
             "opset": OPSET,
-            "source_weights_sha256": (files.manifest or {}).get("weights_sha256"),
+            "source_weights_sha256": files.manifest["files"][WEIGHTS] if files.manifest else None,
         },
     }
 
@@ -98,4 +100,5 @@ def export(files: ModelFiles, output: Path, precision: str = "w8a8") -> Path:
         del model
         (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision), indent=2))
         copy_files(files.path, tmp, ("config.json", *TOKENIZER_FILES))
+        write_export_manifest(tmp, "onnx", files.path)
     return output

@@ -1,0 +1,85 @@
+"""Manifests that list every file of a directory we wrote with its sha256, so what loads is exactly what was written.
+
+The artifact (``quasar.json``) and each export (``quasar-export.json``) end with a
+``files: {name: sha256}`` map over everything else in the directory. Readers refuse a listed
+file that is missing or altered, and any unlisted file: a stray ``zz.safetensors`` would
+otherwise be merged into the weights, a stray ``chat_template.jinja`` into the tokenizer.
+Torch-free, like ``files.py``: the ONNX loader and the exporters' registry use it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ._version import __version__
+from .errors import QuasarError
+from .files import UNFINISHED, sha256_files
+
+# documentation and git metadata that hubs add and nothing here reads
+UNCHECKED = frozenset({"README.md", "LICENSE", ".gitattributes"})
+# here rather than in ``export``: importing that subpackage early would shadow the ``quasar_deploy.export`` function
+EXPORT_MANIFEST = "quasar-export.json"
+EXPORT_FORMAT_VERSION = 1
+
+
+def checksums(directory: Path, manifest: str) -> dict[str, str]:
+    """sha256 of every file in ``directory`` but the manifest itself (and the write-in-progress marker)."""
+    return {p.name: sha256_files(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in (manifest, UNFINISHED)}
+
+
+def write_manifest(directory: Path, manifest: str, record: dict) -> None:
+    """Write ``record`` with the checksums of the files ``directory`` holds now: writers call it last."""
+    record = {**record, "files": checksums(directory, manifest)}
+    (directory / manifest).write_text(json.dumps(record, indent=2))
+
+
+def read_manifest(directory: Path, manifest: str, version: int, verify: bool = True) -> dict:
+    """The manifest as a dict, after checking the directory holds exactly the files it lists (and, if ``verify``, their bytes)."""
+    file = directory / manifest
+    try:
+        record = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise QuasarError(f"{file}: not valid JSON (corrupted manifest)") from None
+    if not isinstance(record, dict):
+        raise QuasarError(f"{file}: expected a JSON object, not {type(record).__name__} (corrupted manifest)")
+    if record.get("format_version") != version:
+        raise QuasarError(
+            f"{file}: format {record.get('format_version')!r}, but this quasar-deploy reads format {version} only "
+            "(older formats lack per-file checksums); write it again with this version"
+        )
+    verify_files(directory, file, record.get("files"), verify)
+    return record
+
+
+def verify_files(directory: Path, file: Path, listed: object, verify: bool = True) -> None:
+    """Refuse unlisted files, then listed files that are missing or (if ``verify``) whose sha256 differs; each names the file."""
+    if not isinstance(listed, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in listed.items()):
+        raise QuasarError(f"{file}: 'files' must map file names to sha256 checksums (corrupted manifest)")
+    for path in sorted(directory.iterdir()):
+        if path.name not in listed and path.name not in (file.name, *UNCHECKED) and not (path.is_dir() and not path.is_symlink()):
+            raise QuasarError(f"{path}: not listed in {file.name}; a directory we wrote holds exactly the files it lists: remove it")
+    for name, digest in sorted(listed.items()):
+        if Path(name).name != name or name in (".", ".."):
+            raise QuasarError(f"{file}: lists {name!r}, which is not a file name (corrupted manifest)")
+        path = directory / name
+        if not path.is_file():
+            raise QuasarError(f"{path}: missing, but listed in {file.name} (incomplete copy?)")
+        if verify and sha256_files(path) != digest:
+            raise QuasarError(f"{path}: checksum mismatch (corrupted or modified)")
+
+
+def write_export_manifest(directory: Path, target: str, source: Path) -> None:
+    """The last file an exporter writes: target, provenance, and the sha256 of every other file in ``directory``."""
+    record = {"format_version": EXPORT_FORMAT_VERSION, "target": target, "quasar_deploy_version": __version__, "source": str(source)}
+    write_manifest(directory, EXPORT_MANIFEST, record)
+
+
+def read_export_manifest(directory: Path, target: str) -> dict:
+    """What a loader of ``target`` exports checks first: the manifest exists, names ``target``, and every file matches it."""
+    if not (directory / EXPORT_MANIFEST).is_file():
+        raise QuasarError(f"{directory}: no {EXPORT_MANIFEST} (not a complete {target} export of this quasar-deploy); export it again")
+    record = read_manifest(directory, EXPORT_MANIFEST, EXPORT_FORMAT_VERSION)
+    if record.get("target") != target:
+        raise QuasarError(f"{directory / EXPORT_MANIFEST}: a {record.get('target')!r} export, not {target!r}")
+    return record

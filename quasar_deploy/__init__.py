@@ -25,7 +25,7 @@ _API = {
     "Engine": "quasar_deploy.engine",
     "GenerationResult": "quasar_deploy.engine",
     "evaluate": "quasar_deploy.fidelity",
-    "export": "quasar_deploy.export",
+    "export": "quasar_deploy.exporters",
     "ModelFiles": "quasar_deploy.artifact",
     "open_model_files": "quasar_deploy.artifact",
 }

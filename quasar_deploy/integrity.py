@@ -18,7 +18,6 @@ from .files import UNFINISHED, sha256_files
 
 # documentation and git metadata that hubs add and nothing here reads
 UNCHECKED = frozenset({"README.md", "LICENSE", ".gitattributes"})
-# here rather than in ``export``: importing that subpackage early would shadow the ``quasar_deploy.export`` function
 EXPORT_MANIFEST = "quasar-export.json"
 EXPORT_FORMAT_VERSION = 1
 

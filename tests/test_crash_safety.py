@@ -20,7 +20,7 @@ import pytest
 import quasar_deploy
 from quasar_deploy.artifact import open_model_files
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.export import export
+from quasar_deploy.exporters import export
 from quasar_deploy.files import UNFINISHED, atomic_directory, remove_stale_writes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ def test_killed_calibrate(tiny_qwen3, reference, tmp_path, capfd, point):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["quasar_deploy.export.onnx:save_graph", "rename"], ids=["after-graph", "before-rename"])
+@pytest.mark.parametrize("point", ["quasar_deploy.exporters.onnx:save_graph", "rename"], ids=["after-graph", "before-rename"])
 def test_killed_onnx_export(reference, tmp_path, capfd, point):
     from quasar_deploy.backends.onnxruntime import read_config
 

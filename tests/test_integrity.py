@@ -21,7 +21,7 @@ import quasar_deploy
 from quasar_deploy.artifact import MANIFEST, open_model_files
 from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.export import export
+from quasar_deploy.exporters import export
 from quasar_deploy.files import UNFINISHED, atomic_directory, copy_files, sha256_files
 from quasar_deploy.integrity import EXPORT_MANIFEST, write_manifest
 

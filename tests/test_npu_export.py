@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 import quasar_deploy
 from quasar_deploy.artifact import open_model_files
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.export import export
-from quasar_deploy.export.npu import DESCRIPTION, WEIGHTS
+from quasar_deploy.exporters import export
+from quasar_deploy.exporters.npu import DESCRIPTION, WEIGHTS
 from quasar_deploy.scheme import reference_linear
 
 from . import npu_emulation

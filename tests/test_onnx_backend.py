@@ -17,7 +17,7 @@ from quasar_deploy.backends import BACKENDS, create_backend  # noqa: E402
 from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx, unavailable  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
-from quasar_deploy.export import export  # noqa: E402
+from quasar_deploy.exporters import export  # noqa: E402
 
 from .test_integrity import reseal  # noqa: E402
 from .test_onnx_export import PROMPT, run_full, session  # noqa: E402

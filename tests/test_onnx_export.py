@@ -18,9 +18,9 @@ from quasar_deploy import demo_model_path  # noqa: E402
 from quasar_deploy.artifact import open_model_files  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
-from quasar_deploy.export import export  # noqa: E402
-from quasar_deploy.export import onnx as onnx_export  # noqa: E402
-from quasar_deploy.export.onnx_graph import OPSET, GraphBuilder, w8a8_linear  # noqa: E402
+from quasar_deploy.exporters import export  # noqa: E402
+from quasar_deploy.exporters import onnx as onnx_export  # noqa: E402
+from quasar_deploy.exporters.onnx_graph import OPSET, GraphBuilder, w8a8_linear  # noqa: E402
 from quasar_deploy.scheme import quantize_weight, reference_linear  # noqa: E402
 
 from .tiny import save_tiny  # noqa: E402

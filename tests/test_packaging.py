@@ -35,3 +35,10 @@ def test_help_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_export_function_survives_importing_the_exporters():
+    import quasar_deploy
+    import quasar_deploy.exporters.onnx  # noqa: F401
+
+    assert callable(quasar_deploy.export) and quasar_deploy.export.__module__ == "quasar_deploy.exporters"

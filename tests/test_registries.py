@@ -92,7 +92,7 @@ def test_only_backends_that_can_skip_layers_are_layer_skipping(tiny_qwen3):
 def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tmp_path):
     pytest.importorskip("onnxruntime")
     from quasar_deploy.engine import load
-    from quasar_deploy.export import export
+    from quasar_deploy.exporters import export
 
     onnx_dir = export(tiny_qwen3, "onnx", tmp_path / "onnx", precision="float")
     engine = load(onnx_dir)

@@ -38,7 +38,7 @@ def _hf_model_from(path: Path):
 def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[str, Engine]:
     """Both models exported to ONNX under ``workdir`` and served by the onnxruntime backend ({} without onnxruntime)."""
     from ..backends.registry import unavailable
-    from ..export import export
+    from ..exporters import export
 
     if unavailable("onnxruntime") is not None:
         return {}

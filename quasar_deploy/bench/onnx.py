@@ -31,8 +31,8 @@ try:
 except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
-from ..export.onnx import save_graph
-from ..export.onnx_graph import OPSET, GraphBuilder, decoder_graph, w8a8_linear
+from ..exporters.onnx import save_graph
+from ..exporters.onnx_graph import OPSET, GraphBuilder, decoder_graph, w8a8_linear
 from ..scheme import quantize_weight, reference_linear
 from .synthetic import synthetic_decoders
 

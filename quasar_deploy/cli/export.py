@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..export import TARGETS
+from ..exporters import TARGETS
 
 
 @click.command("export")
@@ -17,7 +17,7 @@ def export_command(artifact, target, output, precision, dtype):
     """Export ARTIFACT for a target: onnx (exact integer MatMulInteger graph with KV-cache I/O, QDQ-free)
     or npu (msModelSlim layout for vLLM-Ascend)."""
     from ..errors import QuasarError
-    from ..export import export
+    from ..exporters import export
 
     if target == "npu" and precision != "w8a8":
         raise QuasarError("--precision float applies to --target onnx only")

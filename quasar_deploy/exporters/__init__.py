@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import QuasarError
 from ..files import require_new
 
-TARGETS = {"onnx": "quasar_deploy.export.onnx", "npu": "quasar_deploy.export.npu"}
+TARGETS = {"onnx": "quasar_deploy.exporters.onnx", "npu": "quasar_deploy.exporters.npu"}
 
 
 def export(artifact: str | Path, target: str, output: str | Path, **options) -> Path:

@@ -37,6 +37,13 @@ def require_new(output: str | Path) -> Path:
     output = Path(output)
     if output.exists():
         raise QuasarError(f"{output}: already exists; choose a new --output or remove it first")
+    if output.is_symlink():
+        raise QuasarError(f"{output}: is a dangling symbolic link; choose a new --output or remove the link first")
+    parent = output.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise QuasarError(f"{output}: cannot create it ({parent} is not a writable directory)")
     return output
 
 

@@ -228,3 +228,14 @@ def test_calibration_refuses_overflowing_statistics(tiny_qwen3, tmp_path):
     with pytest.raises(QuasarError, match=r"model.layers.0.mlp.down_proj: its calibration inputs hold NaN or infinity"):
         calibrate(model, tmp_path / "out", num_samples=2, seq_len=16, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_unusable_outputs_are_refused_before_any_work(tiny_qwen3, tmp_path):
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    result = CliRunner().invoke(main, ["calibrate", str(tiny_qwen3), "-o", str(dangling)])
+    assert result.exit_code == 1 and "dangling symbolic link" in result.output
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = CliRunner().invoke(main, ["calibrate", str(tiny_qwen3), "-o", str(blocker / "out")])
+    assert result.exit_code == 1 and "is not a writable directory" in result.output

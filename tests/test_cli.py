@@ -6,7 +6,10 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.cli import main
+
+from .helpers import assert_one_line_error, copy_dir
 
 
 def run(*args):
@@ -14,20 +17,19 @@ def run(*args):
     return result
 
 
-@pytest.fixture(scope="module")
-def artifact(tiny_qwen3, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "w8a8"
+@pytest.fixture
+def artifact(tiny_artifact):
+    return tiny_artifact.path
+
+
+def test_calibrate_writes_an_artifact_and_prints_the_layer_table(tiny_qwen3, tmp_path):
+    out = tmp_path / "w8a8"
     result = run("calibrate", tiny_qwen3, "--output", out, "--num-samples", 4, "--seq-len", 32)
     assert result.exit_code == 0, result.output
     assert "error before" in result.output and "model.layers.2.down" in result.output
-    return out
-
-
-def assert_one_line_error(result, text):
-    assert result.exit_code == 1
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: ") and text in lines[-1], result.output
+    files = open_model_files(out)
+    assert files.is_artifact and len(files.manifest["quantized_layers"]) == 3 * 7
+    assert files.manifest["recipe"]["num_samples"] == 4 and files.manifest["recipe"]["seq_len"] == 32
 
 
 def test_eval_reports_fidelity(artifact, tiny_qwen3):
@@ -62,6 +64,11 @@ def test_doctor_lists_every_target():
     info = json.loads(result.output)
     assert info["targets"]["cpu"] is None
     assert {"cuda", "npu", "onnxruntime"} <= set(info["targets"])
+    # each registered backend's entry is its own availability check's answer; cuda (not built yet) always gives a reason
+    from quasar_deploy.backends import available_backends
+
+    assert {name: info["targets"][name] for name in available_backends()} == available_backends()
+    assert isinstance(info["targets"]["cuda"], str) and info["targets"]["cuda"]
 
 
 def test_missing_directory(tmp_path):
@@ -89,16 +96,8 @@ def test_existing_output_is_not_overwritten(tiny_qwen3, artifact):
     assert_one_line_error(run("calibrate", tiny_qwen3, "-o", artifact), "already exists")
 
 
-def _copy(artifact, tmp_path):
-    import shutil
-
-    target = tmp_path / "copy"
-    shutil.copytree(artifact, target)
-    return target
-
-
 def test_corrupted_artifact(artifact, tiny_qwen3, tmp_path):
-    broken = _copy(artifact, tmp_path)
+    broken = copy_dir(artifact, tmp_path)
     weights = broken / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-100] ^= 0xFF
@@ -109,7 +108,7 @@ def test_corrupted_artifact(artifact, tiny_qwen3, tmp_path):
 def test_artifact_with_missing_tensor(artifact, tiny_qwen3, tmp_path):
     from quasar_deploy.files import sha256_files
 
-    broken = _copy(artifact, tmp_path)
+    broken = copy_dir(artifact, tmp_path)
     weights = broken / "model.safetensors"
     tensors = load_file(str(weights))
     del tensors["model.layers.1.mlp.up_proj.weight_scale"]
@@ -121,6 +120,6 @@ def test_artifact_with_missing_tensor(artifact, tiny_qwen3, tmp_path):
 
 
 def test_truncated_weights_file(artifact, tiny_qwen3, tmp_path):
-    broken = _copy(artifact, tmp_path)
+    broken = copy_dir(artifact, tmp_path)
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
     assert_one_line_error(run("eval", broken, "--reference", tiny_qwen3), "unreadable safetensors file")

@@ -3,6 +3,9 @@
 They are read-only: a test that damages or edits one works on a copy (``helpers.copy_dir``); the directory
 fixtures check at the end of the session that no file in them changed. Calibrations that test an option
 (keep-float, alpha, a recipe) stay in their tests, into ``tmp_path``.
+
+``pytest -m "not slow"`` is the fast subset (memory measurements in subprocesses, the demo model,
+whole benchmarks and statistical runs on a real model are ``@pytest.mark.slow``); CI runs everything.
 """
 
 from __future__ import annotations

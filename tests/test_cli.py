@@ -48,8 +48,14 @@ def test_eval_per_set_and_layer_table(artifact, tiny_qwen3, tmp_path):
     assert result.exit_code == 0, result.output
     assert "code " in result.output and "prose " in result.output
     assert "model.layers.0.self_attn.q_proj" in result.output
+    rows = {line.split()[0]: line.split()[1:] for line in result.output.splitlines() if line.strip()}
+    for name in ("code", "prose"):  # one row per --data set: tokens, top-1, KL, two perplexities
+        assert len(rows[name]) == 5 and int(rows[name][0]) > 0 and 0 <= float(rows[name][1]) <= 1, rows[name]
+    for layer, record in open_model_files(artifact).manifest["layers"].items():  # and one per layer, its recorded error
+        assert rows[layer] == ["float" if record["error"] is None else f"{record['error']:.3e}"], layer
 
 
+@pytest.mark.slow
 def test_smoothing_study_compares_alphas(tiny_qwen3):
     result = run("smoothing-study", "--reference", tiny_qwen3, "--num-samples", 2, "--seq-len", 32, "--json")
     assert result.exit_code == 0, result.output

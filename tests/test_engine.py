@@ -179,11 +179,15 @@ def cli(*args, input=None):
 
 
 def test_cli_streams_the_text_and_prints_stats(engine, tiny_qwen3):
-    expected = engine.generate(PROMPT, max_new_tokens=12, draft="none").text
+    expected = engine.generate(PROMPT, max_new_tokens=12, draft="none")
     result = cli(tiny_qwen3, "--prompt", PROMPT, "--max-new-tokens", 12, "--stats", "--backend", "cpu")
     assert result.exit_code == 0, result.output
-    assert result.stdout == expected + "\n"
+    assert result.stdout == expected.text + "\n"
     assert "acceptance_length" in result.stderr and "tokens_per_s" in result.stderr
+    stats = dict(line.strip().split(": ", 1) for line in result.stderr.splitlines() if line.strip())
+    assert list(stats) == ["finish_reason", *expected.stats.to_dict()]  # one "name: value" line per figure
+    assert stats["finish_reason"] == "length" and int(stats["new_tokens"]) == 12
+    assert float(stats["acceptance_length"]) >= 1.0 and float(stats["tokens_per_s"]) > 0
 
 
 def test_cli_json_and_prompt_file(engine, tiny_qwen3, tmp_path):
@@ -192,8 +196,14 @@ def test_cli_json_and_prompt_file(engine, tiny_qwen3, tmp_path):
     result = cli(tiny_qwen3, "--prompt-file", prompt_file, "--max-new-tokens", 10, "--json", "--draft", "layerskip", "--skip-layers", "1")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert out["tokens"] == engine.generate(PROMPT, max_new_tokens=10).tokens
+    expected = engine.generate(PROMPT, max_new_tokens=10)
+    assert out["tokens"] == expected.tokens
     assert out["stats"]["new_tokens"] == 10 and out["finish_reason"] == "length" and "text" in out
+    assert (
+        out["text"] == expected.text
+        and out["prompt_tokens"] == expected.prompt_tokens
+        and set(out["stats"]) == set(expected.stats.to_dict())
+    )
     result = cli(tiny_qwen3, "--prompt-file", "-", "--max-new-tokens", 10, "--json", input=PROMPT)
     assert json.loads(result.stdout)["tokens"] == out["tokens"]
 

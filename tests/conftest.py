@@ -1,4 +1,12 @@
-"""Shared fixtures: tiny random models, built once per session."""
+"""Shared fixtures: tiny random models and the artifacts and exports made from them, each built once per session.
+
+They are read-only: a test that damages or edits one works on a copy (``helpers.copy_dir``); the directory
+fixtures check at the end of the session that no file in them changed. Calibrations that test an option
+(keep-float, alpha, a recipe) stay in their tests, into ``tmp_path``.
+
+``pytest -m "not slow"`` is the fast subset (memory measurements in subprocesses, the demo model,
+whole benchmarks and statistical runs on a real model are ``@pytest.mark.slow``); CI runs everything.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +14,78 @@ from pathlib import Path
 
 import pytest
 
-from .tiny import save_tiny
+from .helpers import FAST_CALIBRATION, tree_digest
+from .tiny import save_tiny, save_tiny_qwen2_with_biases, write_naive_artifact
+
+
+def _unchanged(path: Path):
+    """Yield ``path``, then fail the session's teardown if a test wrote to it."""
+    before = tree_digest(path)
+    yield path
+    assert tree_digest(path) == before, f"a test modified the shared fixture {path}; copy it first (helpers.copy_dir)"
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3(tmp_path_factory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+def tiny_qwen3(tmp_path_factory):
+    yield from _unchanged(save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3"))
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=1)
+def tiny_llama(tmp_path_factory):
+    yield from _unchanged(save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """A tiny Qwen2 with nonzero q/k/v biases (for the npu export's ``bias`` and ``quant_bias``)."""
+    yield from _unchanged(save_tiny_qwen2_with_biases(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
+def _calibrated(model: Path, tmp_path_factory, name: str, **options):
+    from quasar_deploy import calibrate
+
+    files = calibrate(model, tmp_path_factory.mktemp(name) / "w8a8", **FAST_CALIBRATION, **options)
+    before = tree_digest(files.path)
+    yield files
+    assert tree_digest(files.path) == before, f"a test modified the shared artifact {files.path}; copy it first (helpers.copy_dir)"
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_qwen3, tmp_path_factory):
+    """tiny_qwen3 calibrated with dynamic activations (the default recipe, fast settings): a ``ModelFiles``."""
+    yield from _calibrated(tiny_qwen3, tmp_path_factory, "tiny-w8a8")
+
+
+@pytest.fixture(scope="session")
+def tiny_static_artifact(tiny_qwen3, tmp_path_factory):
+    """tiny_qwen3 calibrated with static (per-tensor, calibrated) activation scales: a ``ModelFiles``."""
+    yield from _calibrated(tiny_qwen3, tmp_path_factory, "tiny-w8a8-static", activation="static")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_artifact(tiny_qwen2, tmp_path_factory):
+    yield from _calibrated(tiny_qwen2, tmp_path_factory, "tiny-qwen2-w8a8")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_static_artifact(tiny_qwen2, tmp_path_factory):
+    yield from _calibrated(tiny_qwen2, tmp_path_factory, "tiny-qwen2-w8a8-static", activation="static")
+
+
+@pytest.fixture(scope="session")
+def naive_artifact(tiny_qwen3, tmp_path_factory):
+    """A W8A8 artifact of tiny_qwen3 without calibration (naive weight quantization): enough to load a W8A8 verifier. A path."""
+    yield from _unchanged(write_naive_artifact(tiny_qwen3, tmp_path_factory.mktemp("naive") / "w8a8"))
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx(tiny_artifact, tmp_path_factory):
+    """tiny_artifact exported to ONNX (W8A8 graph): the export directory."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from quasar_deploy.exporters import export
+
+    yield from _unchanged(export(tiny_artifact.path, "onnx", tmp_path_factory.mktemp("tiny-onnx") / "onnx"))
 
 
 @pytest.fixture(scope="session", autouse=True)

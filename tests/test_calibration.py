@@ -14,12 +14,7 @@ from quasar_deploy.artifact import open_model_files
 from quasar_deploy.calibration import CalibrationRecipe
 from quasar_deploy.outliers import write_outlier_variant
 
-FAST = dict(num_samples=8, seq_len=64, progress=False)
-
-
-@pytest.fixture(scope="module")
-def qwen3_artifact(tiny_qwen3, tmp_path_factory):
-    return calibrate(tiny_qwen3, tmp_path_factory.mktemp("a") / "w8a8", **FAST)
+from .helpers import FAST_CALIBRATION as FAST
 
 
 def _logits(path, ids):
@@ -35,10 +30,10 @@ def _relative_error(path, reference, ids):
 IDS = torch.randint(1, 4096, (48,), generator=torch.Generator().manual_seed(3))
 
 
-def test_artifact_layout_is_compressed_tensors_w8a8(qwen3_artifact):
+def test_artifact_layout_is_compressed_tensors_w8a8(tiny_artifact, tiny_qwen3):
     from compressed_tensors.quantization import QuantizationConfig
 
-    path = qwen3_artifact.path
+    path = tiny_artifact.path
     config = json.loads((path / "config.json").read_text())
     qc = QuantizationConfig.model_validate(config["quantization_config"])
     assert qc.quant_method == "compressed-tensors" and qc.format == "int-quantized"
@@ -58,17 +53,18 @@ def test_artifact_layout_is_compressed_tensors_w8a8(qwen3_artifact):
     assert manifest["format_version"] == 2 and len(manifest["source"]["sha256"]) == 64
     assert len(manifest["quantized_layers"]) == 3 * 7 and len(manifest["groups"]) == 3 * 4
     assert all(g["error_after"] <= g["error_before"] + 1e-12 for g in manifest["groups"])
-    assert (path / "tokenizer.json").exists()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (path / name).read_bytes() == (tiny_qwen3 / name).read_bytes(), name
 
 
-def test_w8a8_tracks_float(qwen3_artifact, tiny_qwen3, tiny_llama, tmp_path):
-    assert _relative_error(qwen3_artifact.path, tiny_qwen3, IDS) < 0.03
+def test_w8a8_tracks_float(tiny_artifact, tiny_qwen3, tiny_llama, tmp_path):
+    assert _relative_error(tiny_artifact.path, tiny_qwen3, IDS) < 0.03
     llama = calibrate(tiny_llama, tmp_path / "llama", **FAST)
     assert _relative_error(llama.path, tiny_llama, IDS) < 0.03
 
 
-def test_static_activations_store_input_scale(tiny_qwen3, tmp_path):
-    artifact = calibrate(tiny_qwen3, tmp_path / "static", activation="static", **FAST)
+def test_static_activations_store_input_scale(tiny_static_artifact, tiny_qwen3):
+    artifact = tiny_static_artifact
     config = json.loads((artifact.path / "config.json").read_text())["quantization_config"]
     activations = config["config_groups"]["group_0"]["input_activations"]
     assert (activations["strategy"], activations["dynamic"]) == ("tensor", False)

@@ -6,7 +6,10 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.cli import main
+
+from .helpers import assert_one_line_error, copy_dir
 
 
 def run(*args):
@@ -14,20 +17,19 @@ def run(*args):
     return result
 
 
-@pytest.fixture(scope="module")
-def artifact(tiny_qwen3, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "w8a8"
+@pytest.fixture
+def artifact(tiny_artifact):
+    return tiny_artifact.path
+
+
+def test_calibrate_writes_an_artifact_and_prints_the_layer_table(tiny_qwen3, tmp_path):
+    out = tmp_path / "w8a8"
     result = run("calibrate", tiny_qwen3, "--output", out, "--num-samples", 4, "--seq-len", 32)
     assert result.exit_code == 0, result.output
     assert "error before" in result.output and "model.layers.2.down" in result.output
-    return out
-
-
-def assert_one_line_error(result, text):
-    assert result.exit_code == 1
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: ") and text in lines[-1], result.output
+    files = open_model_files(out)
+    assert files.is_artifact and len(files.manifest["quantized_layers"]) == 3 * 7
+    assert files.manifest["recipe"]["num_samples"] == 4 and files.manifest["recipe"]["seq_len"] == 32
 
 
 def test_eval_reports_fidelity(artifact, tiny_qwen3):
@@ -46,8 +48,14 @@ def test_eval_per_set_and_layer_table(artifact, tiny_qwen3, tmp_path):
     assert result.exit_code == 0, result.output
     assert "code " in result.output and "prose " in result.output
     assert "model.layers.0.self_attn.q_proj" in result.output
+    rows = {line.split()[0]: line.split()[1:] for line in result.output.splitlines() if line.strip()}
+    for name in ("code", "prose"):  # one row per --data set: tokens, top-1, KL, two perplexities
+        assert len(rows[name]) == 5 and int(rows[name][0]) > 0 and 0 <= float(rows[name][1]) <= 1, rows[name]
+    for layer, record in open_model_files(artifact).manifest["layers"].items():  # and one per layer, its recorded error
+        assert rows[layer] == ["float" if record["error"] is None else f"{record['error']:.3e}"], layer
 
 
+@pytest.mark.slow
 def test_smoothing_study_compares_alphas(tiny_qwen3):
     result = run("smoothing-study", "--reference", tiny_qwen3, "--num-samples", 2, "--seq-len", 32, "--json")
     assert result.exit_code == 0, result.output
@@ -62,6 +70,11 @@ def test_doctor_lists_every_target():
     info = json.loads(result.output)
     assert info["targets"]["cpu"] is None
     assert {"cuda", "npu", "onnxruntime"} <= set(info["targets"])
+    # each registered backend's entry is its own availability check's answer; cuda (not built yet) always gives a reason
+    from quasar_deploy.backends import available_backends
+
+    assert {name: info["targets"][name] for name in available_backends()} == available_backends()
+    assert isinstance(info["targets"]["cuda"], str) and info["targets"]["cuda"]
 
 
 def test_missing_directory(tmp_path):
@@ -89,16 +102,8 @@ def test_existing_output_is_not_overwritten(tiny_qwen3, artifact):
     assert_one_line_error(run("calibrate", tiny_qwen3, "-o", artifact), "already exists")
 
 
-def _copy(artifact, tmp_path):
-    import shutil
-
-    target = tmp_path / "copy"
-    shutil.copytree(artifact, target)
-    return target
-
-
 def test_corrupted_artifact(artifact, tiny_qwen3, tmp_path):
-    broken = _copy(artifact, tmp_path)
+    broken = copy_dir(artifact, tmp_path)
     weights = broken / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-100] ^= 0xFF
@@ -109,7 +114,7 @@ def test_corrupted_artifact(artifact, tiny_qwen3, tmp_path):
 def test_artifact_with_missing_tensor(artifact, tiny_qwen3, tmp_path):
     from quasar_deploy.files import sha256_files
 
-    broken = _copy(artifact, tmp_path)
+    broken = copy_dir(artifact, tmp_path)
     weights = broken / "model.safetensors"
     tensors = load_file(str(weights))
     del tensors["model.layers.1.mlp.up_proj.weight_scale"]
@@ -121,6 +126,6 @@ def test_artifact_with_missing_tensor(artifact, tiny_qwen3, tmp_path):
 
 
 def test_truncated_weights_file(artifact, tiny_qwen3, tmp_path):
-    broken = _copy(artifact, tmp_path)
+    broken = copy_dir(artifact, tmp_path)
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
     assert_one_line_error(run("eval", broken, "--reference", tiny_qwen3), "unreadable safetensors file")

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from click.testing import CliRunner
 
-from quasar_deploy.artifact import write_artifact
-from quasar_deploy.checkpoint import Checkpoint
 from quasar_deploy.cli import main
 from quasar_deploy.engine import WARM_UP_BLOCK, Detokenizer, Engine, StopStrings, load
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.scheme import W8A8Scheme
 
-from .tiny import naive_w8a8_decoder
+from .helpers import assert_one_line_error, copy_dir
+from .tiny import save_tiny
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
 
@@ -23,15 +20,6 @@ PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3) -> Engine:
     return load(tiny_qwen3, backend="cpu")
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_qwen3, tmp_path_factory):
-    """A W8A8 artifact without calibration (naive weight quantization): enough to load a W8A8 verifier."""
-    decoder = naive_w8a8_decoder(tiny_qwen3)
-    quantized = [name for name, linear in decoder.linears() if linear.quantized]
-    manifest = {"recipe": {"scheme": W8A8Scheme().to_dict()}, "quantized_layers": quantized}
-    return write_artifact(decoder, Checkpoint(tiny_qwen3), tmp_path_factory.mktemp("engine") / "w8a8", W8A8Scheme(), manifest)
 
 
 def test_every_drafter_gives_the_plain_greedy_text(engine, tiny_llama):
@@ -54,8 +42,8 @@ def test_every_drafter_gives_the_plain_greedy_text(engine, tiny_llama):
     assert engine.generate(PROMPT, max_new_tokens=30).stats.accepted > 0  # the repeated line gets drafted
 
 
-def test_a_w8a8_artifact_loads_as_the_verifier(artifact):
-    w8a8 = load(artifact)
+def test_a_w8a8_artifact_loads_as_the_verifier(naive_artifact):
+    w8a8 = load(naive_artifact)
     assert "W8A8" in w8a8.lm.description
     baseline = w8a8.generate(PROMPT, max_new_tokens=25, draft="none")
     for draft in ("ngram", "layerskip"):
@@ -166,7 +154,7 @@ def test_bad_input_is_one_quasar_error(engine, prompt, options, message):
 
 
 def test_draft_model_needs_the_same_tokenizer(engine, tiny_llama, tmp_path):
-    other = shutil.copytree(tiny_llama, tmp_path / "other-tokenizer")
+    other = copy_dir(tiny_llama, tmp_path, "other-tokenizer")
     spec = json.loads((other / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     first, second = sorted(vocab, key=vocab.get)[300:302]
@@ -191,11 +179,15 @@ def cli(*args, input=None):
 
 
 def test_cli_streams_the_text_and_prints_stats(engine, tiny_qwen3):
-    expected = engine.generate(PROMPT, max_new_tokens=12, draft="none").text
+    expected = engine.generate(PROMPT, max_new_tokens=12, draft="none")
     result = cli(tiny_qwen3, "--prompt", PROMPT, "--max-new-tokens", 12, "--stats", "--backend", "cpu")
     assert result.exit_code == 0, result.output
-    assert result.stdout == expected + "\n"
+    assert result.stdout == expected.text + "\n"
     assert "acceptance_length" in result.stderr and "tokens_per_s" in result.stderr
+    stats = dict(line.strip().split(": ", 1) for line in result.stderr.splitlines() if line.strip())
+    assert list(stats) == ["finish_reason", *expected.stats.to_dict()]  # one "name: value" line per figure
+    assert stats["finish_reason"] == "length" and int(stats["new_tokens"]) == 12
+    assert float(stats["acceptance_length"]) >= 1.0 and float(stats["tokens_per_s"]) > 0
 
 
 def test_cli_json_and_prompt_file(engine, tiny_qwen3, tmp_path):
@@ -204,8 +196,14 @@ def test_cli_json_and_prompt_file(engine, tiny_qwen3, tmp_path):
     result = cli(tiny_qwen3, "--prompt-file", prompt_file, "--max-new-tokens", 10, "--json", "--draft", "layerskip", "--skip-layers", "1")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert out["tokens"] == engine.generate(PROMPT, max_new_tokens=10).tokens
+    expected = engine.generate(PROMPT, max_new_tokens=10)
+    assert out["tokens"] == expected.tokens
     assert out["stats"]["new_tokens"] == 10 and out["finish_reason"] == "length" and "text" in out
+    assert (
+        out["text"] == expected.text
+        and out["prompt_tokens"] == expected.prompt_tokens
+        and set(out["stats"]) == set(expected.stats.to_dict())
+    )
     result = cli(tiny_qwen3, "--prompt-file", "-", "--max-new-tokens", 10, "--json", input=PROMPT)
     assert json.loads(result.stdout)["tokens"] == out["tokens"]
 
@@ -223,10 +221,7 @@ def test_cli_json_and_prompt_file(engine, tiny_qwen3, tmp_path):
     ],
 )
 def test_cli_bad_input_is_one_line(tiny_qwen3, args, message):
-    result = cli(tiny_qwen3, *args)
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert_one_line_error(cli(tiny_qwen3, *args), message, only_line=True)
 
 
 def test_cli_missing_model(tmp_path):
@@ -283,8 +278,6 @@ def test_cli_error_while_streaming_is_one_line(tiny_qwen3, monkeypatch):
 
 @pytest.fixture(scope="module")
 def short_context_model(tmp_path_factory):
-    from .tiny import save_tiny
-
     return save_tiny(tmp_path_factory.mktemp("short-context"), "qwen3", max_position_embeddings=30)
 
 

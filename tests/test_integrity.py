@@ -23,16 +23,11 @@ from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.exporters import export
 from quasar_deploy.files import UNFINISHED, atomic_directory, copy_files, sha256_files
-from quasar_deploy.integrity import EXPORT_MANIFEST, write_manifest
+from quasar_deploy.integrity import EXPORT_MANIFEST
+
+from .helpers import reseal
 
 SCALE = "model.layers.1.mlp.up_proj.weight_scale"
-
-
-def reseal(directory, manifest=MANIFEST):
-    """Rewrite the manifest's checksums after an edit, as a careful attacker would, to reach the checks behind them."""
-    record = json.loads((directory / manifest).read_text())
-    record.pop("files")
-    write_manifest(directory, manifest, record)
 
 
 def edit_manifest(directory, edit, manifest=MANIFEST):

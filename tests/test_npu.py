@@ -22,6 +22,7 @@ from quasar_deploy.errors import QuasarError
 from quasar_deploy.scheme import int8_matmul_exact, per_token_scale, quantize_activation, quantize_weight, reference_linear
 
 from . import npu_emulation
+from .helpers import greedy
 
 PROMPT = [11, 402, 7, 93, 1500, 64, 2048, 5, 77]
 
@@ -32,23 +33,15 @@ def fake_torch_npu(monkeypatch) -> ModuleType:
     return npu_emulation
 
 
-@pytest.fixture(scope="module", params=["dynamic", "static"])
-def artifact(request, tiny_qwen3, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"npu-{request.param}") / "w8a8"
-    return quasar_deploy.calibrate(tiny_qwen3, output=out, num_samples=8, seq_len=64, activation=request.param, progress=False)
+@pytest.fixture(params=["dynamic", "static"])
+def artifact(request):
+    return request.getfixturevalue({"dynamic": "tiny_artifact", "static": "tiny_static_artifact"}[request.param])
 
 
 def reference_lm(files) -> TorchCausalLM:
     decoder = files.decoder(torch.bfloat16)
     decoder.prepare("torch", "reference")
     return TorchCausalLM(decoder)
-
-
-def greedy(lm, prompt: list[int], n: int) -> list[int]:
-    out = [int(lm.prefill(prompt).argmax())]
-    while len(out) < n:
-        out.append(int(lm.verify([out[-1]])[-1].argmax()))
-    return out
 
 
 def test_dynamic_quant_integers_equal_the_scheme():
@@ -151,6 +144,19 @@ def test_registered_and_refused_here(tiny_qwen3):
     from quasar_deploy.backends import BACKENDS, create_backend
 
     assert "npu" in BACKENDS
-    if npu_backend.unavailable() is not None:
-        with pytest.raises(QuasarError, match="backend 'npu' cannot run here"):
+    reason = npu_backend.unavailable()
+    if reason is not None:
+        with pytest.raises(QuasarError, match="backend 'npu' cannot run here") as info:
             create_backend("npu", tiny_qwen3)
+        assert str(info.value) == f"backend 'npu' cannot run here: {reason}"
+
+
+def test_the_registry_builds_the_npu_backend_where_it_can_run(tiny_artifact, fake_torch_npu, monkeypatch):
+    """``create_backend("npu", ...)`` is ``load_npu``: same description, same logits."""
+    from quasar_deploy.backends import create_backend
+
+    monkeypatch.setattr(npu_backend, "unavailable", lambda: None)
+    lm = create_backend("npu", tiny_artifact.path, device="cpu")
+    direct = npu_backend.load_npu(tiny_artifact.path, device="cpu")
+    assert lm.description == direct.description and "npu W8A8" in lm.description
+    assert torch.equal(lm.prefill(PROMPT), direct.prefill(PROMPT))

@@ -13,7 +13,6 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 import quasar_deploy
 from quasar_deploy.artifact import open_model_files
@@ -23,32 +22,14 @@ from quasar_deploy.exporters.npu import DESCRIPTION, WEIGHTS
 from quasar_deploy.scheme import reference_linear
 
 from . import npu_emulation
-from .tiny import save_tiny
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 CASES = [("dynamic", "bfloat16"), ("static", "bfloat16"), ("static", "float16")]
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory):
-    """Qwen2 has q/k/v biases (zero at init; made nonzero here): they exercise ``bias`` and ``quant_bias``."""
-    path = save_tiny(tmp_path_factory.mktemp("tiny-qwen2-npu"), "qwen2", seed=2)
-    weights = load_file(path / "model.safetensors")
-    generator = torch.Generator().manual_seed(2)
-    for name, tensor in weights.items():
-        if name.endswith(".bias"):
-            weights[name] = torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.2
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
-@pytest.fixture(scope="module")
-def artifacts(tiny_qwen2, tmp_path_factory):
-    root = tmp_path_factory.mktemp("npu-export")
-    return {
-        act: quasar_deploy.calibrate(tiny_qwen2, output=root / act, num_samples=8, seq_len=64, activation=act, progress=False)
-        for act in ("dynamic", "static")
-    }
+def artifacts(tiny_qwen2_artifact, tiny_qwen2_static_artifact):
+    return {"dynamic": tiny_qwen2_artifact, "static": tiny_qwen2_static_artifact}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{d}" for a, d in CASES])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -11,31 +10,25 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-import quasar_deploy  # noqa: E402
 from quasar_deploy.artifact import open_model_files  # noqa: E402
 from quasar_deploy.backends import BACKENDS, create_backend  # noqa: E402
 from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx, unavailable  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
-from quasar_deploy.exporters import export  # noqa: E402
 
-from .test_integrity import reseal  # noqa: E402
-from .test_onnx_export import PROMPT, run_full, session  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def artifact_and_onnx(tiny_qwen3, tmp_path_factory):
-    root = tmp_path_factory.mktemp("onnx-backend")
-    artifact = quasar_deploy.calibrate(tiny_qwen3, output=root / "w8a8", num_samples=8, seq_len=64, progress=False).path
-    return artifact, export(artifact, "onnx", root / "onnx")
+from .helpers import ONNX_PROMPT as PROMPT  # noqa: E402
+from .helpers import (  # noqa: E402
+    copy_dir,
+    greedy,
+    reseal,  # noqa: E402
+    run_full,
+)
+from .helpers import ort_session as session  # noqa: E402
 
 
-def greedy(lm, prompt, steps):
-    logits, tokens = lm.prefill(prompt), []
-    for _ in range(steps):
-        tokens.append(int(logits.argmax()))
-        logits = lm.verify(tokens[-1:])[-1]
-    return tokens
+@pytest.fixture
+def artifact_and_onnx(tiny_artifact, tiny_onnx):
+    return tiny_artifact.path, tiny_onnx
 
 
 def test_greedy_decoding_matches_ort_and_torch(artifact_and_onnx):
@@ -43,6 +36,8 @@ def test_greedy_decoding_matches_ort_and_torch(artifact_and_onnx):
     lm = load_onnx(out, threads=1)
     assert isinstance(lm.prefill([1]), torch.Tensor) and lm.vocab_size == 4096 and lm.max_length == 512
     tokens = greedy(lm, PROMPT, 20)
+    assert lm.length == len(PROMPT) + 19  # the last token is pending
+    lm.verify(tokens[-1:])
     assert lm.length == len(PROMPT) + 20
     # ORT's own answer: recompute the whole sequence at every step, no cache
     sess, spec, ort_tokens = session(out / "model.onnx"), open_model_files(artifact).spec, []
@@ -84,8 +79,10 @@ def test_speculative_engine_on_onnxruntime_matches_cpu(artifact_and_onnx):
     assert got.tokens == expected.tokens and len(got.tokens) > 0
 
 
-def test_registered_and_available():
+def test_registered_and_available(tiny_onnx):
     assert "onnxruntime" in BACKENDS and unavailable() is None
+    lm, direct = create_backend("onnxruntime", tiny_onnx, threads=1), load_onnx(tiny_onnx, threads=1)  # the registry's factory is load_onnx
+    assert type(lm) is type(direct) and torch.equal(lm.prefill(PROMPT), direct.prefill(PROMPT))
 
 
 def test_missing_provider_is_one_line_error():
@@ -127,7 +124,7 @@ def other_vocabulary(d):
     ],
 )
 def test_damaged_directory_is_one_line_error(artifact_and_onnx, tmp_path, damage, message):
-    copy = shutil.copytree(artifact_and_onnx[1], tmp_path / "copy")
+    copy = copy_dir(artifact_and_onnx[1], tmp_path)
     damage(copy)
     reseal(copy, "quasar-export.json")  # the export manifest refuses each of these first; reach the checks behind it
     with pytest.raises(QuasarError, match=message) as info:

@@ -23,29 +23,13 @@ from quasar_deploy.exporters import onnx as onnx_export  # noqa: E402
 from quasar_deploy.exporters.onnx_graph import OPSET, GraphBuilder, w8a8_linear  # noqa: E402
 from quasar_deploy.scheme import quantize_weight, reference_linear  # noqa: E402
 
+from .helpers import ONNX_PROMPT as PROMPT  # noqa: E402
+from .helpers import ort_session as session  # noqa: E402
+from .helpers import run_full  # noqa: E402
 from .tiny import save_tiny  # noqa: E402
 
 # Only float ops outside the linears (norms, softmax, rotary) differ from torch, by float32 rounding.
 LOGIT_ATOL = 1e-4
-
-
-def session(model_or_path, optimized=None):
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    if optimized:
-        options.optimized_model_filepath = str(optimized)
-    source = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-
-
-def run_full(sess, spec, ids):
-    """No cache: the whole sequence in one call (ORT's own answer, independent of the backend's cache handling)."""
-    n = len(ids)
-    feed = {"input_ids": np.array([ids], np.int64), "position_ids": np.arange(n)[None], "attention_mask": np.ones((1, n), np.int64)}
-    empty = np.zeros((1, spec.num_kv_heads, 0, spec.head_dim), np.float32)
-    for i in range(spec.num_layers):
-        feed[f"past_key_values.{i}.key"] = feed[f"past_key_values.{i}.value"] = empty
-    return sess.run(["logits"], feed)[0][0]
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -75,20 +59,14 @@ def test_linear_is_bit_exact_to_the_scheme(static):
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_qwen3, tmp_path_factory):
+def exported(tiny_qwen3, tiny_artifact, tiny_static_artifact, tiny_onnx, tmp_path_factory):
+    """(source, export directory) by kind; the dynamic W8A8 export is the shared one, the others are this module's."""
     root = tmp_path_factory.mktemp("onnx")
-    dynamic = quasar_deploy.calibrate(tiny_qwen3, output=root / "dynamic", num_samples=8, seq_len=64, progress=False).path
-    static = quasar_deploy.calibrate(
-        tiny_qwen3, output=root / "static", num_samples=8, seq_len=64, activation="static", progress=False
-    ).path
     return {
-        "dynamic": (dynamic, export(dynamic, "onnx", root / "dynamic-onnx")),
-        "static": (static, export(static, "onnx", root / "static-onnx")),
+        "dynamic": (tiny_artifact.path, tiny_onnx),
+        "static": (tiny_static_artifact.path, export(tiny_static_artifact.path, "onnx", root / "static-onnx")),
         "float": (tiny_qwen3, export(tiny_qwen3, "onnx", root / "float-onnx", precision="float")),
     }
-
-
-PROMPT = [1, 5, 9, 200, 33, 7, 8, 4000, 12]
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static", "float"])
@@ -154,6 +132,7 @@ def test_large_models_use_external_data(exported, tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.slow
 def test_demo_model_w8a8_graph_matches_torch(tmp_path):
     """The bundled model's weights (tied embeddings, QK-norm, fp16 source), teacher-forced logits."""
     artifact = quasar_deploy.calibrate(demo_model_path(), output=tmp_path / "demo", num_samples=8, seq_len=64, progress=False).path

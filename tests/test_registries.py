@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from quasar_deploy.backends import BACKENDS, available_backends, create_backend
 from quasar_deploy.engine import GenerationOptions
@@ -86,6 +87,10 @@ class OrtLike:
 def test_only_backends_that_can_skip_layers_are_layer_skipping(tiny_qwen3):
     cpu = create_backend("cpu", tiny_qwen3)
     assert isinstance(cpu, CausalLM) and isinstance(cpu, LayerSkippingLM)
+    full = cpu.verify([5, 6, 7])
+    cpu.truncate(0)
+    skipped = cpu.verify_skipping([5, 6, 7], frozenset({1}))  # it really skips: same shape, other logits
+    assert skipped.shape == full.shape == (3, 4096) and not torch.equal(skipped, full)
     assert isinstance(OrtLike(), CausalLM) and not isinstance(OrtLike(), LayerSkippingLM)
 
 

@@ -203,6 +203,7 @@ def first_two(lm, make_drafter, trials):
     return counts
 
 
+@pytest.mark.slow
 def test_real_model_first_tokens_follow_the_verifier(lm, real_joint, monkeypatch):
     for make_drafter in (lambda: LikelyDrafter(real_joint), lambda: LayerSkipDrafter(lm, [1])):
         assert chi_square_p_value(first_two(lm, make_drafter, 200), real_joint) > 1e-3

@@ -22,19 +22,10 @@ from quasar_deploy.speculative.layerskip import LayerSkipDrafter, choose_skip_la
 from quasar_deploy.speculative.loop import LoopStats, speculate
 from quasar_deploy.speculative.ngram import NgramDrafter
 
+from .helpers import greedy as greedy_reference
 from .tiny import naive_w8a8_decoder
 
 GREEDY = SamplingParams()
-
-
-def greedy_reference(lm, prompt: list[int], n: int) -> list[int]:
-    """The verifier decoding on its own: one token per forward."""
-    out: list[int] = []
-    logits = lm.prefill(prompt)
-    while len(out) < n and len(prompt) + len(out) < lm.max_length:
-        out.append(int(logits.argmax()))
-        logits = lm.verify([out[-1]])[-1]
-    return out
 
 
 def run(lm, drafter, prompt, k=5, n=40, stop_ids=(), sampler=None):

@@ -1,4 +1,7 @@
-"""Tiny random models saved as real Hugging Face checkpoints (fixed seeds), for tests."""
+"""Builders of tiny random models saved as real Hugging Face checkpoints (fixed seeds), and of artifacts from them.
+
+The session fixtures in conftest.py build each of these once; tests that need a variant build it here into ``tmp_path``.
+"""
 
 from __future__ import annotations
 
@@ -56,3 +59,29 @@ def naive_w8a8_decoder(path: Path, int8_kernel: str = "reference"):
         linear.set_quantized(wq, scale, None)
     decoder.prepare("torch", int8_kernel)
     return decoder
+
+
+def write_naive_artifact(model: Path, output: Path) -> Path:
+    """A W8A8 artifact of ``model`` without calibration (naive weight quantization): enough to load a W8A8 verifier."""
+    from quasar_deploy.artifact import write_artifact
+    from quasar_deploy.checkpoint import Checkpoint
+    from quasar_deploy.scheme import W8A8Scheme
+
+    decoder = naive_w8a8_decoder(model)
+    quantized = [name for name, linear in decoder.linears() if linear.quantized]
+    manifest = {"recipe": {"scheme": W8A8Scheme().to_dict()}, "quantized_layers": quantized}
+    return write_artifact(decoder, Checkpoint(model), output, W8A8Scheme(), manifest)
+
+
+def save_tiny_qwen2_with_biases(path: Path) -> Path:
+    """Qwen2 has q/k/v biases (zero at init; made nonzero here): they exercise ``bias`` and the npu export's ``quant_bias``."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(path, "qwen2", seed=2)
+    weights = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(2)
+    for name, tensor in weights.items():
+        if name.endswith(".bias"):
+            weights[name] = torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.2
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -1,0 +1,91 @@
+"""What several test modules do: greedy decoding over a ``CausalLM``, ONNX Runtime sessions, copies to damage, one-line errors.
+
+Test modules import from here (and model builders from tiny.py), never from each other.
+onnx and onnxruntime are imported inside the functions that need them, so importing this module needs neither.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+# The calibration settings of the shared artifacts (conftest.py), and of the tests that calibrate a variant.
+FAST_CALIBRATION = dict(num_samples=8, seq_len=64, progress=False)
+
+# Token ids for the ONNX tests (any ids below the tiny vocabulary of 4096 would do).
+ONNX_PROMPT = [1, 5, 9, 200, 33, 7, 8, 4000, 12]
+
+
+def greedy(lm, prompt: list[int], n: int) -> list[int]:
+    """The verifier decoding on its own: prefill, then one token per forward, up to ``n`` tokens or the context window.
+
+    The last token stays pending (not fed back), as in the speculative loop: afterwards ``lm.length == len(prompt) + n - 1``.
+    """
+    out: list[int] = []
+    logits = lm.prefill(prompt)
+    while True:
+        out.append(int(logits.argmax()))
+        if len(out) >= n or len(prompt) + len(out) >= lm.max_length:
+            return out
+        logits = lm.verify([out[-1]])[-1]
+
+
+def ort_session(model_or_path, optimized: Path | None = None):
+    """A single-threaded CPU ONNX Runtime session for a model file or an in-memory ``onnx.ModelProto``."""
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    if optimized:
+        options.optimized_model_filepath = str(optimized)
+    source = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def run_full(sess, spec, ids: list[int]):
+    """No cache: the whole sequence in one call (ORT's own answer, independent of the backend's cache handling)."""
+    import numpy as np
+
+    n = len(ids)
+    feed = {"input_ids": np.array([ids], np.int64), "position_ids": np.arange(n)[None], "attention_mask": np.ones((1, n), np.int64)}
+    empty = np.zeros((1, spec.num_kv_heads, 0, spec.head_dim), np.float32)
+    for i in range(spec.num_layers):
+        feed[f"past_key_values.{i}.key"] = feed[f"past_key_values.{i}.value"] = empty
+    return sess.run(["logits"], feed)[0][0]
+
+
+def copy_dir(source: Path, tmp_path: Path, name: str = "copy") -> Path:
+    """A private copy of a shared model, artifact or export, for a test that damages or edits it."""
+    return Path(shutil.copytree(source, tmp_path / name))
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path``, by relative name: compared before and after to prove a shared fixture was not touched."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def output_lines(result) -> list[str]:
+    """The non-blank lines a click ``CliRunner`` result printed (stdout and stderr)."""
+    return [line for line in result.output.splitlines() if line.strip()]
+
+
+def assert_one_line_error(result, text: str, *, only_line: bool = False) -> None:
+    """Exit code 1, no traceback, and the last printed line (``only_line``: the only one) is ``error: ...`` naming ``text``."""
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = output_lines(result)
+    if only_line:
+        assert len(lines) == 1, result.output
+    assert lines[-1].startswith("error: ") and text in lines[-1], result.output
+
+
+def reseal(directory: Path, manifest: str = "quasar.json") -> None:
+    """Rewrite the manifest's checksums after an edit, as a careful attacker would, to reach the checks behind them."""
+    from quasar_deploy.integrity import write_manifest
+
+    record = json.loads((directory / manifest).read_text())
+    record.pop("files")
+    write_manifest(directory, manifest, record)

@@ -20,9 +20,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(base: str, timeout: float = START_TIMEOUT_S) -> None:
+def wait_healthy(base: str, timeout: float = START_TIMEOUT_S, process=None) -> None:
+    """Until /health answers 200; a server ``process`` that exits meanwhile fails at once, with its stderr."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}: {process.stderr.read().decode()[-2000:]}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return
@@ -80,8 +83,8 @@ class SlowLM:
         return SlowLM(self.lm.new_sequence(), self.delay)
 
 
-def slow_engine(engine):
+def slow_engine(engine, delay: float = 0.02):
     """``engine``'s weights and tokenizer behind ``SlowLM``."""
     from quasar_deploy.engine import Engine
 
-    return Engine(SlowLM(engine.lm), engine.tokenizer, engine.stop_ids, engine.backend)
+    return Engine(SlowLM(engine.lm, delay), engine.tokenizer, engine.stop_ids, engine.backend)

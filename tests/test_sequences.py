@@ -23,6 +23,7 @@ def test_a_new_sequence_shares_the_weights_and_not_the_cache(engine):
 def test_interleaved_generations_equal_each_alone(engine, draft):
     options = GenerationOptions(max_new_tokens=20, draft=draft)
     alone = [engine.generate(p, max_new_tokens=20, draft=draft).tokens for p in PROMPTS]
+    own_length = engine.lm.length
     generations = [engine.open(engine.encode(p), options) for p in PROMPTS]
     running = [g.steps() for g in generations]
     while running:  # round-robin, one verify step each
@@ -30,7 +31,7 @@ def test_interleaved_generations_equal_each_alone(engine, draft):
             if next(steps, None) is None:
                 running.remove(steps)
     assert [g.result.tokens for g in generations] == alone
-    assert engine.lm.length == 0 or engine.generate(PROMPTS[0], max_new_tokens=20, draft=draft).tokens == alone[0]
+    assert engine.lm.length == own_length  # the engine's own sequence was never touched
 
 
 def test_closing_a_generation_early_leaves_no_result(engine):

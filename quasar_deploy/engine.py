@@ -2,10 +2,12 @@
 
 The engine turns text into token ids and back, picks and builds the drafter,
 and cuts the output at stop strings; the speculative loop itself knows only
-token ids. One engine serves one sequence at a time (the verifier holds one KV
-cache): generations from several threads take turns on a lock, and a second
-generation started in a thread whose own stream is still unfinished is refused
-with a clear error rather than corrupting that stream.
+token ids. ``generate`` and ``stream`` run on the engine's own sequence (the
+verifier holds one KV cache): generations from several threads take turns on a
+lock, and a second generation started in a thread whose own stream is still
+unfinished is refused with a clear error rather than corrupting that stream.
+``open`` starts a generation on a new sequence over the same weights, for a
+caller (the server's scheduler) that interleaves many generations step by step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from .backends import create_backend
 from .errors import QuasarError
 from .speculative.acceptance import Sampler, SamplingParams
-from .speculative.causal_lm import CausalLM
+from .speculative.causal_lm import CausalLM, ForkingLM
 from .speculative.draft_model import check_same_vocabulary
 from .speculative.drafters import Drafter
 from .speculative.layerskip import check_can_skip, choose_skip_layers
@@ -279,28 +281,82 @@ class StopStrings:
         return held
 
 
+class Generation:
+    """One generation over one sequence (its own ``CausalLM`` cache), advanced one verify step at a time.
+
+    ``steps()`` yields, per verify step, the text pieces that step made safe to show,
+    so a caller can interleave several generations step by step (the server's
+    scheduler) or flatten one (``Stream``). ``result`` is set once the steps end.
+    """
+
+    def __init__(self, engine: Engine, lm: CausalLM, prompt: list[int], options: GenerationOptions):
+        self._engine = engine
+        self.prompt = prompt
+        self._max_new_tokens = options.max_new_tokens
+        self._sampler = Sampler(options.sampling, options.seed)
+        self.loop_stats = LoopStats()
+        self._steps = speculate(
+            lm,
+            engine.drafter(options, lm),
+            prompt,
+            self._sampler,
+            options.num_draft,
+            options.max_new_tokens,
+            engine.stop_ids,
+            self.loop_stats,
+        )
+        self._stops = StopStrings(options.stop)
+        self.result: GenerationResult | None = None
+
+    def steps(self) -> Iterator[list[str]]:
+        """Closing this iterator early (a cancelled request) closes the loop too: no result, the cache left consistent."""
+        try:
+            yield from self._run()
+        finally:
+            self._steps.close()
+
+    def _run(self) -> Iterator[list[str]]:
+        began = time.perf_counter()
+        detokenizer = Detokenizer(self._engine.tokenizer, self.prompt)
+        tokens: list[int] = []
+        text: list[str] = []
+        stopped = False
+        for step in self._steps:
+            pieces: list[str] = []
+            for token in step:
+                tokens.append(token)
+                piece, stopped = self._stops.push(detokenizer.push(token))
+                if piece:
+                    pieces.append(piece)
+                if stopped:
+                    break
+            text.extend(pieces)
+            yield pieces
+            if stopped:
+                break
+        else:
+            tail, stopped = self._stops.push(detokenizer.flush())
+            tail += self._stops.flush()
+            if tail:
+                text.append(tail)
+                yield [tail]
+        stats = GenerationStats(self.loop_stats, len(tokens), time.perf_counter() - began)
+        finish = "stop" if stopped or (tokens and tokens[-1] in self._engine.stop_ids) else "length"
+        context_full = finish == "length" and len(tokens) < self._max_new_tokens
+        self.result = GenerationResult("".join(text), tokens, stats, finish, len(self.prompt), context_full)
+
+
 class Stream:
     """Iterates over text pieces as the verifier accepts them; ``result`` is set once the iteration ends."""
 
     def __init__(self, engine: Engine, prompt: Prompt, options: GenerationOptions):
         self._engine = engine
-        self._prompt = engine.encode(prompt)
-        self._max_new_tokens = options.max_new_tokens
-        self._sampler = Sampler(options.sampling, options.seed)
-        self._stats = LoopStats()
-        self._steps = speculate(
-            engine.lm,
-            engine.drafter(options),
-            self._prompt,
-            self._sampler,
-            options.num_draft,
-            options.max_new_tokens,
-            engine.stop_ids,
-            self._stats,
-        )
-        self._stops = StopStrings(options.stop)
+        self._generation = Generation(engine, engine.lm, engine.encode(prompt), options)
         self._pieces = self._run()
-        self.result: GenerationResult | None = None
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._generation.result
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -310,36 +366,30 @@ class Stream:
 
     def _run(self) -> Iterator[str]:
         with self._engine.exclusive():
-            yield from self._generate()
+            for pieces in self._generation.steps():
+                yield from pieces
 
-    def _generate(self) -> Iterator[str]:
-        began = time.perf_counter()
-        detokenizer = Detokenizer(self._engine.tokenizer, self._prompt)
-        tokens: list[int] = []
-        text: list[str] = []
-        stopped = False
-        for step in self._steps:
-            for token in step:
-                tokens.append(token)
-                piece, stopped = self._stops.push(detokenizer.push(token))
-                if piece:
-                    text.append(piece)
-                    yield piece
-                if stopped:
-                    break
-            if stopped:
-                self._steps.close()
-                break
-        else:
-            tail, stopped = self._stops.push(detokenizer.flush())
-            tail += self._stops.flush()
-            if tail:
-                text.append(tail)
-                yield tail
-        stats = GenerationStats(self._stats, len(tokens), time.perf_counter() - began)
-        finish = "stop" if stopped or (tokens and tokens[-1] in self._engine.stop_ids) else "length"
-        context_full = finish == "length" and len(tokens) < self._max_new_tokens
-        self.result = GenerationResult("".join(text), tokens, stats, finish, len(self._prompt), context_full)
+
+@dataclass(frozen=True)
+class SequenceContext:
+    """The drafter context of one sequence that is not the engine's own: drafting on ``lm`` (layerskip shares its
+    cache) and on a fresh sequence of the engine's draft model, while setup work stays cached in the engine."""
+
+    engine: Engine
+    lm: CausalLM
+
+    def choose_skip_layers(self, fraction: float) -> frozenset[int]:
+        return self.engine.choose_skip_layers(fraction)
+
+    def draft_lm(self, path: str | Path) -> CausalLM:
+        return check_can_fork(self.engine.draft_lm(path)).new_sequence()
+
+
+def check_can_fork(lm: CausalLM) -> ForkingLM:
+    """``lm`` once it is known to open more sequences over its weights; a one-line error for a backend that cannot."""
+    if not isinstance(lm, ForkingLM):
+        raise QuasarError(f"backend {getattr(lm, 'description', type(lm).__name__)!r} cannot open concurrent sequences")
+    return lm
 
 
 @dataclass
@@ -422,9 +472,15 @@ class Engine:
             raise QuasarError(f"the chat template rejected the messages: {exc}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def drafter(self, options: GenerationOptions) -> Drafter:
-        """A fresh drafter for one generation (drafters keep per-sequence state); the engine is the factory's context."""
-        return create_drafter(options.draft, self, dataclasses.asdict(options))
+    def drafter(self, options: GenerationOptions, lm: CausalLM | None = None) -> Drafter:
+        """A fresh drafter for one generation (drafters keep per-sequence state) on the engine's sequence or on ``lm``."""
+        context = self if lm is None or lm is self.lm else SequenceContext(self, lm)
+        return create_drafter(options.draft, context, dataclasses.asdict(options))
+
+    def open(self, prompt: Sequence[int], options: GenerationOptions) -> Generation:
+        """A generation of encoded ``prompt`` on a new sequence over the engine's weights, outside the engine's lock:
+        the caller drives its steps (and owns the thread it drives them from)."""
+        return Generation(self, check_can_fork(self.lm).new_sequence(), list(prompt), options)
 
     def choose_skip_layers(self, fraction: float, text: str = SKIP_CALIBRATION_TEXT) -> frozenset[int]:
         """Which ``fraction`` of the layers to skip when drafting: those that keep the most top-1 agreement on ``text``.

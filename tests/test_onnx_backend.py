@@ -79,6 +79,22 @@ def test_speculative_engine_on_onnxruntime_matches_cpu(artifact_and_onnx):
     assert got.tokens == expected.tokens and len(got.tokens) > 0
 
 
+def test_new_sequences_share_the_session_and_interleave(tiny_onnx):
+    """Two sequences over one ORT session, stepped in turn, each give the tokens they give alone."""
+    lm = load_onnx(tiny_onnx, threads=1)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    alone = [greedy(lm, p, 6) for p in prompts]
+    first, second = lm.new_sequence(), lm.new_sequence()
+    assert first.session is lm.session and first.length == 0
+    logits = [first.prefill(prompts[0]), second.prefill(prompts[1])]
+    tokens: list[list[int]] = [[], []]
+    for _ in range(6):
+        for i, seq in enumerate((first, second)):
+            tokens[i].append(int(logits[i].argmax()))
+            logits[i] = seq.verify(tokens[i][-1:])[-1]
+    assert tokens == alone
+
+
 def test_registered_and_available(tiny_onnx):
     assert "onnxruntime" in BACKENDS and unavailable() is None
     lm, direct = create_backend("onnxruntime", tiny_onnx, threads=1), load_onnx(tiny_onnx, threads=1)  # the registry's factory is load_onnx

@@ -28,10 +28,11 @@ def test_help_imports_no_torch():
         "import sys\n"
         "from click.testing import CliRunner\n"
         "from quasar_deploy.cli import main\n"
-        "for args in (['--help'], ['generate', '--help'], ['bench', 'e2e', '--help'], ['export', '--help'], ['calibrate', '--help']):\n"
+        "commands = [], ['generate'], ['bench', 'e2e'], ['export'], ['calibrate'], ['serve']\n"
+        "for args in (command + ['--help'] for command in commands):\n"
         "    result = CliRunner().invoke(main, args)\n"
         "    assert result.exit_code == 0, result.output\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy', 'fastapi') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

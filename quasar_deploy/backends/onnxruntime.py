@@ -9,6 +9,7 @@ never per accepted token).
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -150,6 +151,13 @@ class OnnxCausalLM:
         elif length < self.length:
             self._cache = [tuple(self._ortvalue(v.numpy()[:, :, :length]) for v in pair) for pair in self._cache]
         self._length = length
+
+    def new_sequence(self) -> OnnxCausalLM:
+        """The same ORT session (one graph, one set of weights) with a fresh cache; the graph was checked once already."""
+        other = copy.copy(self)
+        other._cache = []
+        other.truncate(0)
+        return other
 
     @property
     def length(self) -> int:

@@ -51,6 +51,10 @@ class TorchCausalLM:
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
 
+    def new_sequence(self) -> TorchCausalLM:
+        """The same decoder (weights, packed kernels) with a fresh KV cache: one per concurrent request."""
+        return TorchCausalLM(self.decoder, self.max_length, self.description)
+
     @property
     def length(self) -> int:
         return self.cache.length

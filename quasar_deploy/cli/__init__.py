@@ -19,6 +19,7 @@ from .doctor import doctor
 from .evaluate import evaluate, smoothing_study
 from .export import export_command
 from .generate import generate
+from .serve import serve
 
 
 class QuasarGroup(click.Group):
@@ -38,7 +39,7 @@ def main() -> None:
     """Speculative decoding verified by a W8A8 (int8) copy of your model."""
 
 
-for command in (calibrate, evaluate, smoothing_study, export_command, generate, bench, demo, doctor):
+for command in (calibrate, evaluate, smoothing_study, export_command, generate, serve, bench, demo, doctor):
     main.add_command(command)
 
 __all__ = ["main"]

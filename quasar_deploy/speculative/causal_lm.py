@@ -35,6 +35,18 @@ class CausalLM(Protocol):
 
 
 @runtime_checkable
+class ForkingLM(CausalLM, Protocol):
+    """A verifier that can open more sequences over the same weights: what serving several requests at once needs.
+
+    Its own protocol, not part of ``CausalLM``, so that a backend that cannot share its
+    weights (or a wrapper such as a pruned model) still serves one sequence at a time.
+    """
+
+    def new_sequence(self) -> ForkingLM:
+        """Another ``CausalLM`` over the same weights (decoder, session) with its own empty cache; cheap, no weights copied."""
+
+
+@runtime_checkable
 class LayerSkippingLM(CausalLM, Protocol):
     """A verifier that can also run with some decoder layers switched off (self-speculative drafting).
 

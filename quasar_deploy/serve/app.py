@@ -1,0 +1,226 @@
+"""The HTTP side: OpenAI's routes over the scheduler, API-key and body-size guards, errors always in OpenAI's shape.
+
+Handlers only parse, submit and relay: every model call happens on the scheduler's
+thread, so the event loop stays responsive and the tokenizer is used from one thread.
+A request's events arrive on an asyncio queue; a client that goes away cancels its
+ticket (streams through the response being cancelled, plain requests by polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from ..engine import Engine
+from ..files import first_line
+from .metrics import Metrics
+from .protocol import ApiError, parse_request
+from .responses import Shaper, sse
+from .scheduler import Done, Event, Failed, QueueFull, Scheduler, Text, Ticket
+
+DISCONNECT_POLL_S = 0.5
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away: only ever seen in the metrics
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``quasar-deploy serve`` decides besides the engine: the served name, limits, security, default drafting."""
+
+    model: str
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_sequences: int = 8
+    max_queue: int = 32
+    draft: str = "ngram"
+    num_draft: int = 5
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class Guard:
+    """ASGI middleware: the API key on every route but /health, and the request counter (a plain ASGI layer, not
+    ``BaseHTTPMiddleware``, so streams and their cancellation pass through untouched)."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    def _authorized(self, scope: dict) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        return hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_counting(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and scope["path"] != "/health" and not self._authorized(scope):
+                await error_response(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)"))(
+                    scope, receive, send_counting
+                )
+            else:
+                await self.app(scope, receive, send_counting)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ROUTES else "other"
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+
+async def read_json(request: HttpRequest, limit: int) -> Any:
+    """The body as JSON, refused with 413 past ``limit`` bytes before it is all read (a declared or a streamed length)."""
+    too_large = ApiError(413, f"the request body is larger than the limit of {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({first_line(exc)})") from None
+
+
+async def next_event(request: HttpRequest, events: asyncio.Queue) -> Event | None:
+    """The ticket's next event, or None once the client has disconnected."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
+    """The server's app; the scheduler's worker runs for the app's lifespan. ``app.state.draining`` refuses new work (503)."""
+    metrics = Metrics()
+    scheduler = Scheduler(engine, metrics, config.max_sequences, config.max_queue)
+    started_at = int(time.time())
+    defaults = {"draft": config.draft, "num_draft": config.num_draft}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics, app.state.draining = scheduler, metrics, False
+    app.add_middleware(Guard, api_key=config.api_key, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
+        return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HttpRequest, exc: Exception) -> JSONResponse:
+        return error_response(ApiError(500, f"internal error: {first_line(exc)}"))
+
+    async def complete(request: HttpRequest, chat: bool) -> Response:
+        if app.state.draining:
+            raise ApiError(503, "the server is shutting down")
+        parsed = parse_request(await read_json(request, config.max_body_bytes), chat, config.model, defaults)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def deliver(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed (server stopped): nobody is waiting for this event
+                pass
+
+        ticket = Ticket(parsed, deliver)
+        try:
+            scheduler.submit(ticket)
+        except QueueFull:
+            raise ApiError(429, "the server is at capacity; retry later", headers={"Retry-After": "1"}) from None
+        try:
+            first = await next_event(request, events)
+            if first is None:
+                scheduler.cancel(ticket)
+                return Response(status_code=CLIENT_CLOSED)
+            if isinstance(first, Failed):
+                raise first.error
+            shaper = Shaper(config.model, chat)
+            if parsed.stream:
+                return StreamingResponse(stream(ticket, events, shaper), media_type="text/event-stream")
+            while True:
+                event = await next_event(request, events)
+                if event is None:
+                    scheduler.cancel(ticket)
+                    return Response(status_code=CLIENT_CLOSED)
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, Done):
+                    return JSONResponse(shaper.full(event.result))
+        except BaseException:
+            scheduler.cancel(ticket)
+            raise
+
+    async def stream(ticket: Ticket, events: asyncio.Queue, shaper: Shaper) -> AsyncIterator[str]:
+        """SSE chunks until ``[DONE]``; the response being cancelled (client gone) cancels the sequence."""
+        try:
+            if shaper.chat:
+                yield sse(shaper.chunk(""))
+            while True:
+                event = await events.get()
+                if isinstance(event, Text):
+                    yield sse(shaper.chunk(event.text))
+                elif isinstance(event, Done):
+                    yield sse(shaper.chunk(result=event.result))
+                    break
+                elif isinstance(event, Failed):
+                    yield sse(event.error.body())
+                    break
+            yield sse("[DONE]")
+        finally:
+            scheduler.cancel(ticket)
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest) -> Response:
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest) -> Response:
+        return await complete(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        model = {"id": config.model, "object": "model", "created": started_at, "owned_by": "quasar-deploy"}
+        return {"object": "list", "data": [{**model, "max_model_len": engine.lm.max_length}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """503 while draining, so a load balancer stops sending work here before the process exits."""
+        return JSONResponse({"status": "draining" if app.state.draining else "ok"}, status_code=503 if app.state.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

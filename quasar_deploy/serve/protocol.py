@@ -1,0 +1,157 @@
+"""The OpenAI request fields we accept, checked before any work, and the OpenAI error shape.
+
+Parsing is pure Python and strict where a silent default would change the output
+(``n``, ``logprobs``, penalties): a field we cannot honour is a 400 that names it,
+never a quietly different completion. Fields that change nothing (``user``) are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_SEED = 2**64 - 1
+# drafters a request may pick: "model" would need a server-side path, which a request must not choose
+REQUEST_DRAFTERS = ("none", "ngram", "layerskip")
+# fields OpenAI defines that would change the output; refused unless falsy (0, false, null, empty)
+UNSUPPORTED = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "tools", "functions", "presence_penalty", "frequency_penalty")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context window
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's JSON shape; ``message`` is one line."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+
+    @property
+    def type(self) -> str:
+        return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One checked completion request: ``prompt`` is text, token ids or chat messages; ``options`` are
+    ``GenerationOptions`` fields except ``max_new_tokens``; ``max_tokens`` None runs to the context window."""
+
+    prompt: str | list[int] | list[dict[str, str]]
+    chat: bool
+    stream: bool
+    max_tokens: int | None
+    options: dict[str, Any]
+
+
+def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise bad(name, f"{name} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > high or value < low or (low_open and value == low):
+        raise bad(name, f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
+        raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+    return tuple(stops)
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise bad("prompt", "prompt must be a non-empty string or a list of token ids (one prompt per request)")
+
+
+def _content(content: Any) -> str | None:
+    """A message's text: a string, or OpenAI's list of parts when every part is text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    checked = []
+    for m in messages:
+        content = _content(m.get("content")) if isinstance(m, dict) else None
+        if content is None or not isinstance(m.get("role"), str):
+            raise bad("messages", "each message needs a string role and text content")
+        checked.append({"role": m["role"], "content": content})
+    return checked
+
+
+def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any]) -> Request:
+    """Check a decoded JSON body for /v1/completions (``chat`` False) or /v1/chat/completions; ``defaults``: draft, num_draft."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if body.get("model") not in (None, model):
+        raise ApiError(404, f"the model {body['model']!r} does not exist; this server serves {model!r}", "model", "model_not_found")
+    if body.get("n") not in (None, 1):
+        raise bad("n", f"n must be 1 (one completion per request), got {body['n']!r}")
+    if body.get("best_of") not in (None, 1):
+        raise bad("best_of", f"best_of must be 1, got {body['best_of']!r}")
+    unsupported = next((name for name in UNSUPPORTED if body.get(name)), None)
+    if unsupported is not None:
+        raise bad(unsupported, f"{unsupported} is not supported by this server")
+    if not isinstance(body.get("stream", False), bool):
+        raise bad("stream", "stream must be true or false")
+    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
+    max_tokens = max_tokens or _int(body, "max_tokens", 1)
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    draft = body.get("draft", defaults["draft"])
+    if draft not in REQUEST_DRAFTERS:
+        raise bad("draft", f"draft must be one of {', '.join(REQUEST_DRAFTERS)}, got {draft!r}")
+    top_k = _int(body, "top_k", -1)
+    options = {
+        "temperature": _number(body, "temperature", 0, 2),
+        "top_p": _number(body, "top_p", 0, 1, low_open=True),
+        "top_k": None if top_k is None else max(top_k, 0),  # vLLM's -1 and our 0 both mean off
+        "seed": _int(body, "seed", 0, MAX_SEED),
+        "stop": _stop(body),
+        "draft": draft,
+        "num_draft": _int(body, "num_draft", 1) if draft != "none" else None,
+    }
+    options = {name: value for name, value in options.items() if value is not None}
+    options.setdefault("temperature", 1.0)  # OpenAI's default
+    if draft != "none":
+        options.setdefault("num_draft", defaults["num_draft"])
+    prompt = _messages(body) if chat else _prompt(body)
+    return Request(prompt, chat, body.get("stream", False), max_tokens, options)

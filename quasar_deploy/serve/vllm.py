@@ -1,0 +1,55 @@
+"""``serve --engine vllm``: the same deployment served by vLLM (CUDA) or vLLM-Ascend (NPU) instead of our runtime.
+
+The command line is built by a pure function (tested); running it replaces this
+process. The API key travels in ``VLLM_API_KEY``, not the argv, so ``ps`` never shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import QuasarError
+
+NPU_EXPORT_FILE = "quant_model_description.json"  # what `export --target npu` writes (msModelSlim layout)
+VLLM_DRAFTERS = ("ngram", "none")
+
+
+def ngram_config(num_draft: int) -> dict[str, int | str]:
+    """vLLM's prompt-lookup drafter with our defaults (n-grams of 1 to 3 tokens, as `--draft ngram` here)."""
+    return {"method": "ngram", "num_speculative_tokens": num_draft, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def vllm_command(
+    path: str | Path,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    draft: str = "ngram",
+    num_draft: int = 5,
+    tensor_parallel_size: int | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The argv of ``vllm serve`` and the environment it adds; an NPU export dir gets ``--quantization ascend``."""
+    if draft not in VLLM_DRAFTERS:
+        raise QuasarError(f"--engine vllm drafts with {' or '.join(VLLM_DRAFTERS)}, not {draft!r}")
+    argv = ["vllm", "serve", str(path), "--host", host, "--port", str(port)]
+    if (Path(path) / NPU_EXPORT_FILE).is_file():
+        argv += ["--quantization", "ascend"]
+    if model_name:
+        argv += ["--served-model-name", model_name]
+    if draft == "ngram":
+        argv += ["--speculative-config", json.dumps(ngram_config(num_draft))]
+    if tensor_parallel_size:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    return argv, ({"VLLM_API_KEY": api_key} if api_key else {})
+
+
+def exec_vllm(argv: list[str], env: dict[str, str]) -> None:
+    """Replace this process with vLLM; a missing vllm is one line."""
+    executable = shutil.which(argv[0])
+    if executable is None:
+        raise QuasarError("vllm is not installed here (pip install vllm; on Ascend, vllm-ascend); or serve with --engine quasar")
+    os.execve(executable, argv, {**os.environ, **env})

@@ -1,0 +1,102 @@
+"""The server as a process: SIGTERM drains (in-flight requests finish, new ones get 503, exit code 0); `--engine vllm`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from quasar_deploy.errors import QuasarError
+from quasar_deploy.serve.vllm import exec_vllm, vllm_command
+
+from .serving import free_port, wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_SCRIPT = """
+import sys
+from quasar_deploy.engine import load
+from quasar_deploy.serve.app import ServeConfig, create_app
+from quasar_deploy.serve.server import run
+from tests.serving import slow_engine
+
+engine = slow_engine(load(sys.argv[1], backend="cpu"), delay=0.05)
+run(create_app(engine, ServeConfig("tiny")), "127.0.0.1", int(sys.argv[2]), drain_timeout=60)
+"""
+
+
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_qwen3):
+    pytest.importorskip("fastapi")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(tiny_qwen3), str(port)], cwd=ROOT, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(base, timeout=120, process=process)
+        lines: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "def f0(x):\n", "temperature": 0.7, "seed": 1, "max_tokens": 40, "draft": "none"}
+            with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+                    first.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert first.wait(30)
+        process.send_signal(signal.SIGTERM)
+        statuses = set()
+        for _ in range(50):  # bounded: the flag is set as soon as the signal is handled
+            statuses.add(httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10).status_code)
+            if 503 in statuses:
+                break
+        assert 503 in statuses and httpx.get(f"{base}/health").status_code == 503
+        client.join(60)
+        data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+        assert data[-1]["choices"][0]["finish_reason"] in ("stop", "length") and data[-1]["usage"]["completion_tokens"] >= 1
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_vllm_command_for_a_checkpoint(tmp_path):
+    argv, env = vllm_command(tmp_path, "127.0.0.1", 8000, api_key="k", model_name="m", tensor_parallel_size=2)
+    assert argv[:3] == ["vllm", "serve", str(tmp_path)] and "--quantization" not in argv
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "8000"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--served-model-name") + 1] == "m"
+    config = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert config == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    assert env == {"VLLM_API_KEY": "k"} and "k" not in argv  # the key stays out of the process list
+
+
+def test_vllm_command_for_an_npu_export(tmp_path):
+    (tmp_path / "quant_model_description.json").write_text("{}")
+    argv, env = vllm_command(tmp_path, "0.0.0.0", 9000, draft="none")
+    assert argv[argv.index("--quantization") + 1] == "ascend" and "--speculative-config" not in argv and env == {}
+    with pytest.raises(QuasarError, match="ngram or none"):
+        vllm_command(tmp_path, "0.0.0.0", 9000, draft="layerskip")
+
+
+def test_missing_vllm_is_one_line(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(QuasarError, match="vllm is not installed"):
+        exec_vllm(["vllm", "serve", "x"], {})
+
+
+def test_serve_cli_with_vllm_missing_says_so(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from quasar_deploy.cli import main
+
+    monkeypatch.setenv("PATH", "")
+    result = CliRunner().invoke(main, ["serve", str(tmp_path), "--engine", "vllm"])
+    assert result.exit_code == 1 and result.output.strip().startswith("error: vllm is not installed")

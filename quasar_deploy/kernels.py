@@ -121,36 +121,27 @@ def _pinning_rows(in_features: int, low: float, high: float) -> torch.Tensor:
     return pin
 
 
-def _fbgemm(wq, w_scale, bias, input_scale) -> LinearFn:
+def _fbgemm(wq, w_scale, bias, input_scale, split: bool) -> LinearFn:
+    """FBGEMM's dynamic linear made exact: ``split`` sends 7-bit halves (AVX2), else full-range rows (VNNI)."""
     packed = _fbgemm_packed(wq, w_scale)
     w_row = w_scale.float().reshape(1, -1)
     inv_w = 1.0 / w_scale.double().reshape(1, -1)
-    pin = _pinning_rows(wq.shape[1], -64.0, 63.0)
+    pin = _pinning_rows(wq.shape[1], *((-64.0, 63.0) if split else (-127.0, 128.0)))
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        scale = _activation_scale(x, input_scale)
-        q = quantize_activation(x, scale)
+    def accumulate(q: torch.Tensor) -> torch.Tensor:
+        """The exact integer products of the int8 rows ``q`` with the weights, as float64."""
+        rows = q.shape[0]
+        if not split:
+            out = torch.ops.quantized.linear_dynamic(torch.cat([q, pin]), packed, False)
+            return torch.round(out[:rows].double() * inv_w)
         high = torch.floor(q * 0.5)
         out = torch.ops.quantized.linear_dynamic(torch.cat([high, q - 2.0 * high, pin]), packed, True)
         halves = torch.round(out[: 2 * rows].double() * inv_w)
-        y = (2.0 * halves[:rows] + halves[rows:]).float() * scale * w_row
-        return y + bias if bias is not None else y
-
-    return run
-
-
-def _fbgemm_vnni(wq, w_scale, bias, input_scale) -> LinearFn:
-    packed = _fbgemm_packed(wq, w_scale)
-    w_row = w_scale.float().reshape(1, -1)
-    inv_w = 1.0 / w_scale.double().reshape(1, -1)
-    pin = _pinning_rows(wq.shape[1], -127.0, 128.0)
+        return 2.0 * halves[:rows] + halves[rows:]
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
         scale = _activation_scale(x, input_scale)
-        out = torch.ops.quantized.linear_dynamic(torch.cat([quantize_activation(x, scale), pin]), packed, False)
-        y = torch.round(out[:rows].double() * inv_w).float() * scale * w_row
+        y = accumulate(quantize_activation(x, scale)).float() * scale * w_row
         return y + bias if bias is not None else y
 
     return run
@@ -171,7 +162,7 @@ def int8_linear(
             raise ValueError(f"the {kernel} kernel needs a PyTorch build with FBGEMM (x86 CPUs)")
         if kernel == "fbgemm-vnni" and not vnni_available():
             raise ValueError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
-        return (_fbgemm_vnni if kernel == "fbgemm-vnni" else _fbgemm)(wq, w_scale, bias, input_scale)
+        return _fbgemm(wq, w_scale, bias, input_scale, split=kernel == "fbgemm")
     raise ValueError(f"unknown int8 kernel {kernel!r}; choose from {INT8_KERNELS}")
 
 

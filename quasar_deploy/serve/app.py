@@ -160,27 +160,29 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         except QueueFull:
             raise ApiError(429, "the server is at capacity; retry later", headers={"Retry-After": "1"}) from None
         try:
-            first = await next_event(request, events)
-            if first is None:
-                scheduler.cancel(ticket)
+            if await next_live_event(request, events, ticket) is None:
                 return Response(status_code=CLIENT_CLOSED)
-            if isinstance(first, Failed):
-                raise first.error
             shaper = Shaper(config.model, chat)
             if parsed.stream:
                 return StreamingResponse(stream(ticket, events, shaper), media_type="text/event-stream")
             while True:
-                event = await next_event(request, events)
+                event = await next_live_event(request, events, ticket)
                 if event is None:
-                    scheduler.cancel(ticket)
                     return Response(status_code=CLIENT_CLOSED)
-                if isinstance(event, Failed):
-                    raise event.error
                 if isinstance(event, Done):
                     return JSONResponse(shaper.full(event.result))
         except BaseException:
             scheduler.cancel(ticket)
             raise
+
+    async def next_live_event(request: HttpRequest, events: asyncio.Queue, ticket: Ticket) -> Event | None:
+        """The ticket's next event; None once the client has gone (its sequence is then cancelled); a failure raises."""
+        event = await next_event(request, events)
+        if event is None:
+            scheduler.cancel(ticket)
+        elif isinstance(event, Failed):
+            raise event.error
+        return event
 
     async def stream(ticket: Ticket, events: asyncio.Queue, shaper: Shaper) -> AsyncIterator[str]:
         """SSE chunks until ``[DONE]``; the response being cancelled (client gone) cancels the sequence."""

@@ -2,8 +2,9 @@
 
 A calibrated 8B model must never sit in memory whole, but safetensors puts its header (names,
 dtypes, shapes, byte offsets) before the data, and the header is known only once a shard's
-last tensor is. So each shard's bytes go to an unnamed scratch file as tensors arrive, and
-header and bytes are joined when the shard closes. Names and index follow ``save_pretrained``:
+last tensor is. So each shard's bytes go to unnamed scratch files as tensors arrive (one per
+element size, so that every tensor ends up aligned as ``save_file`` aligns it: unaligned data
+is copied on load instead of mapped), and header and bytes are joined when the shard closes. Names and index follow ``save_pretrained``:
 ``model.safetensors`` when one shard suffices, else ``model-00001-of-0000N.safetensors`` and
 ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import struct
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -51,10 +51,9 @@ class ShardWriter:
         self.max_shard_size = max_shard_size
         self.shard_of: dict[str, int] = {}  # tensor name -> shard number, from 0
         self._closed: list[Path] = []
-        self._header: dict[str, dict] = {}
+        self._buckets: dict[int, _Bucket] = {}  # by element size: the current shard's data
         self._size = 0
         self._total = 0
-        self._data = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self.add_blocks(name, tensor.dtype, tensor.shape, [tensor])
@@ -64,41 +63,53 @@ class ShardWriter:
         if name in self.shard_of:
             raise ValueError(f"tensor {name!r} written twice")
         nbytes = math.prod(shape) * dtype.itemsize
-        if self._header and self._size + nbytes > self.max_shard_size:
+        if self._buckets and self._size + nbytes > self.max_shard_size:
             self._close_shard()
-        if self._data is None:
-            self._data = tempfile.TemporaryFile(dir=self.directory)
+        bucket = self._buckets.setdefault(dtype.itemsize, _Bucket(self.directory))
         written = 0
         for block in blocks:
             if block.dtype != dtype:
                 raise ValueError(f"tensor {name!r}: a {block.dtype} block in a {dtype} tensor")
             raw = block.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._data.write(raw.data)
+            bucket.data.write(raw.data)
             written += raw.nbytes
         if written != nbytes:
             raise ValueError(f"tensor {name!r}: {written} bytes written, its shape {list(shape)} needs {nbytes}")
-        self._header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [self._size, self._size + nbytes]}
+        bucket.entries[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [bucket.size, bucket.size + nbytes]}
+        bucket.size += nbytes
         self._size += nbytes
         self._total += nbytes
         self.shard_of[name] = len(self._closed)
 
     def _close_shard(self) -> None:
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self._header}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors itself writes it
+        """Header, then the tensors in ``save_file``'s order (widest element first, then by name): aligned, and laid out as
+        ``safetensors`` lays them out, which its zero-copy loads rely on (another order left twice the pages resident)."""
+        order = [self._buckets[size] for size in sorted(self._buckets, reverse=True)]
+        header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+        start = 0
+        for bucket in order:
+            for name, entry in sorted(bucket.entries.items()):
+                size = entry["data_offsets"][1] - entry["data_offsets"][0]
+                header[name] = {**entry, "data_offsets": [start, start + size]}
+                start += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         path = self.directory / f".shard-{len(self._closed)}"
         with open(path, "wb") as out:
-            out.write(struct.pack("<Q", len(header)))
-            out.write(header)
-            if self._data is not None:
-                self._data.seek(0)
-                shutil.copyfileobj(self._data, out, 1 << 24)
-                self._data.close()
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            for bucket in order:
+                for _, entry in sorted(bucket.entries.items()):
+                    begin, end = entry["data_offsets"]
+                    bucket.data.seek(begin)
+                    _copy_range(bucket.data, out, end - begin)
+                bucket.data.close()
         self._closed.append(path)
-        self._header, self._size, self._data = {}, 0, None
+        self._buckets, self._size = {}, 0
 
     def close(self) -> None:
         """Finish the last shard, give every shard its final name, and write the index if there are several."""
-        if self._header or not self._closed:
+        if self._buckets or not self._closed:
             self._close_shard()
         names = shard_names(len(self._closed))
         for path, name in zip(self._closed, names):
@@ -107,3 +118,19 @@ class ShardWriter:
             weight_map = {name: names[shard] for name, shard in sorted(self.shard_of.items())}
             index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
             (self.directory / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def _copy_range(source, target, size: int, block: int = 1 << 24) -> None:
+    while size > 0:
+        chunk = source.read(min(block, size))
+        target.write(chunk)
+        size -= len(chunk)
+
+
+class _Bucket:
+    """One shard's tensors of one element size: their bytes in an unnamed scratch file, their offsets within it."""
+
+    def __init__(self, directory: Path):
+        self.data = tempfile.TemporaryFile(dir=directory)
+        self.entries: dict[str, dict] = {}
+        self.size = 0

@@ -185,3 +185,18 @@ def test_device_that_is_not_available_is_refused_in_one_line(tiny_qwen3, tmp_pat
     with pytest.raises(QuasarError, match=r"^--device must be one of cpu, cuda, npu, not 'tpu'$"):
         calibrate(tiny_qwen3, tmp_path / "out", num_samples=2, seq_len=16, progress=False, device="tpu")
     assert not (tmp_path / "out").exists()
+
+
+def test_one_shard_is_byte_for_byte_what_save_file_writes(tmp_path):
+    from safetensors.torch import save_file
+
+    from quasar_deploy.shards import ShardWriter
+
+    tensors = {"z": torch.arange(5, dtype=torch.int8), "b": torch.ones(2, 3), "a": torch.full((3,), 2.5, dtype=torch.bfloat16)}
+    (tmp_path / "ours").mkdir()
+    writer = ShardWriter(tmp_path / "ours")
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    writer.close()
+    save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()

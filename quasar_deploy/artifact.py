@@ -7,10 +7,11 @@ write leaves nothing that loads):
   (``int-quantized``; weights int8 channel-symmetric; activations int8 token-dynamic,
   or tensor-static with ``input_scale``; ``ignore`` lists the float linears), the
   layout vLLM reads as W8A8.
-- ``model.safetensors``: quantized linears as ``weight`` int8 [out, in] and
-  ``weight_scale`` float32 [out, 1] (+ ``input_scale`` float32 [1] when static);
-  everything else (embeddings, norms with the smoothing folded in, float linears,
-  lm_head) in the source's float dtype.
+- ``model.safetensors`` (or Hugging Face shards ``model-0000i-of-0000N.safetensors`` and
+  ``model.safetensors.index.json``, written tensor by tensor by ``shards.py``): quantized
+  linears as ``weight`` int8 [out, in] and ``weight_scale`` float32 [out, 1] (+ ``input_scale``
+  float32 [1] when static); everything else (embeddings, norms with the smoothing folded in,
+  float linears, lm_head) in the dtype the source stores it in.
 - tokenizer files and ``generation_config.json``, copied from the source.
 - ``quasar.json``: format version, recipe, per-group alpha and errors, per-layer
   error, calibration-data fingerprint, source checkpoint hash, and ``files``: the sha256
@@ -25,23 +26,24 @@ the checks off (it would otherwise load as a float checkpoint and run int8 weigh
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .checkpoint import Checkpoint
 from .decoder_spec import DecoderSpec, check_tensor_shapes, decoder_spec
 from .errors import QuasarError
 from .files import atomic_directory, copy_files
 from .integrity import EXPORT_MANIFEST, read_manifest, write_manifest
-from .model import Decoder
+from .model import Decoder, check_finite
 from .scheme import W8A8Scheme
+from .shards import MAX_SHARD_SIZE, TORCH_DTYPES, ShardWriter
 
 FORMAT_VERSION = 2  # 2: ``files`` (per-file sha256) replaced ``weights_sha256``
 MANIFEST = "quasar.json"
-WEIGHTS = "model.safetensors"
 # what loading reads from a manifest, checked at open so a damaged one is one line, not a KeyError
 RECORD_FIELDS = {"recipe": dict, "quantized_layers": list}
 QUANTIZED_DTYPES = ("I8", "U8", "F8_E4M3", "F8_E5M2")
@@ -73,27 +75,60 @@ def compressed_tensors_config(scheme: W8A8Scheme, ignore: list[str]) -> dict:
     }
 
 
-def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W8A8Scheme, manifest: dict) -> Path:
-    """Write atomically; ``output`` must not exist yet (we never overwrite a user's files)."""
-    output = Path(output)
-    with atomic_directory(output) as tmp:
-        source_dtype = getattr(torch, source.config.get("torch_dtype") or source.config.get("dtype") or "float32", torch.float32)
-        tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in decoder.state_dict().items():
-            if name == "lm_head.weight" and decoder.spec.tie_word_embeddings:
-                continue
-            if tensor.dtype == torch.int8 or name.endswith(("weight_scale", "input_scale")):
-                tensors[name] = tensor.contiguous()
-            else:
-                tensors[name] = tensor.to(source_dtype).contiguous()
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        ignore = ["lm_head"] + [name for name, linear in decoder.linears() if not linear.quantized]
-        config = dict(source.config)
+class ArtifactWriter:
+    """The weights of an artifact being written, tensor by tensor, then its config, tokenizer files and manifest (``finish``).
+
+    Float tensors go back to the dtype the source stores them in (bf16 stays bf16); int8 weights
+    and scales keep theirs; tensors the source lacks (scales) keep theirs.
+    """
+
+    def __init__(self, directory: Path, source: Checkpoint, max_shard_size: int):
+        self.directory = directory
+        self.source = source
+        self.shards = ShardWriter(directory, max_shard_size)
+
+    def _dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        if dtype == torch.int8 or name.endswith(("weight_scale", "input_scale")) or name not in self.source.dtypes:
+            return dtype
+        return TORCH_DTYPES[self.source.dtypes[name]]
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.shards.add(name, tensor.to("cpu", self._dtype(name, tensor.dtype)))
+
+    def copy(self, name: str) -> None:
+        """Copy the source's tensor as it is stored, block by block, refusing NaN and infinity as loading would."""
+        self.shards.add_blocks(name, TORCH_DTYPES[self.source.dtypes[name]], self.source.shapes[name], self._checked_blocks(name))
+
+    def _checked_blocks(self, name: str) -> Iterator[torch.Tensor]:
+        for block in self.source.row_blocks(name):
+            check_finite(name, block)
+            yield block
+
+    def finish(self, scheme: W8A8Scheme, ignore: list[str], manifest: dict) -> None:
+        """Everything but the weights; the manifest last, since it lists every other file."""
+        self.shards.close()
+        config = dict(self.source.config)
         config["quantization_config"] = compressed_tensors_config(scheme, ignore)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        copy_files(source.path, tmp)
-        write_manifest(tmp, MANIFEST, {"format_version": FORMAT_VERSION, **manifest})
-    return output
+        (self.directory / "config.json").write_text(json.dumps(config, indent=2))
+        copy_files(self.source.path, self.directory)
+        write_manifest(self.directory, MANIFEST, {"format_version": FORMAT_VERSION, **manifest})
+
+
+@contextmanager
+def writing_artifact(source: Checkpoint, output: Path, max_shard_size: int = MAX_SHARD_SIZE) -> Iterator[ArtifactWriter]:
+    """An ``ArtifactWriter`` into a temp directory that becomes ``output`` once the block ends (``output`` must not exist yet)."""
+    with atomic_directory(Path(output)) as tmp:
+        yield ArtifactWriter(tmp, source, max_shard_size)
+
+
+def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W8A8Scheme, manifest: dict) -> Path:
+    """Write a decoder held in memory (quantized by the caller) as an artifact; ``calibrate`` streams layer by layer instead."""
+    with writing_artifact(source, output) as writer:
+        for name, tensor in decoder.state_dict().items():
+            if not (name == "lm_head.weight" and decoder.spec.tie_word_embeddings):
+                writer.add(name, tensor)
+        writer.finish(scheme, ["lm_head"] + [name for name, linear in decoder.linears() if not linear.quantized], manifest)
+    return Path(output)
 
 
 @dataclass

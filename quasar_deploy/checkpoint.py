@@ -1,8 +1,11 @@
-"""Reading a local Hugging Face checkpoint directory, tensor by tensor, with one-line errors."""
+"""Reading a local Hugging Face checkpoint directory, tensor by tensor (or row by row), with one-line errors."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -10,10 +13,11 @@ from safetensors import SafetensorError, safe_open
 
 from .errors import QuasarError
 from .files import refuse_unfinished, sha256_files
+from .shards import INDEX, TORCH_DTYPES
 
 
 class Checkpoint:
-    """A directory with ``config.json`` and one or more ``*.safetensors`` files."""
+    """A directory with ``config.json`` and one or more ``*.safetensors`` files (sharded: as ``model.safetensors.index.json`` lists)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -33,6 +37,7 @@ class Checkpoint:
         if not self.files:
             hint = " (PyTorch .bin weights are not supported: save with safe_serialization=True)" if list(self.path.glob("*.bin")) else ""
             raise QuasarError(f"{self.path}: no *.safetensors weights{hint}")
+        weight_map = self._weight_map()
         self._where: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}  # safetensors' names: "F32", "BF16", "I8", ...
@@ -40,26 +45,73 @@ class Checkpoint:
             try:
                 with safe_open(file, "pt") as handle:
                     for name in handle.keys():
+                        if weight_map is not None and weight_map.get(name) != file.name:
+                            raise QuasarError(f"{file}: holds {name!r}, which {INDEX} maps to {weight_map.get(name)!r} (mixed-up shards)")
                         self._where[name] = file
                         tensor = handle.get_slice(name)
                         self.shapes[name] = tuple(tensor.get_shape())
                         self.dtypes[name] = tensor.get_dtype()
             except (SafetensorError, OSError) as exc:
                 raise QuasarError(f"{file}: unreadable safetensors file ({exc})") from None
+        if weight_map is not None and weight_map.keys() - self._where.keys():
+            missing = sorted(weight_map.keys() - self._where.keys())[0]
+            raise QuasarError(f"{self.path / INDEX}: lists {missing!r} in {weight_map[missing]}, which does not hold it (incomplete copy?)")
+
+    def _weight_map(self) -> dict[str, str] | None:
+        """The index's name -> file map, if there is an index; a shard it does not list is refused (a stray file, not a weight)."""
+        index = self.path / INDEX
+        if not index.is_file():
+            return None
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            raise QuasarError(f"{index}: not a JSON object (corrupted index)") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise QuasarError(f"{index}: 'weight_map' must map tensor names to file names (corrupted index)")
+        listed = set(weight_map.values())
+        for file in self.files:
+            if file.name not in listed:
+                raise QuasarError(f"{file}: not listed in {INDEX}; remove it (or restore the index that lists it)")
+        absent = sorted(listed - {file.name for file in self.files})
+        if absent:
+            raise QuasarError(f"{self.path / absent[0]}: missing, but listed in {INDEX} (incomplete download?)")
+        return weight_map
 
     @property
     def names(self) -> set[str]:
         return set(self._where)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    @contextmanager
+    def _opened(self, name: str) -> Iterator:
+        """The open file holding ``name``, with read errors turned into one line naming file and tensor."""
         file = self._where.get(name)
         if file is None:
             raise QuasarError(f"{self.path}: tensor {name!r} is missing")
         try:
             with safe_open(file, "pt") as handle:
-                return handle.get_tensor(name)
+                yield handle
         except (SafetensorError, OSError) as exc:
             raise QuasarError(f"{file}: tensor {name!r} is unreadable ({exc})") from None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        with self._opened(name) as handle:
+            return handle.get_tensor(name)
+
+    def rows(self, name: str, index: Sequence[int]) -> torch.Tensor:
+        """Rows ``index`` of a 2-D tensor, read one by one: the embeddings of the calibration tokens, not the whole table."""
+        with self._opened(name) as handle:
+            part = handle.get_slice(name)
+            return torch.cat([part[i : i + 1] for i in index])
+
+    def row_blocks(self, name: str, block_bytes: int = 1 << 26) -> Iterator[torch.Tensor]:
+        """The tensor as consecutive row blocks of about ``block_bytes``: a large tensor copied without being held whole."""
+        shape = self.shapes[name]
+        row_bytes = math.prod(shape[1:]) * TORCH_DTYPES[self.dtypes[name]].itemsize
+        step = max(1, block_bytes // max(1, row_bytes))
+        with self._opened(name) as handle:
+            part = handle.get_slice(name)
+            for start in range(0, shape[0], step):
+                yield part[start : start + step]
 
     def fingerprint(self) -> str:
         """sha256 over config and weight files, so an artifact names exactly what it came from."""

@@ -197,6 +197,42 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
         raise QuasarError(f"tensor {name!r} holds scales <= 0 (corrupted artifact)")
 
 
+def tensor_loader(source: TensorSource, dtype: torch.dtype) -> Loader:
+    """Reads ``source`` by name for the modules' constructors: checked finite, in ``dtype`` (int8 weights and scales keep theirs).
+
+    Shared by the whole decoder and by calibration, which builds one ``DecoderLayer`` at a time.
+    """
+
+    def load(name: str, required: bool = True) -> torch.Tensor | None:
+        if not required and name not in source.names:
+            return None
+        t = source.tensor(name)
+        check_finite(name, t)
+        return t if t.dtype == torch.int8 or name.endswith("_scale") else t.to(dtype)
+
+    return load
+
+
+def rotary(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions ``start .. start + length``: one definition for the decoder and for layer-by-layer calibration."""
+    positions = torch.arange(start, start + length, device=inv_freq.device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def prefill_mask(spec: DecoderSpec, length: int, device: torch.device | str) -> torch.Tensor | None:
+    """Causal (and sliding-window) mask of a prefill; later blocks attend row by row instead."""
+    if length == 1:
+        return None
+    q_pos = torch.arange(length, device=device)[:, None]
+    k_pos = torch.arange(length, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if spec.sliding_window is not None:
+        allowed &= k_pos > q_pos - spec.sliding_window
+    return allowed
+
+
 def load_linear(tensors: Loader, prefix: str) -> Linear:
     """Float (``weight`` [+ ``bias``]) or W8A8 (int8 ``weight``, ``weight_scale`` [, ``input_scale``])."""
     linear = Linear(tensors(f"{prefix}.weight", True), tensors(f"{prefix}.bias", False))
@@ -311,13 +347,7 @@ class Decoder(nn.Module):
         self.spec = spec
         self.dtype = dtype
 
-        def load(name: str, required: bool = True) -> torch.Tensor | None:
-            if not required and name not in source.names:
-                return None
-            t = source.tensor(name)
-            check_finite(name, t)
-            return t if t.dtype == torch.int8 or name.endswith("_scale") else t.to(dtype)
-
+        load = tensor_loader(source, dtype)
         self.model = Body(spec, load)
         head = self.model.embed_tokens.weight if spec.tie_word_embeddings else load("lm_head.weight")
         self.lm_head = Linear(head)
@@ -344,27 +374,13 @@ class Decoder(nn.Module):
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.spec, self.dtype, self.inv_freq.device, capacity)
 
-    def _prefill_mask(self, t: int, device) -> torch.Tensor | None:
-        """Causal (and sliding-window) mask of a prefill; later blocks attend row by row instead."""
-        if t == 1:
-            return None
-        q_pos = torch.arange(t, device=device)[:, None]
-        k_pos = torch.arange(t, device=device)[None, :]
-        allowed = k_pos <= q_pos
-        if self.spec.sliding_window is not None:
-            allowed &= k_pos > q_pos - self.spec.sliding_window
-        return allowed
-
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
         t = ids.shape[0]
         start = cache.length
         cache.reserve(t)
-        positions = torch.arange(start, start + t, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        mask = self._prefill_mask(t, ids.device) if start == 0 else None
+        cos, sin = rotary(self.inv_freq, start, t, self.dtype)
+        mask = prefill_mask(self.spec, t, ids.device) if start == 0 else None
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             if i not in skip_layers:

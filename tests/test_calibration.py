@@ -119,12 +119,12 @@ def test_bad_options(tiny_qwen3, tmp_path, kwargs, message):
 
 
 def test_interrupted_write_leaves_nothing(tiny_qwen3, tmp_path, monkeypatch):
-    import quasar_deploy.artifact as artifact_module
+    from quasar_deploy.shards import ShardWriter
 
     def broken(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(artifact_module, "save_file", broken)
+    monkeypatch.setattr(ShardWriter, "close", broken)  # every layer written, the last shard not yet closed
     with pytest.raises(KeyboardInterrupt):
         calibrate(tiny_qwen3, tmp_path / "out", **FAST)
     assert list(tmp_path.iterdir()) == []

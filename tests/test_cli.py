@@ -129,3 +129,11 @@ def test_truncated_weights_file(artifact, tiny_qwen3, tmp_path):
     broken = copy_dir(artifact, tmp_path)
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
     assert_one_line_error(run("eval", broken, "--reference", tiny_qwen3), "unreadable safetensors file")
+
+
+def test_calibrate_on_a_missing_device(tiny_qwen3, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_one_line_error(run("calibrate", tiny_qwen3, "-o", tmp_path / "out", "--device", "cuda"), "--device cuda: no CUDA device visible")
+    assert not (tmp_path / "out").exists()

@@ -28,7 +28,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 RECIPE = dict(num_samples=4, seq_len=32)
 PROMPT = "def fibonacci(n):"
 
-# argv: point output cli-args... ; point "module:function" dies right after that function returns,
+# argv: point output cli-args... ; point "module:function" (or "module:Class.method") dies right after it returns,
 # "rename" dies instead of the rename that would publish ``output``
 DRIVER = textwrap.dedent(
     """
@@ -44,15 +44,18 @@ DRIVER = textwrap.dedent(
         replace = os.replace
         os.replace = lambda src, dst: die() if Path(dst) == output else replace(src, dst)
     else:
-        module, name = point.split(":")
-        module = importlib.import_module(module)
-        original = getattr(module, name)
+        module, path = point.split(":")
+        owner = importlib.import_module(module)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        original = getattr(owner, name)
 
         def killed_after(*args, **kwargs):
             original(*args, **kwargs)
             die()
 
-        setattr(module, name, killed_after)
+        setattr(owner, name, killed_after)
 
     from quasar_deploy.cli import main
 
@@ -116,7 +119,7 @@ def _has_onnx() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["quasar_deploy.artifact:save_file", "rename"], ids=["after-weights", "before-rename"])
+@pytest.mark.parametrize("point", ["quasar_deploy.shards:ShardWriter.close", "rename"], ids=["after-weights", "before-rename"])
 def test_killed_calibrate(tiny_qwen3, reference, tmp_path, capfd, point):
     output = tmp_path / "w8a8"
     run_killed(tmp_path, point, output, "calibrate", tiny_qwen3, "-o", output, "--num-samples", 4, "--seq-len", 32)

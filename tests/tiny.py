@@ -17,8 +17,10 @@ from quasar_deploy.scheme import quantize_weight
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def save_tiny(path: Path, arch: str = "qwen3", seed: int = 0, **overrides) -> Path:
-    """A random-weight decoder of the given family, with the demo model's tokenizer beside it."""
+def save_tiny(
+    path: Path, arch: str = "qwen3", seed: int = 0, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB", **overrides
+) -> Path:
+    """A random-weight decoder of the given family, with the demo model's tokenizer beside it (``dtype``: stored as; default float32)."""
     import transformers
 
     families = {
@@ -44,7 +46,9 @@ def save_tiny(path: Path, arch: str = "qwen3", seed: int = 0, **overrides) -> Pa
     settings.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**settings))
-    model.save_pretrained(path)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
     for name in TOKENIZER_FILES:
         if (demo_model_path() / name).exists():
             shutil.copy2(demo_model_path() / name, path / name)

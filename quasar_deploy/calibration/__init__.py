@@ -1,8 +1,9 @@
 """``calibrate``: float checkpoint in, canonical W8A8 artifact out.
 
-The steps live in their own modules: ``recipe`` (what to do, validated), ``data`` and
-``stats`` (one float pass over the calibration set), ``fold`` (alpha search and folding),
-``quantize``, ``manifest``; this module only runs them in order.
+The steps live in their own modules: ``recipe`` (what to do, validated), ``data`` (the
+calibration samples), ``layerwise`` (one decoder layer at a time: ``stats``, then ``fold``'s
+alpha search and folding, then ``quantize``, then the layer's tensors to the artifact writer),
+``manifest``; this module only runs them in order.
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..artifact import ModelFiles, open_model_files, write_artifact
+from ..artifact import ModelFiles, open_model_files, writing_artifact
 from ..errors import QuasarError
 from ..files import require_new
+from ..shards import MAX_SHARD_SIZE
 from ..tokenizer import load_tokenizer
-from . import data, stats
-from .fold import keep_float_matches, search_and_fold
+from . import data
+from .device import calibration_device
+from .fold import keep_float_matches
+from .layerwise import calibrate_layers
 from .manifest import build_manifest
-from .quantize import quantize_layers
 from .recipe import CalibrationRecipe
 
 
@@ -30,12 +31,17 @@ def calibrate(
     recipe: CalibrationRecipe | None = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    device: str = "cpu",
+    max_shard_size: int = MAX_SHARD_SIZE,
     **options: Any,
 ) -> ModelFiles:
     """Calibrate ``model_dir`` (a local HF checkpoint) into a W8A8 artifact at ``output``; returns it opened.
 
     Give either ``recipe`` or its fields as keywords (``alpha="auto"``, ``num_samples=64``, ...),
-    the form earlier versions took; see ``CalibrationRecipe``.
+    the form earlier versions took; see ``CalibrationRecipe``. ``device`` ("cpu", "cuda", "npu")
+    runs the forward passes, statistics and alpha search; ``max_shard_size`` (bytes) splits the
+    weights into Hugging Face shards. Memory holds about one float32 layer plus the calibration
+    hidden states, whatever the model's size.
     """
     if recipe is not None and options:
         raise QuasarError(f"give calibrate() a recipe or its fields as keywords, not both (got recipe= and {', '.join(options)})")
@@ -48,16 +54,12 @@ def calibrate(
     tokenizer = load_tokenizer(source.path, trust_remote_code)
     samples = data.calibration_samples(tokenizer, recipe.calib_data, recipe.num_samples, recipe.seq_len)
 
-    decoder = source.decoder(torch.float32)
-    decoder.prepare("torch", "reference")
-    kept = keep_float_matches(decoder, recipe.keep_float)
-    groups = source.spec.smooth_groups()
-    group_stats = stats.collect(decoder, groups, samples, progress=progress)
-    folded = search_and_fold(decoder, groups, group_stats, kept, recipe, progress=progress)
-    quantized_layers = quantize_layers(decoder, folded.layers)
-
-    manifest = build_manifest(source, recipe, samples, folded, quantized_layers)
-    write_artifact(decoder, source.checkpoint, output, recipe.scheme, manifest)
+    kept = keep_float_matches(source.spec.linear_names(), recipe.keep_float)
+    where = calibration_device(device)
+    with writing_artifact(source.checkpoint, output, max_shard_size) as writer:
+        folded, quantized_layers = calibrate_layers(source, samples, recipe, kept, writer, where, progress)
+        ignore = ["lm_head"] + [name for name, layer in folded.layers.items() if not layer.quantized]
+        writer.finish(recipe.scheme, ignore, build_manifest(source, recipe, samples, folded, quantized_layers))
     return open_model_files(output)
 
 

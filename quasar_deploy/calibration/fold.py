@@ -1,7 +1,8 @@
 """Calibration's first phase: per smoothing group, search alpha, fold the scales in, and decide which linears stay float.
 
 Nothing is quantized here: the o and down groups fold into v_proj and up_proj rows, so
-quantizing must wait until every group is folded (``quantize.py``).
+quantizing must wait until every group of a layer is folded (``quantize.py``). Folds never
+leave a layer, so calibration runs this one layer at a time.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
+from torch import nn
 
 from ..decoder_spec import SmoothGroup
 from ..errors import QuasarError
-from ..model import Decoder
 from . import smoothing
 from .recipe import CalibrationRecipe
 from .stats import GroupStats
@@ -40,9 +40,8 @@ class Folded:
     layers: dict[str, LayerDecision]  # in smoothing-group order
 
 
-def keep_float_matches(decoder: Decoder, patterns: Sequence[str]) -> dict[str, str]:
+def keep_float_matches(names: list[str], patterns: Sequence[str]) -> dict[str, str]:
     """Layer name -> the pattern that keeps it in float; a pattern matching nothing is an error, raised before the slow pass."""
-    names = [name for name, _ in decoder.linears()]
     kept: dict[str, str] = {}
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, "*." + pattern)]
@@ -54,18 +53,16 @@ def keep_float_matches(decoder: Decoder, patterns: Sequence[str]) -> dict[str, s
 
 
 def search_and_fold(
-    decoder: Decoder,
+    modules: dict[str, nn.Module],
     groups: list[SmoothGroup],
     group_stats: dict[str, GroupStats],
     kept: dict[str, str],
     recipe: CalibrationRecipe,
-    progress: bool = True,
 ) -> Folded:
-    """Smooth ``decoder`` in place, group by group; ``kept`` (from ``keep_float_matches``) is left out of the search."""
-    modules = dict(decoder.named_modules())
+    """Smooth ``modules`` (by full name) in place, group by group; ``kept`` (``keep_float_matches``) is left out of the search."""
     static = recipe.activation == "static"
     searched, layers = [], {}
-    for group in tqdm(groups, desc="smoothing + alpha search", unit="group", disable=not progress):
+    for group in groups:
         weights = {n: modules[n].weight.data.float() for n in group.linears if n not in kept}
         st = group_stats[group.name]
         if weights:

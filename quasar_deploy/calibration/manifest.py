@@ -31,7 +31,7 @@ def recipe_record(recipe: CalibrationRecipe) -> dict:
 def build_manifest(
     source: ModelFiles, recipe: CalibrationRecipe, samples: list[list[int]], folded: Folded, quantized_layers: list[str]
 ) -> dict:
-    """Everything but ``format_version`` and ``files``, which ``write_artifact`` adds once every file exists."""
+    """Everything but ``format_version`` and ``files``, which ``ArtifactWriter.finish`` adds once every file exists."""
     return {
         "quasar_deploy_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

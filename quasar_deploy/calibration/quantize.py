@@ -1,18 +1,20 @@
-"""Calibration's second phase: quantize the linears the first phase kept in int8, once every fold is done."""
+"""Calibration's second phase: quantize the linears the first phase kept in int8, once every fold of their layer is done."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from ..model import Decoder, Linear
+from ..model import Linear
 from ..scheme import QMAX, quantize_weight
 from .fold import LayerDecision
 
 
-def quantize_layers(decoder: Decoder, layers: dict[str, LayerDecision]) -> list[str]:
-    """Quantize ``decoder`` in place; returns the quantized names in the decoder's order (the manifest's ``quantized_layers``)."""
+def quantize_layers(linears: Iterable[tuple[str, Linear]], layers: dict[str, LayerDecision]) -> list[str]:
+    """Quantize ``linears`` in place; returns the quantized names in their order (the manifest's ``quantized_layers``)."""
     quantized = []
-    for name, linear in decoder.linears():
+    for name, linear in linears:
         if layers[name].quantized:
             _quantize(linear, layers[name].static_absmax)
             quantized.append(name)

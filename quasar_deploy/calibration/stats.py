@@ -1,21 +1,27 @@
-"""Activation statistics of every smoothing group's input, from one float pass over the calibration set.
+"""Activation statistics of a layer's smoothing groups, collected while the calibration hidden states pass through it.
 
-Smoothing is function-preserving in float, so the statistics of the original model
-are valid for every group at once: one pass suffices. Per group we keep the
-per-channel max |x| over all calibration tokens and a bounded sample of input
-rows for the alpha search (so memory stays small next to the model).
+Smoothing is function-preserving in float, so the statistics of the original model are valid
+for every group. Per group we keep the per-channel max |x| over all calibration tokens and a
+bounded sample of input rows for the alpha search (so memory stays small next to a layer).
+
+Which rows are sampled comes from one generator drawn in the order a whole-model pass meets
+the groups: per sample, every group of every layer. The draws depend only on the sample
+lengths, so ``row_picks`` makes them all up front, and a layer-by-layer pass samples exactly
+the rows a whole-model pass would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
+from torch import nn
 
 from ..decoder_spec import SmoothGroup
 from ..errors import QuasarError
-from ..model import Decoder
+
+ROWS_PER_GROUP = 256
 
 
 @dataclass
@@ -24,35 +30,40 @@ class GroupStats:
     rows: torch.Tensor  # [n, in_features], sampled input rows
 
 
-def collect(
-    decoder: Decoder, groups: list[SmoothGroup], samples: list[list[int]], rows_per_group: int = 256, progress: bool = True
-) -> dict[str, GroupStats]:
-    modules = dict(decoder.named_modules())
-    per_sample = max(1, -(-rows_per_group // max(1, len(samples))))
+def row_picks(groups: list[SmoothGroup], lengths: list[int], rows_per_group: int = ROWS_PER_GROUP) -> dict[str, list[torch.Tensor]]:
+    """Group name -> per sample, the indices of the rows to keep (``groups`` in the order a forward pass meets them)."""
+    per_sample = max(1, -(-rows_per_group // max(1, len(lengths))))
     generator = torch.Generator().manual_seed(0)
+    picks: dict[str, list[torch.Tensor]] = {g.name: [] for g in groups}
+    for length in lengths:
+        for group in groups:
+            picks[group.name].append(torch.randperm(length, generator=generator)[:per_sample].clone())
+    return picks
+
+
+def collect(
+    modules: dict[str, nn.Module], groups: list[SmoothGroup], picks: dict[str, list[torch.Tensor]], run: Callable[[], None]
+) -> dict[str, GroupStats]:
+    """Statistics of ``groups``' inputs (linears in ``modules``, by full name) while ``run()`` pushes every sample through, in order."""
     absmax: dict[str, torch.Tensor] = {}
     rows: dict[str, list[torch.Tensor]] = {g.name: [] for g in groups}
-    handles = []
 
     def hook_for(name: str):
         def hook(_module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).float()
             m = x.abs().amax(dim=0)
             absmax[name] = m if name not in absmax else torch.maximum(absmax[name], m)
-            pick = torch.randperm(x.shape[0], generator=generator)[:per_sample]
-            rows[name].append(x[pick].clone())
+            rows[name].append(x[picks[name][len(rows[name])].to(x.device)])
 
         return hook
 
-    for group in groups:
-        handles.append(modules[group.linears[0]].register_forward_pre_hook(hook_for(group.name)))
+    handles = [modules[g.linears[0]].register_forward_pre_hook(hook_for(g.name)) for g in groups]
     try:
-        for ids in tqdm(samples, desc="calibration pass", unit="sample", disable=not progress):
-            decoder(torch.tensor(ids, dtype=torch.long), decoder.new_cache(len(ids)))
+        run()
     finally:
         for handle in handles:
             handle.remove()
     for group in groups:
         if not torch.isfinite(absmax[group.name]).all():
             raise QuasarError(f"{group.linears[0]}: its calibration inputs hold NaN or infinity (the float model overflows on this data)")
-    return {g.name: GroupStats(absmax[g.name], torch.cat(rows[g.name])[:rows_per_group]) for g in groups}
+    return {g.name: GroupStats(absmax[g.name], torch.cat(rows[g.name])[:ROWS_PER_GROUP]) for g in groups}

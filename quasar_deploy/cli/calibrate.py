@@ -16,7 +16,16 @@ import click
 @click.option("--keep-float", multiple=True, help="Glob of linear layers to keep in float (repeatable), e.g. '*.down_proj'.")
 @click.option("--keep-float-above", type=float, help="Also keep in float any layer whose relative error stays above this.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own tokenizer code to run.")
-def calibrate(model_dir, output, calib_data, num_samples, seq_len, alpha, activation, keep_float, keep_float_above, trust_remote_code):
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda", "npu"]),
+    default="cpu",
+    show_default=True,
+    help="Where the forward passes, statistics and alpha search run; the artifact is written from the host.",
+)
+def calibrate(
+    model_dir, output, calib_data, num_samples, seq_len, alpha, activation, keep_float, keep_float_above, trust_remote_code, device
+):
     """Calibrate MODEL_DIR (a local HF checkpoint) into a W8A8 artifact."""
     from ..calibration import CalibrationRecipe
     from ..calibration import calibrate as run
@@ -30,7 +39,7 @@ def calibrate(model_dir, output, calib_data, num_samples, seq_len, alpha, activa
         keep_float_above=keep_float_above,
         calib_data=calib_data,
     )
-    artifact = run(model_dir, output=output, recipe=recipe, trust_remote_code=trust_remote_code)
+    artifact = run(model_dir, output=output, recipe=recipe, trust_remote_code=trust_remote_code, device=device)
     manifest = artifact.manifest
     click.echo(f"\n{'group':<32} {'alpha':>6} {'error before':>13} {'error after':>12}")
     for group in manifest["groups"]:

@@ -19,9 +19,10 @@ try:
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
-from ..artifact import WEIGHTS, ModelFiles
+from ..artifact import ModelFiles
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files
 from ..integrity import write_export_manifest
+from ..shards import WEIGHTS
 from .onnx_graph import OPSET, decoder_graph
 
 MODEL_FILE = "model.onnx"

@@ -21,6 +21,7 @@ from quasar_deploy.errors import QuasarError  # noqa: E402
 from quasar_deploy.exporters import export  # noqa: E402
 from quasar_deploy.exporters import onnx as onnx_export  # noqa: E402
 from quasar_deploy.exporters.onnx_graph import OPSET, GraphBuilder, w8a8_linear  # noqa: E402
+from quasar_deploy.files import sha256_files  # noqa: E402
 from quasar_deploy.scheme import quantize_weight, reference_linear  # noqa: E402
 
 from .helpers import ONNX_PROMPT as PROMPT  # noqa: E402
@@ -115,7 +116,7 @@ def test_sidecar_describes_the_graph(exported):
     assert decoder["inputs"]["past_key_names"] % 2 == "past_key_values.2.key"
     assert decoder["outputs"]["present_value_names"] % 0 == "present.0.value"
     assert config["quasar"]["precision"] == "w8a8" and config["quasar"]["activation"] == "static"
-    assert config["quasar"]["source_weights_sha256"] == open_model_files(exported["static"][0]).manifest["files"]["model.safetensors"]
+    assert config["quasar"]["source_manifest_sha256"] == sha256_files(open_model_files(exported["static"][0]).path / "quasar.json")
     graph = onnx.load(str(exported["static"][1] / "model.onnx"), load_external_data=False).graph
     dims = [d.dim_param or d.dim_value for d in graph.input[3].type.tensor_type.shape.dim]
     assert graph.input[3].name == "past_key_values.0.key" and dims == ["batch_size", 2, "past_sequence_length", 128]

@@ -19,10 +19,9 @@ try:
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
-from ..artifact import ModelFiles
-from ..files import TOKENIZER_FILES, atomic_directory, copy_files
+from ..artifact import MANIFEST, ModelFiles
+from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
-from ..shards import WEIGHTS
 from .onnx_graph import OPSET, decoder_graph
 
 MODEL_FILE = "model.onnx"
@@ -69,7 +68,8 @@ def genai_config(files: ModelFiles, precision: str) -> dict:
             "activation": scheme.activation if precision == "w8a8" else None,
             "linear": "u8xu8 MatMulInteger, exact int32 accumulation" if precision == "w8a8" else "float32 MatMul",
             "opset": OPSET,
-            "source_weights_sha256": files.manifest["files"][WEIGHTS] if files.manifest else None,
+            # the artifact's manifest checksums every file it has (one weights file or many shards): its own hash names it
+            "source_manifest_sha256": sha256_files(files.path / MANIFEST) if files.manifest else None,
         },
     }
 

@@ -18,6 +18,7 @@ from quasar_deploy import QuasarError, calibrate
 from quasar_deploy.artifact import open_model_files
 from quasar_deploy.calibration import CalibrationRecipe, data, smoothing
 from quasar_deploy.checkpoint import Checkpoint
+from quasar_deploy.exporters import export
 from quasar_deploy.scheme import QMAX, quantize_weight
 from quasar_deploy.shards import INDEX
 from quasar_deploy.tokenizer import load_tokenizer
@@ -176,6 +177,8 @@ def test_sharded_artifact_loads_here_and_in_compressed_tensors(tiny_qwen3, tmp_p
         assert handle.get_tensor(f"{name}.weight").dtype == torch.int8
     decoder = open_model_files(artifact.path).decoder()
     assert decoder.model.layers[2].mlp.down_proj.quantized and decoder.model.layers[2].mlp.down_proj.input_scale is not None
+    for target in ("npu", "onnx"):  # both exporters read a sharded artifact
+        assert (export(artifact.path, target, tmp_path / target) / "config.json").is_file()
 
 
 def test_device_that_is_not_available_is_refused_in_one_line(tiny_qwen3, tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ def test_help_imports_no_torch():
         "import sys\n"
         "from click.testing import CliRunner\n"
         "from quasar_deploy.cli import main\n"
-        "commands = [], ['generate'], ['bench', 'e2e'], ['export'], ['calibrate'], ['serve']\n"
+        "commands = [], ['generate'], ['bench', 'e2e'], ['bench', 'write-checkpoint'], ['export'], ['calibrate'], ['serve']\n"
         "for args in (command + ['--help'] for command in commands):\n"
         "    result = CliRunner().invoke(main, args)\n"
         "    assert result.exit_code == 0, result.output\n"

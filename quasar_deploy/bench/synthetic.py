@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..decoder_spec import DecoderSpec
+from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
 from ..model import Decoder
 from ..scheme import quantize_weight
@@ -57,30 +57,11 @@ class RandomTensors:
     def __init__(self, spec: DecoderSpec, seed: int = 0):
         self.spec = spec
         self.generator = torch.Generator().manual_seed(seed)
-        self.names = {"model.embed_tokens.weight", "model.norm.weight"} | {f"{n}.weight" for n in spec.linear_names()}
-        if not spec.tie_word_embeddings:
-            self.names.add("lm_head.weight")
-
-    def _shape(self, name: str) -> tuple[int, ...]:
-        s = self.spec
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        shapes = {
-            "embed_tokens": (s.vocab_size, s.hidden_size),
-            "lm_head": (s.vocab_size, s.hidden_size),
-            "q_proj": (q, s.hidden_size),
-            "k_proj": (kv, s.hidden_size),
-            "v_proj": (kv, s.hidden_size),
-            "o_proj": (s.hidden_size, q),
-            "gate_proj": (s.intermediate_size, s.hidden_size),
-            "up_proj": (s.intermediate_size, s.hidden_size),
-            "down_proj": (s.hidden_size, s.intermediate_size),
-            "q_norm": (s.head_dim,),
-            "k_norm": (s.head_dim,),
-        }
-        return shapes.get(name.split(".")[-2], (s.hidden_size,))
+        self.shapes = {name: shape for name, shape in expected_shapes(spec).items() if name.endswith(".weight")}
+        self.names = set(self.shapes)
 
     def tensor(self, name: str) -> torch.Tensor:
-        shape = self._shape(name)
+        shape = self.shapes[name]
         if len(shape) == 1:
             return torch.ones(shape)
         return torch.randn(shape, generator=self.generator) * 0.02

@@ -79,7 +79,11 @@ class Linear(nn.Module):
         else:
             self._fn = float_linear(self.weight.data, bias, float_kernel)
         if packs_weight(self.weight, float_kernel, int8_kernel):
-            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+            self.release_weight()
+
+    def release_weight(self) -> None:
+        """Drop the weight's data once a kernel holds its own copy; a meta tensor keeps its shape and dtype."""
+        self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def bind(self, fn: LinearFn) -> None:
         """Run this layer with ``fn`` (2-D input to 2-D output): the hook for kernels that live with their backend (NPU)."""
@@ -108,17 +112,17 @@ def fuse_linears(linears: list[Linear], float_kernel: str, int8_kernel: str) -> 
     if first.quantized and any(not _same(lin.input_scale, first.input_scale) for lin in linears):
         return None
     weight = torch.cat([lin.weight.data for lin in linears])
-    biases = [lin.bias.data if lin.bias is not None else None for lin in linears]
-    present = next((b for b in biases if b is not None), None)
-    filled = [present.new_zeros(lin.out_features) if b is None else b for b, lin in zip(biases, linears)] if present is not None else []
-    bias = torch.cat(filled) if filled else None
+    bias_dtype = next((lin.bias.dtype for lin in linears if lin.bias is not None), None)
+    bias = None
+    if bias_dtype is not None:  # a member without a bias contributes zeros
+        bias = torch.cat([lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features, dtype=bias_dtype) for lin in linears])
     if first.quantized:
         scale = torch.cat([lin.weight_scale for lin in linears])
         fn = int8_linear(weight, scale, bias, first.input_scale, int8_kernel)
     else:
         fn = float_linear(weight, bias, float_kernel)
     for lin in linears:
-        lin.weight = nn.Parameter(torch.empty_like(lin.weight, device="meta"), requires_grad=False)
+        lin.release_weight()
         lin.bind(_released)
     return fn
 

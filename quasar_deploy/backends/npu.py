@@ -27,7 +27,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch import nn
 
 from ..artifact import ModelFiles, open_model_files
 from ..errors import QuasarError
@@ -124,7 +123,7 @@ def bind_npu_kernels(decoder: Decoder, device: torch.device | str, npu: ModuleTy
                     module.input_scale.to(device) if module.input_scale is not None else None,
                 )
             )
-            module.weight = nn.Parameter(torch.empty_like(wq, device="meta"), requires_grad=False)
+            module.release_weight()
     decoder.move_to(device)
     for module in decoder.modules():
         if isinstance(module, Linear) and not module.quantized:

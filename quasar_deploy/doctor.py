@@ -11,8 +11,9 @@ from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
 from .kernels import default_float_kernel, default_int8_kernel, fbgemm_available, onednn_available
 
 
-def report() -> dict:
-    """Everything ``quasar-deploy doctor`` prints, as data (also recorded in benchmark reports)."""
+def report(path: str | None = None) -> dict:
+    """Everything ``quasar-deploy doctor`` prints, as data (also recorded in benchmark reports); with ``path``, the
+    memory that model needs on the cpu backend (``memory.estimate``, at ``MEMORY_REPORT_TOKENS`` of KV cache)."""
     flags = cpu_flags()
     targets = {name: reason for name, reason in available_backends().items()}
     if "cuda" not in targets:
@@ -28,4 +29,18 @@ def report() -> dict:
         "int8_kernel": default_int8_kernel("cpu"),
         "float_kernel": default_float_kernel("cpu"),
         "targets": targets,
+        **({"memory": model_memory(path)} if path is not None else {}),
     }
+
+
+MEMORY_REPORT_TOKENS = 4096
+
+
+def model_memory(path: str) -> dict:
+    from .artifact import open_model_files
+    from .memory import estimate
+
+    files = open_model_files(path, verify=False)  # headers only: a checksum pass over an 8B artifact takes minutes
+    tokens = min(MEMORY_REPORT_TOKENS, files.spec.max_position_embeddings)
+    needed = estimate(files)
+    return {**needed.to_dict(), "tokens": tokens, "total": needed.total(tokens), "summary": needed.describe(tokens)}

@@ -6,7 +6,8 @@ last tensor is. So each shard's bytes go to unnamed scratch files as tensors arr
 element size, so that every tensor ends up aligned as ``save_file`` aligns it: unaligned data
 is copied on load instead of mapped), and header and bytes are joined when the shard closes. Names and index follow ``save_pretrained``:
 ``model.safetensors`` when one shard suffices, else ``model-00001-of-0000N.safetensors`` and
-``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``); another stem than
+``model`` gives msModelSlim's names (``quant_model_weights-00001-of-0000N.safetensors``, ...).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+STEM = "model"
+WEIGHTS = f"{STEM}.safetensors"
+INDEX = f"{STEM}.safetensors.index.json"
 MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default, "5GB"
 DTYPES = {
     torch.float64: "F64",
@@ -37,18 +39,23 @@ DTYPES = {
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 
 
-def shard_names(count: int) -> list[str]:
-    return [WEIGHTS] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+def shard_names(count: int, stem: str = STEM) -> list[str]:
+    return [f"{stem}.safetensors"] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def index_name(stem: str = STEM) -> str:
+    return f"{stem}.safetensors.index.json"
 
 
 class ShardWriter:
     """Appends tensors to ``directory``'s weight shards; ``close`` names the shards and writes the index. Holds one tensor at a time."""
 
-    def __init__(self, directory: Path, max_shard_size: int = MAX_SHARD_SIZE):
+    def __init__(self, directory: Path, max_shard_size: int = MAX_SHARD_SIZE, stem: str = STEM):
         if max_shard_size < 1:
             raise ValueError(f"max_shard_size must be >= 1 byte, not {max_shard_size}")
         self.directory = Path(directory)
         self.max_shard_size = max_shard_size
+        self.stem = stem
         self.shard_of: dict[str, int] = {}  # tensor name -> shard number, from 0
         self._closed: list[Path] = []
         self._buckets: dict[int, _Bucket] = {}  # by element size: the current shard's data
@@ -111,13 +118,13 @@ class ShardWriter:
         """Finish the last shard, give every shard its final name, and write the index if there are several."""
         if self._buckets or not self._closed:
             self._close_shard()
-        names = shard_names(len(self._closed))
+        names = shard_names(len(self._closed), self.stem)
         for path, name in zip(self._closed, names):
             os.replace(path, self.directory / name)
         if len(names) > 1:
             weight_map = {name: names[shard] for name, shard in sorted(self.shard_of.items())}
             index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
-            (self.directory / INDEX).write_text(json.dumps(index, indent=2))
+            (self.directory / index_name(self.stem)).write_text(json.dumps(index, indent=2))
 
 
 def _copy_range(source, target, size: int, block: int = 1 << 24) -> None:

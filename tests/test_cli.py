@@ -77,6 +77,17 @@ def test_doctor_lists_every_target():
     assert isinstance(info["targets"]["cuda"], str) and info["targets"]["cuda"]
 
 
+def test_doctor_with_a_model_prints_the_memory_it_needs(artifact):
+    from quasar_deploy.memory import estimate
+
+    result = run("doctor", artifact)
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.output.splitlines() if line.startswith("memory")]
+    assert "int8 weights" in line and "KV cache" in line
+    info = json.loads(run("doctor", artifact, "--json").output)["memory"]
+    assert info["total"] == estimate(open_model_files(artifact)).total(info["tokens"]) and info["int8_weights"] > 0
+
+
 def test_missing_directory(tmp_path):
     assert_one_line_error(run("calibrate", tmp_path / "nope", "-o", tmp_path / "out"), "no such directory")
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from quasar_deploy.artifact import write_artifact
+from quasar_deploy.artifact import open_model_files, write_artifact
 from quasar_deploy.checkpoint import Checkpoint
+from quasar_deploy.memory import estimate
 from quasar_deploy.scheme import W8A8Scheme
 
 from .tiny import naive_w8a8_decoder, save_tiny
@@ -67,3 +68,20 @@ def test_engines_hold_one_copy_of_the_weights(tiny_qwen3, tmp_path):
         weight_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         resident = _resident(tiny_qwen3, path)
         assert 0.8 * weight_bytes < resident <= BUDGET * weight_bytes, (path.name, weight_bytes, resident)
+        needed = estimate(open_model_files(path)).total(0)  # what `doctor PATH` prints, from the headers
+        assert 0.8 * needed < resident <= BUDGET * needed, (path.name, needed, resident)
+
+
+def test_estimate_counts_what_the_cpu_backend_holds(tmp_path):
+    """bf16 source: untied embeddings stay bf16, lm_head and norms become float32; int8 weights one byte each."""
+    import torch
+
+    source = save_tiny(tmp_path / "bf16", dtype=torch.bfloat16)
+    files = open_model_files(source)
+    spec, shapes = files.spec, files.checkpoint.shapes
+    needed = estimate(files)
+    assert needed.embeddings == 2 * spec.vocab_size * spec.hidden_size
+    assert needed.int8_weights == 0 and needed.float_weights == 4 * sum(
+        torch.Size(s).numel() for n, s in shapes.items() if n != "model.embed_tokens.weight"
+    )
+    assert needed.kv_cache_per_1k_tokens == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * 1000

@@ -179,3 +179,17 @@ def test_wholly_float_group_exports_as_float(tiny_qwen2, tmp_path):
     assert description["model.layers.0.mlp.up_proj.weight"] == "FLOAT"
     assert "model.layers.0.mlp.up_proj.weight_scale" not in description
     assert description["model.layers.0.mlp.down_proj.weight"] == "W8A8_DYNAMIC"
+
+
+def test_sharded_export_holds_the_same_tensors(exported, tmp_path):
+    """Above ``max_shard_size`` the weights go to msModelSlim-named shards with an index, tensor for tensor the same."""
+    files, _, _, dtype, _, tensors = exported
+    out = export(files.path, "npu", tmp_path / "sharded", dtype=str(dtype).removeprefix("torch."), max_shard_size=200_000, progress=False)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"quant_model_weights-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "quant_model_weights.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors) and set(index["weight_map"].values()) == set(shards)
+    for shard in shards:
+        with safe_open(out / shard, "pt") as handle:
+            for name in handle.keys():
+                assert index["weight_map"][name] == shard and torch.equal(handle.get_tensor(name), tensors[name]), name

@@ -169,3 +169,24 @@ def test_wrong_precision_is_one_line_error(exported, tmp_path, kind, precision, 
         export(exported[kind][0], "onnx", tmp_path / "out", precision=precision)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_streamed_export_equals_the_in_memory_graph(tmp_path, tied):
+    """Layer by layer into ``model.onnx.data`` (a bf16 sharded source, embeddings and lm_head block by block) gives the
+    very initializers and nodes of the graph built from the whole decoder in memory."""
+    from onnx import numpy_helper
+
+    from quasar_deploy.exporters.onnx_graph import decoder_graph
+
+    source = save_tiny(tmp_path / "src", dtype=torch.bfloat16, max_shard_size=200_000, tie_word_embeddings=tied)
+    artifact = quasar_deploy.calibrate(source, tmp_path / "w8a8", progress=False, num_samples=4, seq_len=32).path
+    out = export(artifact, "onnx", tmp_path / "onnx", external=True, progress=False)
+    streamed = onnx.load(str(out / "model.onnx"))
+    in_memory = decoder_graph(open_model_files(artifact).decoder(), streamed.graph.name)
+    assert [n.op_type for n in streamed.graph.node] == [n.op_type for n in in_memory.graph.node]
+    expected = {t.name: numpy_helper.to_array(t) for t in in_memory.graph.initializer}
+    got = {t.name: numpy_helper.to_array(t) for t in streamed.graph.initializer}
+    assert got.keys() == expected.keys()
+    for name, array in expected.items():
+        np.testing.assert_array_equal(got[name], array, err_msg=name)

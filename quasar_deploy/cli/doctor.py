@@ -8,12 +8,14 @@ import click
 
 
 @click.command()
+@click.argument("path", required=False, type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def doctor(as_json):
-    """What this machine can run: CPU features, chosen kernels, every target."""
+def doctor(path, as_json):
+    """What this machine can run: CPU features, chosen kernels, every target; with PATH (an artifact or float
+    checkpoint), the memory it needs on the cpu backend, from its tensor headers."""
     from ..doctor import report
 
-    info = report()
+    info = report(path)
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -25,3 +27,5 @@ def doctor(as_json):
     click.echo("targets:")
     for name, reason in info["targets"].items():
         click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")
+    if path is not None:
+        click.echo(f"memory         {info['memory']['summary']}")

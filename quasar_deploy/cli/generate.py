@@ -42,6 +42,19 @@ def _print_stats(stats: dict) -> None:
         click.echo(f"{name:>18}: {value:.4g}" if isinstance(value, float) else f"{name:>18}: {value}", err=True)
 
 
+def _memory(path: str, result) -> dict:
+    """What this process holds now, next to the cpu backend's estimate for the model at this sequence's length."""
+    from ..artifact import open_model_files
+    from ..memory import MIB, estimate, resident
+
+    measured = resident()
+    try:
+        files = open_model_files(path, verify=False)
+    except QuasarError:  # an ONNX export: ONNX Runtime holds its weights its own way
+        return measured
+    return {**measured, "estimated_mib": estimate(files).total(result.prompt_tokens + len(result.tokens)) / MIB}
+
+
 @click.command()
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--prompt", help="The prompt text.")
@@ -105,4 +118,4 @@ def generate(path, prompt, prompt_file, chat, backend, show_stats, as_json, skip
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     elif show_stats:
-        _print_stats({"finish_reason": result.finish_reason, **result.stats.to_dict()})
+        _print_stats({"finish_reason": result.finish_reason, **result.stats.to_dict(), **_memory(path, result)})

@@ -9,7 +9,10 @@ Output directory (written to a temp dir, then renamed):
 - ``quant_model_description.json``: ``model_quant_type``, ``version`` and one type per tensor:
   ``W8A8_DYNAMIC`` (our default per-token scheme) or ``W8A8`` (static per-tensor) for every
   tensor of a quantized linear, ``FLOAT`` for everything else (embeddings, norms, float linears);
-- ``quant_model_weights.safetensors``, per quantized linear (weight [n, k]):
+- ``quant_model_weights.safetensors`` (above 5 GB: ``quant_model_weights-0000i-of-0000N.safetensors``
+  and ``quant_model_weights.safetensors.index.json``, as msModelSlim shards; vLLM loads every
+  ``*.safetensors`` of the directory), written tensor by tensor so that an 8B export never holds
+  the model; per quantized linear (weight [n, k]):
   - dynamic: ``weight`` int8 [n, k], ``weight_scale`` float32 [n, 1], ``weight_offset`` float32 [n, 1] (zeros);
   - static: those three plus ``input_scale`` and ``input_offset`` [1] in the model dtype,
     ``quant_bias`` int32 [n], ``deq_scale`` [n] (float32 for bfloat16 models, the float32 bit
@@ -32,15 +35,18 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from tqdm import tqdm
 
 from ..artifact import ModelFiles
 from ..errors import QuasarError
 from ..files import atomic_directory, copy_files, require_new
 from ..integrity import write_export_manifest
+from ..shards import MAX_SHARD_SIZE, ShardWriter, shard_names
+from .layers import by_layer
 
 DESCRIPTION = "quant_model_description.json"
-WEIGHTS = "quant_model_weights.safetensors"
+STEM = "quant_model_weights"
+WEIGHTS = shard_names(1, STEM)[0]
 FORMAT_VERSION = "1.0.0"
 QUANT_TYPES = {"dynamic": "W8A8_DYNAMIC", "static": "W8A8"}
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,8 +115,8 @@ def quantized_tensors(prefix: str, files: ModelFiles, activation: str, dtype: to
     return out
 
 
-def export(files: ModelFiles, output: Path, dtype: str | None = None) -> Path:
-    """Write the AscendV1 (msModelSlim) export of ``files`` to ``output`` (which must not exist)."""
+def export(files: ModelFiles, output: Path, dtype: str | None = None, max_shard_size: int = MAX_SHARD_SIZE, progress: bool = True) -> Path:
+    """Write the AscendV1 (msModelSlim) export of ``files`` to ``output`` (which must not exist), one layer at a time."""
     if not files.is_artifact:
         raise QuasarError(f"{files.path}: not a W8A8 artifact; run `quasar-deploy calibrate` first")
     dtype = dtype or default_dtype(files.checkpoint.config)
@@ -118,22 +124,8 @@ def export(files: ModelFiles, output: Path, dtype: str | None = None) -> Path:
         raise QuasarError(f"--dtype for the npu target must be one of {', '.join(EXPORT_DTYPES)}, not {dtype!r}")
     output = require_new(output)
     torch_dtype = EXPORT_DTYPES[dtype]
-    activation = files.scheme.activation
-    quant_type = QUANT_TYPES[activation]
     quantized = set(files.manifest["quantized_layers"])
     check_fused_groups(files, quantized)
-
-    tensors: dict[str, torch.Tensor] = {}
-    description: dict[str, str] = {"model_quant_type": quant_type, "version": FORMAT_VERSION}
-    for prefix in sorted(quantized):
-        layer = quantized_tensors(prefix, files, activation, torch_dtype)
-        tensors.update(layer)
-        description.update(dict.fromkeys(layer, quant_type))
-    for name in sorted(files.checkpoint.names):
-        owner = name.rsplit(".", 1)[0]
-        if owner not in quantized:
-            tensors[name] = files.checkpoint.tensor(name).to(torch_dtype).contiguous()
-            description[name] = "FLOAT"
 
     config = dict(files.checkpoint.config)
     config.pop("quantization_config", None)
@@ -142,9 +134,31 @@ def export(files: ModelFiles, output: Path, dtype: str | None = None) -> Path:
         config["dtype"] = dtype
 
     with atomic_directory(output) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        writer = ShardWriter(tmp, max_shard_size, STEM)
+        description = _write_weights(files, writer, quantized, torch_dtype, progress)
+        writer.close()
         (tmp / DESCRIPTION).write_text(json.dumps(description, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_files(files.path, tmp)
         write_export_manifest(tmp, "npu", files.path)
     return output
+
+
+def _write_weights(files: ModelFiles, writer: ShardWriter, quantized: set[str], dtype: torch.dtype, progress: bool) -> dict[str, str]:
+    """Every tensor into ``writer``, layer by layer; returns the description's type per tensor."""
+    ckpt, activation = files.checkpoint, files.scheme.activation
+    quant_type = QUANT_TYPES[activation]
+    description: dict[str, str] = {"model_quant_type": quant_type, "version": FORMAT_VERSION}
+    groups = by_layer(ckpt.names, files.spec)
+    for _, names in tqdm(groups, desc="exporting npu", unit="layer", disable=not progress):
+        for name in names:
+            owner = name.rsplit(".", 1)[0]
+            if owner not in quantized:
+                shape = ckpt.shapes[name]
+                writer.add_blocks(name, dtype, shape, (block.to(dtype) for block in ckpt.row_blocks(name)))
+                description[name] = "FLOAT"
+            elif name == f"{owner}.weight":
+                for key, tensor in quantized_tensors(owner, files, activation, dtype).items():
+                    writer.add(key, tensor)
+                    description[key] = quant_type
+    return description

@@ -10,7 +10,13 @@ the source's ``config.json``, ``generation_config.json`` and tokenizer files, an
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
 
 from ..errors import QuasarError
 
@@ -20,9 +26,11 @@ except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
 from ..artifact import MANIFEST, ModelFiles
+from ..decoder_spec import rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
-from .onnx_graph import OPSET, decoder_graph
+from ..model import DecoderLayer, RMSNorm, check_finite, tensor_loader
+from .onnx_graph import OPSET, ExternalData, GraphBuilder, build_graph
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -84,19 +92,74 @@ def _check_precision(files: ModelFiles, precision: str) -> None:
 
 
 def save_graph(model: onnx.ModelProto, directory: Path) -> None:
-    """One file when it fits protobuf, else weights in ``model.onnx.data``; the checker reads it back either way."""
+    """One file when it fits protobuf, else weights in ``model.onnx.data`` (a graph whose weights are already in
+    ``ExternalData`` is written as it is); the checker reads it back either way."""
     weight_bytes = sum(len(t.raw_data) for t in model.graph.initializer)
     external = weight_bytes > EXTERNAL_DATA_THRESHOLD
     onnx.save_model(model, str(directory / MODEL_FILE), save_as_external_data=external, all_tensors_to_one_file=True, location=DATA_FILE)
     onnx.checker.check_model(str(directory / MODEL_FILE))
 
 
-def export(files: ModelFiles, output: Path, precision: str = "w8a8") -> Path:
-    """Write the ONNX decoder for ``files`` to the new directory ``output`` (temp dir, then rename)."""
+def graph_weight_bytes(files: ModelFiles) -> int:
+    """What the graph's initializers will weigh: int8 weights as uint8, every float tensor as float32."""
+    ckpt = files.checkpoint
+    return sum(math.prod(shape) * (1 if ckpt.dtypes[name] == "I8" else 4) for name, shape in ckpt.shapes.items())
+
+
+def streamed_graph(files: ModelFiles, name: str, external: ExternalData | None, progress: bool) -> onnx.ModelProto:
+    """The graph built one decoder layer at a time from the checkpoint; with ``external``, each layer's weights are in that
+    file before the next layer is read, and the embedding table and lm_head go there block by block."""
+    spec, ckpt = files.spec, files.checkpoint
+    load = tensor_loader(ckpt, torch.float32)
+    quantized: set[str] = set()
+
+    def layers() -> Iterator[DecoderLayer]:
+        for i in tqdm(range(spec.num_layers), desc="exporting onnx", unit="layer", disable=not progress):
+            layer = DecoderLayer(spec, load, spec.layer_prefix(i))
+            quantized.update(f"{spec.layer_prefix(i)}.{n}" for n, m in layer.named_modules() if getattr(m, "quantized", False))
+            yield layer
+
+    def rows(tensor: str) -> Iterator[tuple[int, np.ndarray]]:
+        start = 0
+        for block in ckpt.row_blocks(tensor):
+            check_finite(tensor, block)
+            yield start, block.float().numpy()
+            start += block.shape[0]
+
+    def embed(out: np.ndarray) -> None:
+        for start, block in rows("model.embed_tokens.weight"):
+            out[start : start + len(block)] = block
+
+    def head_t(out: np.ndarray) -> None:
+        for start, block in rows("lm_head.weight"):
+            out[:, start : start + len(block)] = block.T
+
+    g = GraphBuilder(external)
+    norm = RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)
+    model = build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, None if spec.tie_word_embeddings else head_t)
+    if files.manifest and quantized != set(files.manifest["quantized_layers"]):
+        odd = sorted(quantized ^ set(files.manifest["quantized_layers"]))[0]
+        raise QuasarError(f"{files.path}: layer {odd!r} does not match the manifest (corrupted artifact)")
+    return model
+
+
+def export(files: ModelFiles, output: Path, precision: str = "w8a8", external: bool | None = None, progress: bool = True) -> Path:
+    """Write the ONNX decoder for ``files`` to the new directory ``output`` (temp dir, then rename), one layer at a time.
+
+    ``external``: weights in ``model.onnx.data`` (written as the graph is built) rather than inside ``model.onnx``;
+    by default when they would pass protobuf's 2 GB limit.
+    """
     _check_precision(files, precision)
     output = Path(output)
+    if external is None:
+        external = graph_weight_bytes(files) > EXTERNAL_DATA_THRESHOLD
     with atomic_directory(output) as tmp:
-        model = decoder_graph(files.decoder(), name=f"{files.spec.architecture}-{precision}")
+        data = ExternalData(tmp / DATA_FILE) if external else None
+        try:
+            model = streamed_graph(files, f"{files.spec.architecture}-{precision}", data, progress)
+        finally:
+            if data is not None:
+                data.close()
         save_graph(model, tmp)
         del model
         (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision), indent=2))

@@ -19,13 +19,16 @@ per-row scale), hence the explicit integer form rather than Q/DQ pairs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ..decoder_spec import DecoderSpec
-from ..model import MLP, Attention, Decoder, Linear, RMSNorm
+from ..model import MLP, Attention, Decoder, DecoderLayer, Linear, RMSNorm
 from ..scheme import QMAX
 
 OPSET = 18
@@ -42,12 +45,59 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
-class GraphBuilder:
-    """Nodes and initializers with generated names; keeps the decoder code readable as math."""
+class ExternalData:
+    """The weights file of an exported graph, filled as initializers are made: the graph itself then holds only
+    references (offset, length), so an 8B export never has its weights in memory twice, or whole."""
 
-    def __init__(self) -> None:
+    ALIGN = 4096  # page-aligned offsets let ONNX Runtime map the file instead of copying it
+
+    def __init__(self, path: Path, min_bytes: int = 1024):
+        self.path = Path(path)
+        self.min_bytes = min_bytes
+        self._file = open(self.path, "wb+")
+        self._end = 0
+
+    def _place(self, name: str, dtype: np.dtype, shape: Sequence[int]) -> tuple[onnx.TensorProto, int]:
+        start = -(-self._end // self.ALIGN) * self.ALIGN
+        length = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        self._end = start + length
+        self._file.truncate(self._end)
+        proto = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=list(shape))
+        proto.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(start)), ("length", str(length))):
+            proto.external_data.add(key=key, value=value)
+        return proto, start
+
+    def write(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+        proto, start = self._place(name, array.dtype, array.shape)
+        self._file.seek(start)
+        self._file.write(np.ascontiguousarray(array).data)
+        return proto
+
+    def fill(self, name: str, dtype: np.dtype, shape: Sequence[int], fill: Callable[[np.ndarray], None]) -> onnx.TensorProto:
+        """A tensor written in place through a file-backed view, e.g. block by block from a checkpoint."""
+        proto, start = self._place(name, dtype, shape)
+        self._file.flush()
+        view = np.memmap(self._file, dtype=dtype, mode="r+", offset=start, shape=tuple(shape))
+        fill(view)
+        view.flush()
+        del view
+        return proto
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class GraphBuilder:
+    """Nodes and initializers with generated names; keeps the decoder code readable as math.
+
+    With ``external``, every initializer of at least ``external.min_bytes`` goes to that file as it is made.
+    """
+
+    def __init__(self, external: ExternalData | None = None) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self.external = external
         self._count = 0
         self._scalars: dict[tuple[str, float], str] = {}
 
@@ -57,7 +107,20 @@ class GraphBuilder:
 
     def const(self, array: np.ndarray, name: str | None = None) -> str:
         name = name or self._name("const")
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        if self.external is not None and array.nbytes >= self.external.min_bytes:
+            self.initializers.append(self.external.write(name, array))
+        else:
+            self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const_filled(self, name: str, dtype: np.dtype, shape: Sequence[int], fill: Callable[[np.ndarray], None]) -> str:
+        """A large initializer filled in place (external file) or in memory (no external file)."""
+        if self.external is not None:
+            self.initializers.append(self.external.fill(name, dtype, shape, fill))
+        else:
+            array = np.empty(shape, dtype)
+            fill(array)
+            self.initializers.append(numpy_helper.from_array(array, name))
         return name
 
     def scalar(self, value: float, dtype=np.float32) -> str:
@@ -169,15 +232,50 @@ def mlp(g: GraphBuilder, x: str, block: MLP, prefix: str) -> str:
     return linear(g, g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up), block.down_proj, f"{prefix}.down_proj")
 
 
+Fill = Callable[[np.ndarray], None]
+
+
 def decoder_graph(decoder: Decoder, name: str) -> onnx.ModelProto:
-    """The whole decoder (float32 compute) as one ONNX model with KV-cache inputs and outputs."""
-    spec = decoder.spec
+    """The whole decoder held in memory (float32 compute) as one ONNX model with KV-cache inputs and outputs."""
+    embed = decoder.model.embed_tokens.weight.float().numpy()
+    head = None if decoder.spec.tie_word_embeddings else decoder.lm_head.weight.float().numpy()
     g = GraphBuilder()
-    cos, sin = rotary(g, "position_ids", decoder.inv_freq)
+    return build_graph(
+        g,
+        decoder.spec,
+        name,
+        decoder.inv_freq,
+        _copy_of(embed),
+        decoder.model.layers,
+        decoder.model.norm,
+        None if head is None else _copy_of(head.T),
+    )
+
+
+def _copy_of(array: np.ndarray) -> Fill:
+    def fill(out: np.ndarray) -> None:
+        out[...] = array
+
+    return fill
+
+
+def build_graph(
+    g: GraphBuilder,
+    spec: DecoderSpec,
+    name: str,
+    inv_freq: torch.Tensor,
+    embed: Fill,
+    layers: Iterable[DecoderLayer],
+    norm: RMSNorm,
+    head_t: Fill | None,
+) -> onnx.ModelProto:
+    """The decoder graph from its parts; ``layers`` may be built one at a time (each is dropped once its nodes exist),
+    ``embed`` fills the [vocab, hidden] table and ``head_t`` the [hidden, vocab] transposed lm_head (None: tied)."""
+    cos, sin = rotary(g, "position_ids", inv_freq)
     bias = attention_bias(g, spec, "attention_mask", past_names(0)[0], "input_ids")
-    embed = g.const(decoder.model.embed_tokens.weight.float().numpy(), "model.embed_tokens.weight")
-    x = g.op("Gather", embed, "input_ids")
-    for i, layer in enumerate(decoder.model.layers):
+    table = g.const_filled("model.embed_tokens.weight", np.float32, (spec.vocab_size, spec.hidden_size), embed)
+    x = g.op("Gather", table, "input_ids")
+    for i, layer in enumerate(layers):
         p = spec.layer_prefix(i)
         x = g.op(
             "Add",
@@ -187,11 +285,11 @@ def decoder_graph(decoder: Decoder, name: str) -> onnx.ModelProto:
         x = g.op(
             "Add", x, mlp(g, rms_norm(g, x, layer.post_attention_layernorm, f"{p}.post_attention_layernorm.weight"), layer.mlp, f"{p}.mlp")
         )
-    if spec.tie_word_embeddings:  # one copy on disk; ORT folds the transpose once at load
-        head = g.op("Transpose", embed, perm=[1, 0])
+    if head_t is None:  # tied: one copy on disk; ORT folds the transpose once at load
+        head = g.op("Transpose", table, perm=[1, 0])
     else:
-        head = g.const(decoder.lm_head.weight.float().numpy().T, "lm_head.weight_t")
-    g.op("MatMul", rms_norm(g, x, decoder.model.norm, "model.norm.weight"), head, outputs=["logits"])
+        head = g.const_filled("lm_head.weight_t", np.float32, (spec.hidden_size, spec.vocab_size), head_t)
+    g.op("MatMul", rms_norm(g, x, norm, "model.norm.weight"), head, outputs=["logits"])
 
     cache_shape = [BATCH, spec.num_kv_heads, PAST, spec.head_dim]
     present_shape = [BATCH, spec.num_kv_heads, TOTAL, spec.head_dim]

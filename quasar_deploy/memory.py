@@ -1,0 +1,67 @@
+"""What a model needs in memory once loaded on the CPU backend, from its tensor headers alone (no weight is read),
+and what this process holds now: the figures ``doctor PATH`` and ``generate --stats`` print."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .artifact import ModelFiles
+from .shards import TORCH_DTYPES
+
+MIB = 1 << 20
+COMPUTE_ITEMSIZE = 4  # the cpu backend computes in float32
+EMBEDDINGS = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes by kind, as the cpu backend holds them: one packed copy of each weight (``Linear.release_weight``)."""
+
+    int8_weights: int  # int8 weights and their scales
+    float_weights: int  # float linears, lm_head and norms, in float32
+    embeddings: int  # in their stored dtype (float32 when lm_head shares them)
+    kv_cache_per_1k_tokens: int
+
+    def total(self, tokens: int) -> int:
+        return self.int8_weights + self.float_weights + self.embeddings + self.kv_cache_per_1k_tokens * tokens // 1000
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self, tokens: int) -> str:
+        """One line: the parts and their sum with a ``tokens``-token KV cache."""
+        return (
+            f"~{self.total(tokens) / MIB:,.0f} MiB with {tokens:,} tokens of KV cache: int8 weights {self.int8_weights / MIB:,.0f}, "
+            f"float weights {self.float_weights / MIB:,.0f}, embeddings {self.embeddings / MIB:,.0f}, "
+            f"KV cache {self.kv_cache_per_1k_tokens / MIB:,.1f} per 1,000 tokens (MiB; plus ~300 MiB of libraries)"
+        )
+
+
+def estimate(files: ModelFiles) -> MemoryEstimate:
+    """The cpu backend's resident weights and KV cache for ``files`` (artifact or float checkpoint)."""
+    ckpt, spec = files.checkpoint, files.spec
+    int8 = floats = embeddings = 0
+    quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
+    for name, shape in ckpt.shapes.items():
+        count = math.prod(shape)
+        if name == EMBEDDINGS:
+            stored = TORCH_DTYPES[ckpt.dtypes[name]].itemsize
+            embeddings = count * (COMPUTE_ITEMSIZE if spec.tie_word_embeddings or stored > COMPUTE_ITEMSIZE else stored)
+        elif name.rsplit(".", 1)[0] in quantized:
+            int8 += count * TORCH_DTYPES[ckpt.dtypes[name]].itemsize
+        else:
+            floats += count * COMPUTE_ITEMSIZE
+    kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * COMPUTE_ITEMSIZE * 1000
+    return MemoryEstimate(int8, floats, embeddings, kv)
+
+
+def resident() -> dict[str, float]:
+    """This process's resident set now, in MiB: all of it (VmRSS) and its anonymous part (RssAnon; file-backed pages,
+    such as a memory-mapped checkpoint, can be dropped by the kernel, anonymous ones cannot). Empty off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "RssAnon")))
+    except OSError:
+        return {}
+    return {f"{key.lower()}_mib": int(value.split()[0]) / 1024 for key, value in fields.items()}

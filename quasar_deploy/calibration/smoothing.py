@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import Linear, RMSNorm
-from ..scheme import QMAX, per_token_scale, quantize_activation, quantize_weight
+from ..scheme import QMAX, per_token_scale, quantize_activation
 
 ALPHA_GRID = tuple(round(0.05 * i, 2) for i in range(21))
 
@@ -34,23 +34,38 @@ def smoothing_scales(absmax: torch.Tensor, weights: list[torch.Tensor], alpha: f
     return (absmax.clamp(min=1e-5).pow(alpha) / w_max.pow(1 - alpha)).clamp(min=1e-5)
 
 
-def _quantized_output(x: torch.Tensor, weight: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
-    """The scheme's W8A8 output, dequantized in float32 (fast; the search only ranks alphas)."""
+def _dequantized_weight(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """``scheme.quantize_weight(weight * scales)`` dequantized, value for value, in one new tensor modified in place
+    (an 8B model's MLP weights are 50M values; the search makes one of these per alpha)."""
+    w = weight * scales if scales is not None else weight.clone()
+    scale = (torch.maximum(w.amax(dim=1, keepdim=True), -w.amin(dim=1, keepdim=True)) / QMAX).clamp(min=1e-12)
+    return w.div_(scale).round_().clamp_(-QMAX, QMAX).mul_(scale)
+
+
+def _quantized_output(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, static_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """The scheme's W8A8 output of ``x`` through ``weight * scales``, dequantized in float32 (the search only ranks alphas)."""
     scale = per_token_scale(x) if static_scale is None else static_scale
-    wq, w_scale = quantize_weight(weight)
-    return (quantize_activation(x, scale) * scale) @ (wq.float() * w_scale).t()
+    return (quantize_activation(x, scale) * scale) @ _dequantized_weight(weight, scales).t()
 
 
 def group_errors(
-    rows: torch.Tensor, absmax: torch.Tensor, weights: dict[str, torch.Tensor], scales: torch.Tensor | None, static: bool
+    rows: torch.Tensor,
+    absmax: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    scales: torch.Tensor | None,
+    static: bool,
+    references: dict[str, torch.Tensor],
 ) -> dict[str, float]:
+    """Relative output error per linear; ``references`` are the float outputs ``rows @ weight.T``, the same for every alpha."""
+    x = rows if scales is None else rows / scales
     s = torch.ones_like(absmax) if scales is None else scales
-    x = rows / s
     static_scale = (absmax / s).max().clamp(min=1e-12).reshape(1, 1) / QMAX if static else None
     errors = {}
     for name, weight in weights.items():
-        reference = rows @ weight.t()
-        quantized = _quantized_output(x, weight * s, static_scale)
+        reference = references[name]
+        quantized = _quantized_output(x, weight, scales, static_scale)
         errors[name] = float((quantized - reference).pow(2).sum() / reference.pow(2).sum().clamp(min=1e-30))
     return errors
 
@@ -68,7 +83,8 @@ def search(
     smoothable: bool,
 ) -> SearchResult:
     """``alpha``: "auto" (grid search, "off" included), "off", or a fixed float."""
-    before = group_errors(rows, absmax, weights, None, static)
+    references = {name: rows @ weight.t() for name, weight in weights.items()}
+    before = group_errors(rows, absmax, weights, None, static, references)
     candidates: list[float | None]
     if not smoothable or alpha == "off":
         candidates = [None]
@@ -79,7 +95,7 @@ def search(
     best: tuple[float, float | None, torch.Tensor | None, dict[str, float]] | None = None
     for candidate in candidates:
         scales = None if candidate is None else smoothing_scales(absmax, list(weights.values()), candidate)
-        errors = before if candidate is None else group_errors(rows, absmax, weights, scales, static)
+        errors = before if candidate is None else group_errors(rows, absmax, weights, scales, static, references)
         if best is None or _total(errors) < best[0]:
             best = (_total(errors), candidate, scales, errors)
     _, chosen, scales, errors = best

@@ -88,7 +88,7 @@ def test_modes_keep_their_names_and_order():
 
 
 @pytest.mark.parametrize(
-    "command", [["e2e"], ["verify-step"], ["kernels"], ["onnx"], ["onnx", "layers"], ["onnx", "step"], ["onnx", "fidelity"]]
+    "command", [["e2e"], ["verify-step"], ["kernels"], ["roofline"], ["onnx"], ["onnx", "layers"], ["onnx", "step"], ["onnx", "fidelity"]]
 )
 def test_every_bench_subcommand_has_help(command):
     result = CliRunner().invoke(main, ["bench", *command, "--help"])
@@ -109,3 +109,17 @@ def test_hf_twin_shares_our_weights(tiny_qwen3):
     with torch.no_grad():
         expected = twin(ids[None]).logits[0]
     torch.testing.assert_close(decoder(ids, decoder.new_cache()), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_roofline_sets_a_generation_against_the_bandwidth_bound(tiny_artifact):
+    """The bound is bytes read per step over the measured bandwidth; a real step is slower than it."""
+    from quasar_deploy.bench.micro import weight_bytes
+    from quasar_deploy.engine import load
+
+    result = CliRunner().invoke(main, ["bench", "roofline", str(tiny_artifact.path), "--max-new-tokens", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    assert r["new_tokens"] == 8 and r["acceptance_length"] >= 1.0 and r["verify_step_ms"] > 0 and r["bandwidth_gb_s"] > 0
+    assert r["bytes_per_step"] > weight_bytes(load(tiny_artifact.path, backend="cpu").lm.decoder)  # weights plus the KV cache
+    assert r["bound_step_ms"] == pytest.approx(r["bytes_per_step"] / (r["bandwidth_gb_s"] * 1e9) * 1e3)
+    assert 0 < r["fraction_of_bound"] == pytest.approx(r["bound_step_ms"] / r["verify_step_ms"])

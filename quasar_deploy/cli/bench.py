@@ -10,6 +10,7 @@ import click
 
 from ..bench.modes import MODES, ORT_MODES
 from ..errors import QuasarError
+from ..speculative.registry import DRAFTERS
 from .options import INT_LIST
 
 # option decorators the subcommands share (each use makes its own click.Option)
@@ -100,6 +101,22 @@ def e2e(
         return
     click.echo(report_writer.markdown(result))
     click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+@bench.command("roofline")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--prompt", default="def fibonacci(n):\n", show_default=True, help="The prompt.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--draft", default="ngram", show_default=True, type=click.Choice(list(DRAFTERS)), help="Drafter (see generate --draft).")
+@click.option("--num-draft", "-k", default=5, show_default=True, type=click.IntRange(min=1))
+@json_option
+def roofline_command(path, prompt, max_new_tokens, draft, num_draft, as_json):
+    """One generation of PATH (artifact or float checkpoint) on the cpu backend against the memory-bandwidth bound:
+    bytes each verify step reads / copy bandwidth, both measured in this run."""
+    from ..bench.roofline import describe_roofline, roofline
+
+    result = roofline(path, prompt, max_new_tokens, draft, num_draft)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else describe_roofline(result))
 
 
 @bench.command("verify-step")

@@ -268,3 +268,83 @@ def test_gpu_agrees_with_the_cpu_reference(artifact):
         total += len(expected)
     print(f"cuda vs cpu reference: {same}/{total} greedy tokens agree")
     assert same / total >= 0.5  # bf16 against float32: early near-ties may part the two continuations, not most tokens
+
+
+# --- bench gpu: what runs without a GPU ---
+
+RECORDED = {
+    "gpu": "NVIDIA H200",
+    "torch": "2.11.0+cu128",
+    "settings": dict(tokens=6, context=512, repeats=30, prompts=5, max_new_tokens=128, num_draft=5),
+    "verify": [{"shape": "qwen3-8b", "bf16_ms": 3.5, "w8a8_ms": 2.0, "ratio": 1.75, "ratio_range": [1.6, 1.9], "ideal_ratio": 1.95}],
+    "gemm": {
+        "shape": [12288, 4096],
+        "copy_bandwidth_gb_s": 4000.0,
+        "rows": [{"m": 6, "gemm_rows": 17, "int8_ms": 0.0151, "int8_fraction": 0.8333, "bf16_ms": 0.0302, "bf16_fraction": 0.8334}],
+    },
+    "e2e": [
+        {
+            "model": "demo",
+            "weights": "trained",
+            "bf16_tokens_per_s": 400.0,
+            "w8a8_tokens_per_s": 520.0,
+            "ratio": 1.3,
+            "acceptance_bf16": 2.5,
+            "acceptance_w8a8": 2.4,
+        }
+    ],
+}
+
+
+def test_gpu_table_from_a_recorded_result():
+    from quasar_deploy.bench.gpu import table
+
+    lines = table(RECORDED).splitlines()
+    assert lines[0].startswith("GPU: NVIDIA H200 (torch 2.11.0+cu128)")
+    assert any(line.split()[:4] == ["qwen3-8b", "3.500", "2.000", "1.75x"] and line.endswith("90%") for line in lines)
+    assert any(line.split() == ["6", "17", "0.0151", "83%", "0.0302", "83%"] for line in lines)
+    assert any(line.split()[:6] == ["demo", "trained", "400.0", "520.0", "1.30x", "2.50/2.40"] for line in lines)
+    assert "copy bandwidth (4000 GB/s)" in "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(shapes=("qwen3-9b",)), "unknown synthetic shape 'qwen3-9b'"),
+        (dict(e2e_shape="nope"), "unknown synthetic shape 'nope'"),
+        (dict(tokens=17), "at most 16"),
+        (dict(context=0), "context must be at least 1"),
+        (dict(rows=(1, 0)), "rows must be positive"),
+    ],
+)
+def test_gpu_settings_are_checked_before_any_work(options, message):
+    from quasar_deploy.bench.gpu_settings import GpuSettings
+
+    with pytest.raises(QuasarError, match=message):
+        GpuSettings(**options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_gpu_refuses_clearly_without_cuda():
+    from click.testing import CliRunner
+
+    from quasar_deploy.cli import main
+
+    from .helpers import assert_one_line_error
+
+    assert_one_line_error(CliRunner().invoke(main, ["bench", "gpu"]), "bench gpu needs the cuda backend: ", only_line=True)
+    assert_one_line_error(CliRunner().invoke(main, ["bench", "gpu", "--shapes", "qwen3-9b"]), "unknown synthetic shape")
+
+
+def test_gpu_ngram_benchmark_glue_on_cpu(tiny_qwen3, tiny_artifact):
+    """The end-to-end part of ``bench gpu`` over two backends built on the CPU: the report fields the table reads exist."""
+    from quasar_deploy.bench.gpu import _ngram_benchmark
+    from quasar_deploy.bench.gpu_settings import GpuSettings
+    from quasar_deploy.tokenizer import load_tokenizer
+
+    float_lm = cuda_backend.build_cuda_lm(open_model_files(tiny_qwen3), "cpu", "torch")
+    quant_lm = cuda_backend.build_cuda_lm(tiny_artifact, "cpu", "torch")
+    settings = GpuSettings(prompts=2, max_new_tokens=8, num_draft=3)
+    row = _ngram_benchmark("tiny", float_lm, quant_lm, load_tokenizer(tiny_qwen3), "random", settings)
+    assert row["model"] == "tiny" and row["bf16_tokens_per_s"] > 0 and row["w8a8_tokens_per_s"] > 0
+    assert row["ratio"] > 0 and row["acceptance_w8a8"] >= 1

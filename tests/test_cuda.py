@@ -24,6 +24,8 @@ from quasar_deploy.speculative.ngram import NgramDrafter
 from .helpers import greedy
 
 GPU = torch.device("cuda")
+QUANTIZER = {"cpu": "torch", "cuda": "triton"}
+ON_BOTH = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # the GPU half: tools/gpu_check.sh
 
 
 @pytest.fixture(params=["dynamic", "static"])
@@ -111,12 +113,32 @@ def test_backend_on_cpu_matches_the_reference_decoder(artifact):
     assert lm.length == reference.length == len(prompt) + len(block)
 
 
-def test_greedy_speculative_equals_the_backends_own_greedy_decode(artifact):
-    lm = cuda_backend.build_cuda_lm(artifact, "cpu", "torch")
+@ON_BOTH
+def test_greedy_speculative_equals_the_backends_own_greedy_decode(artifact, device):
+    lm = cuda_backend.build_cuda_lm(artifact, device, QUANTIZER[device])
     for prompt in repetitive_prompts(seed=1):
-        expected = greedy(lm, prompt, 24)
+        expected = greedy(lm, prompt, 32)
         for k in (1, 5):
-            assert spec_decode(lm, prompt, 24, k) == expected, (prompt, k)
+            assert spec_decode(lm, prompt, 32, k) == expected, (prompt, k)
+
+
+@ON_BOTH
+def test_a_verify_block_computes_the_bits_of_one_token_decodes(artifact, device):
+    """Blocks run as BLOCK_ROWS rows whatever their length: row i of a verify equals the i-th single-token step exactly."""
+    block_lm = cuda_backend.build_cuda_lm(artifact, device, QUANTIZER[device])
+    step_lm = block_lm.new_sequence()
+    prompt, block = [11, 402, 7, 93, 1500, 64], [3, 99, 1024, 5, 8, 13]
+    block_lm.prefill(prompt)
+    step_lm.prefill(prompt)
+    together = block_lm.verify(block)
+    one_by_one = torch.cat([step_lm.verify([token]) for token in block])
+    assert torch.equal(together, one_by_one)
+
+
+def test_a_block_ending_at_the_context_window(tiny_artifact):
+    lm = cuda_backend.build_cuda_lm(tiny_artifact, "cpu", "torch", max_length=20)
+    lm.prefill(list(range(1, 18)))
+    assert lm.verify([1, 2, 3]).shape == (3, lm.vocab_size) and lm.length == 20  # padding rows land past the window, in the slack
 
 
 def test_float_checkpoint_runs_in_bf16_with_the_same_code(tiny_qwen3):
@@ -245,15 +267,6 @@ def test_graph_replay_equals_eager(artifact):
     graphed.truncate(len(prompt) + 2)
     eager.truncate(len(prompt) + 2)
     assert torch.equal(graphed.verify([1, 2, 3]), eager.verify([1, 2, 3]))  # rolled back, replayed at another position
-
-
-@pytest.mark.gpu
-def test_gpu_greedy_speculative_equals_its_own_greedy_decode(artifact):
-    lm = cuda_backend.build_cuda_lm(artifact, GPU, "triton")
-    for prompt in repetitive_prompts(seed=4):
-        expected = greedy(lm, prompt, 32)
-        for k in (1, 5):
-            assert spec_decode(lm, prompt, 32, k) == expected, (prompt, k)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 # The prepared device check for the cuda backend: GPU tests, then one table (docs/cuda.md).
 #
 # Runs the project from this checkout (PYTHONPATH), downloads nothing, fits in 8 minutes on one
-# H200: the @pytest.mark.gpu tests (<= 4 min), then `python -m quasar_deploy.bench.gpu` (<= 4 min).
+# H200: the @pytest.mark.gpu tests (<= 3 min), then `python -m quasar_deploy.bench.gpu` (<= 4.5 min).
 # Missing pure-Python dependencies are installed offline from tools/wheels/ (or $QUASAR_WHEELS)
 # into a temporary directory when wheels are there; otherwise the script says what it lacks and
 # skips only what needs it. Output: stdout, and gpu-check.json in $OUT (or the current directory).
@@ -52,11 +52,11 @@ status=0
 echo "== GPU tests (pytest -m gpu)"
 case " $lacking " in
     *" pytest "*) echo "gpu_check: pytest missing: GPU tests NOT run";;
-    *) timeout 240 "$PYTHON" -m pytest -m gpu tests/test_cuda.py -q -rs -s -p no:cacheprovider || status=$?;;
+    *) timeout 180 "$PYTHON" -m pytest -m gpu tests/test_cuda.py -q -rs -s -p no:cacheprovider || status=$?;;
 esac
 
 echo "== bench gpu"
 quantizer=triton
 case " $lacking " in *" triton "*) quantizer=torch;; esac
-timeout 300 "$PYTHON" -m quasar_deploy.bench.gpu --quantizer "$quantizer" --json-out "$OUT_DIR/gpu-check.json" || status=$?
+timeout 270 "$PYTHON" -m quasar_deploy.bench.gpu --quantizer "$quantizer" --json-out "$OUT_DIR/gpu-check.json" || status=$?
 exit $status

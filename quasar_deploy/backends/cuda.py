@@ -2,10 +2,10 @@
 
 Same artifact, same ``model.Decoder`` as the cpu backend: loading moves every tensor to the
 GPU once (int8 weights stay int8), then binds ``cuda_linear.device_kernels`` to each linear
-(q/k/v and gate/up fused into one call each). Decode and verify blocks (1..``graph_tokens``
-tokens) replay CUDA graphs of ``static_decode.static_forward``; prefill runs the same code
-eagerly. A float checkpoint on this backend gets the same treatment in bf16 (cuBLAS, same
-graphs): the baseline every GPU ratio is measured against.
+(q/k/v and gate/up fused into one call each). Decode and verify blocks (up to 16 tokens) replay
+CUDA graphs of ``static_decode.static_forward``; prefill runs the same code eagerly. A float
+checkpoint on this backend gets the same treatment in bf16 (cuBLAS, same graphs): the baseline
+every GPU ratio is measured against.
 
 ``build_cuda_lm`` takes the device as a parameter so that the tests run this code path on the
 CPU; users get ``load_cuda``, which runs on CUDA only.
@@ -18,17 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..artifact import ModelFiles, open_model_files
 from ..errors import QuasarError
 from ..model import Decoder, Linear
 from .cuda_linear import IntMMRules, Quantizer, device_kernels, quantize_rows_torch
-from .static_decode import GraphedSteps, StaticCache, static_forward
+from .static_decode import BLOCK_ROWS, GraphedSteps, StaticCache, static_forward
 from .torch_backend import TorchCausalLM
 
 MIN_CAPABILITY = (7, 5)  # Turing: the first GPUs whose tensor cores run int8 (cuBLASLt's IMMA kernels behind torch._int_mm)
 QUANTIZERS = ("triton", "torch")
-GRAPH_TOKENS = 16  # blocks up to this long replay graphs: decode (1) and verify (k+1) for any k < 16
 
 
 def unavailable() -> str | None:
@@ -99,17 +99,20 @@ class CudaCausalLM(TorchCausalLM):
 
     def _run(self, ids: Sequence[int], skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
         tokens = self._ids(ids)
-        start, end = self.cache.length, self.cache.length + len(ids)
-        if self.cache.make_room(end) and self.graphs is not None:
+        t = len(ids)
+        start, end = self.cache.length, self.cache.length + t
+        rows = max(t, BLOCK_ROWS)  # a decode or verify block runs as BLOCK_ROWS rows (static_decode.py says why)
+        if self.cache.make_room(start + rows) and self.graphs is not None:
             self.graphs.clear()
         span = self.cache.span(end)
-        if self.graphs is not None and len(ids) <= GRAPH_TOKENS and not skip_layers:
+        tokens = F.pad(tokens, (0, rows - t))
+        if self.graphs is not None and rows == BLOCK_ROWS and not skip_layers:
             logits = self.graphs.run(tokens, start, span)
         else:
             position = torch.full((1,), start, dtype=torch.long, device=self._device)
             logits = static_forward(self.decoder, self.cache, tokens, position, span, skip_layers)
         self.cache.length = end
-        return logits
+        return logits[:t]
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         self.cache.truncate(0)

@@ -11,9 +11,13 @@ its position into a graph. Here, instead:
 - attention reads the first ``span`` cached positions (the length rounded up to ``SPAN``),
   masked to each row's own visible keys (causal, and the sliding window if any).
 
-So one graph serves every position of a (block length, span) pair: ``GraphedSteps`` captures
-one lazily per pair for block lengths 1..``max_tokens`` (decode and k+1-token verify), and
-replays it. Longer blocks (prefill) and layer-skipping steps run the same code eagerly.
+Blocks of up to ``BLOCK_ROWS`` tokens (a decode step, a k+1 verify) run as exactly
+``BLOCK_ROWS`` rows, padded with token 0 at the positions that follow; those rows' cache writes
+lie beyond the sequence, where the next step writes before anything reads. Every GEMM and the
+attention then see the same shapes whatever the block length, so each row computes the same
+bits in a verify block as in a one-token decode (kernels chosen per shape cannot differ between
+them), and one graph per span serves every position: ``GraphedSteps`` captures it on first use
+and replays it. Longer blocks (prefill) run the same code eagerly with their own row count.
 The CPU path (``Decoder.forward``) is untouched.
 """
 
@@ -26,14 +30,16 @@ from ..model import Decoder, KVCache, rotary_at
 from .cuda_linear import round_up
 
 SPAN = 256  # keys attended are rounded up to this many positions: one graph per span, little attention wasted
+BLOCK_ROWS = 16  # decode and verify blocks up to this long run as this many rows (k < 16)
 
 
 class StaticCache(KVCache):
-    """A ``KVCache`` whose buffers only move in ``make_room`` (between steps), in ``SPAN`` blocks up to the context window."""
+    """A ``KVCache`` whose buffers only move in ``make_room`` (between steps), in ``SPAN`` blocks up to the context window
+    (plus ``BLOCK_ROWS`` positions for the padding rows of a block that ends at the window)."""
 
     def __init__(self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device | str, max_length: int):
         self.max_length = max_length
-        super().__init__(spec, dtype, device, min(SPAN, max_length))
+        super().__init__(spec, dtype, device, min(SPAN, max_length + BLOCK_ROWS))
 
     def span(self, end: int) -> int:
         """Cached positions a block ending at ``end`` attends over (masked beyond each row's own position)."""
@@ -43,7 +49,7 @@ class StaticCache(KVCache):
         """Room for positions up to ``end``; True when the buffers moved (graphs captured on them are stale)."""
         if end <= self.capacity:
             return False
-        self._grow(min(max(2 * self.capacity, round_up(end, SPAN)), self.max_length))
+        self._grow(min(max(2 * self.capacity, round_up(end, SPAN)), self.max_length + BLOCK_ROWS))
         return True
 
 
@@ -82,7 +88,7 @@ def static_forward(
 
 
 class GraphedSteps:
-    """CUDA graphs of ``static_forward`` for one sequence, one per (block length, span), captured on first use."""
+    """CUDA graphs of ``static_forward`` for one sequence, one per (rows, span), captured on first use."""
 
     def __init__(self, decoder: Decoder, cache: StaticCache):
         self.decoder, self.cache = decoder, cache

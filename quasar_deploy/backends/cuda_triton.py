@@ -4,8 +4,10 @@ One program per row: absmax over the row, ``scale = max(absmax / 127, 1e-12)`` (
 the calibrated scale (static), ``round-half-even(x / scale)`` clamped to +-127, written as int8
 into a zero-filled block already of the GEMM's padded shape (so the padding costs no extra
 pass). Divisions use ``div_rn`` (IEEE round-to-nearest; Triton's ``/`` on float32 is an
-approximate division) and rounding ``libdevice.rint``: the same float32 operations as
-``scheme.py``, so the integers equal ``cuda_linear.quantize_rows_torch``'s (a GPU test compares them).
+approximate division) and rounding is ``_round_half_even`` (plain float operations, exact: no
+libdevice function whose module path moves between Triton releases): the same results as
+``scheme.py``'s ``torch.round(x / scale)``, so the integers equal
+``cuda_linear.quantize_rows_torch``'s (a GPU test compares them; Triton's CPU interpreter agrees).
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # the module moved between Triton releases
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - older Triton
-    from triton.language.extra.cuda import libdevice
-
 from ..scheme import QMAX
 
 BLOCK = 1024
+
+
+@triton.jit
+def _round_half_even(y):
+    """torch.round: ``y - floor(y)`` is exact in float32 (Sterbenz for |y| >= 1; below, either exact or a rounding that
+    cannot change the outcome), so the fraction decides, ties going to the even neighbour."""
+    low = tl.floor(y)
+    fraction = y - low
+    odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
+    up = (fraction > 0.5) | ((fraction == 0.5) & odd)
+    return tl.where(up, low + 1.0, low)
 
 
 @triton.jit
@@ -41,7 +49,7 @@ def _quantize_rows(x_ptr, q_ptr, scale_ptr, cols, x_stride, q_stride, STATIC: tl
     for start in range(0, cols, BLOCK):
         index = start + offsets
         v = tl.load(x_ptr + row * x_stride + index, mask=index < cols, other=0.0).to(tl.float32)
-        q = libdevice.rint(tl.div_rn(v, scale))
+        q = _round_half_even(tl.div_rn(v, scale))
         q = tl.minimum(tl.maximum(q, -QMAX * 1.0), QMAX * 1.0)
         tl.store(q_ptr + row * q_stride + index, q.to(tl.int8), mask=index < cols)
 

@@ -1,4 +1,4 @@
-"""What this machine can run: CPU features, the kernels chosen from them, and every target's status."""
+"""What this machine can run: CPU features, the kernels chosen from them, the GPU, and every target's status."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import platform
 import torch
 
 from .backends import available_backends
+from .backends.cuda import gpu_status
 from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
 from .kernels import default_float_kernel, default_int8_kernel, fbgemm_available, onednn_available
 
@@ -15,9 +16,6 @@ def report(path: str | None = None) -> dict:
     """Everything ``quasar-deploy doctor`` prints, as data (also recorded in benchmark reports); with ``path``, the
     memory that model needs on the cpu backend (``memory.estimate``, at ``MEMORY_REPORT_TOKENS`` of KV cache)."""
     flags = cpu_flags()
-    targets = {name: reason for name, reason in available_backends().items()}
-    if "cuda" not in targets:
-        targets["cuda"] = "no CUDA device visible to torch" if not torch.cuda.is_available() else "the cuda backend is not built yet"
     return {
         "cpu": cpu_model(),
         "isa": sorted(f for f in ISA_FLAGS if f in flags),
@@ -28,7 +26,8 @@ def report(path: str | None = None) -> dict:
         "onednn": onednn_available(),
         "int8_kernel": default_int8_kernel("cpu"),
         "float_kernel": default_float_kernel("cpu"),
-        "targets": targets,
+        "gpu": gpu_status(),
+        "targets": available_backends(),
         **({"memory": model_memory(path)} if path is not None else {}),
     }
 

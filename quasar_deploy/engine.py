@@ -527,7 +527,7 @@ def stop_ids_of(path: str | Path) -> frozenset[int]:
 def load(path: str | Path, backend: str = "auto", trust_remote_code: bool = False, **backend_options: Any) -> Engine:
     """An engine for a W8A8 artifact (W8A8 verifier) or a plain Hugging Face checkpoint (float verifier) at ``path``.
 
-    ``backend_options`` go to the backend's factory (e.g. ``threads``, ``int8_kernel`` for cpu).
+    ``backend_options`` go to the backend's factory (e.g. ``threads``, ``int8_kernel`` for cpu; ``quantizer``, ``graphs`` for cuda).
     """
     lm = create_backend(backend, path, **backend_options)
     engine = Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)

@@ -30,6 +30,19 @@ class TensorSource(Protocol):
 
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
+# (weight, weight_scale or None for a float layer, bias, input_scale) -> the layer's function: how a backend supplies kernels
+KernelFactory = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"], LinearFn]
+
+
+def cpu_kernels(float_kernel: str = "torch", int8_kernel: str = "reference") -> KernelFactory:
+    """The ``KernelFactory`` of ``kernels.py``'s named kernels (the cpu backend, calibration, tests)."""
+
+    def make(weight, weight_scale, bias, input_scale) -> LinearFn:
+        if weight.dtype == torch.int8:
+            return int8_linear(weight, weight_scale, bias, input_scale, int8_kernel)
+        return float_linear(weight, bias, float_kernel)
+
+    return make
 
 
 class Linear(nn.Module):
@@ -73,13 +86,13 @@ class Linear(nn.Module):
         """
         if self.weight.is_meta:
             raise RuntimeError("this layer's weight was released to its packed kernel; load the model again to change kernels")
-        bias = self.bias.data if self.bias is not None else None
-        if self.quantized:
-            self._fn = int8_linear(self.weight.data, self.weight_scale, bias, self.input_scale, int8_kernel)
-        else:
-            self._fn = float_linear(self.weight.data, bias, float_kernel)
+        self._fn = cpu_kernels(float_kernel, int8_kernel)(*self.tensors())
         if packs_weight(self.weight, float_kernel, int8_kernel):
             self.release_weight()
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """What a ``KernelFactory`` takes: weight, weight_scale, bias, input_scale."""
+        return self.weight.data, self.weight_scale, self.bias.data if self.bias is not None else None, self.input_scale
 
     def release_weight(self) -> None:
         """Drop the weight's data once a kernel holds its own copy; a meta tensor keeps its shape and dtype."""
@@ -97,7 +110,7 @@ class Linear(nn.Module):
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
-def fuse_linears(linears: list[Linear], float_kernel: str, int8_kernel: str) -> LinearFn | None:
+def fuse_linears(linears: list[Linear], kernels: KernelFactory) -> LinearFn | None:
     """One kernel call for linears that read the same input (q/k/v, gate/up): their output columns side by side.
 
     Each output column of a W8A8 linear depends only on its own weight row, its scale and the
@@ -115,12 +128,14 @@ def fuse_linears(linears: list[Linear], float_kernel: str, int8_kernel: str) -> 
     bias_dtype = next((lin.bias.dtype for lin in linears if lin.bias is not None), None)
     bias = None
     if bias_dtype is not None:  # a member without a bias contributes zeros
-        bias = torch.cat([lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features, dtype=bias_dtype) for lin in linears])
-    if first.quantized:
-        scale = torch.cat([lin.weight_scale for lin in linears])
-        fn = int8_linear(weight, scale, bias, first.input_scale, int8_kernel)
-    else:
-        fn = float_linear(weight, bias, float_kernel)
+        bias = torch.cat(
+            [
+                lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features, dtype=bias_dtype, device=weight.device)
+                for lin in linears
+            ]
+        )
+    scale = torch.cat([lin.weight_scale for lin in linears]) if first.quantized else None
+    fn = kernels(weight, scale, bias, first.input_scale)
     for lin in linears:
         lin.release_weight()
         lin.bind(_released)
@@ -219,8 +234,12 @@ def tensor_loader(source: TensorSource, dtype: torch.dtype) -> Loader:
 
 def rotary(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of positions ``start .. start + length``: one definition for the decoder and for layer-by-layer calibration."""
-    positions = torch.arange(start, start + length, device=inv_freq.device, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]
+    return rotary_at(inv_freq, torch.arange(start, start + length, device=inv_freq.device), dtype)
+
+
+def rotary_at(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the positions held in a tensor (the cuda backend's CUDA graphs take positions as device data)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -261,18 +280,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(tensors(f"{prefix}.k_norm.weight"), spec.rms_norm_eps)
         self.qkv: LinearFn | None = None
 
-    def fuse(self, float_kernel: str, int8_kernel: str) -> None:
-        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], float_kernel, int8_kernel)
+    def fuse(self, kernels: KernelFactory) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], kernels)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.qkv is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return _split(self.qkv, x, [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features])
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of ``x`` [t, hidden] as [heads, t, head_dim], q and k normed and rotated (shared with the cuda backend)."""
         s = self.spec
         t = x.shape[0]
-        start = cache.length
         q, k, v = self._project(x)
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
@@ -280,11 +299,21 @@ class Attention(nn.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output [heads, t, head_dim]."""
+        t = attended.shape[1]
+        return self.o_proj(attended.transpose(0, 1).reshape(t, self.spec.num_heads * self.spec.head_dim))
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        start = cache.length
+        q, k, v = self.rotated_qkv(x, cos, sin)
         keys, values = cache.write(layer, k, v)
         if start == 0:
-            out = self._attend(q, keys, values, prefill_mask)
+            out = self.attend(q, keys, values, prefill_mask)
         else:
             # Row by row, each over exactly its visible keys: a k+1-token verify then computes bit for bit
             # what k+1 one-token decodes compute. Batched attention differs by ~1e-7 with the row count,
@@ -293,11 +322,12 @@ class Attention(nn.Module):
             for i in range(t):
                 end = start + i + 1
                 begin = max(0, end - s.sliding_window) if s.sliding_window else 0
-                rows.append(self._attend(q[:, i : i + 1], keys[:, begin:end], values[:, begin:end], None))
+                rows.append(self.attend(q[:, i : i + 1], keys[:, begin:end], values[:, begin:end], None))
             out = torch.cat(rows, dim=1)
-        return self.o_proj(out.transpose(0, 1).reshape(t, s.num_heads * s.head_dim))
+        return self.output(out)
 
-    def _attend(self, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
+        """Scaled dot-product attention of q [heads, t, d] over keys/values [kv heads, n, d] (grouped-query aware)."""
         gqa = self.spec.num_kv_heads != self.spec.num_heads
         return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=gqa)[0]
 
@@ -309,8 +339,8 @@ class MLP(nn.Module):
             setattr(self, name, load_linear(tensors, f"{prefix}.{name}"))
         self.gate_up: LinearFn | None = None
 
-    def fuse(self, float_kernel: str, int8_kernel: str) -> None:
-        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], float_kernel, int8_kernel)
+    def fuse(self, kernels: KernelFactory) -> None:
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
@@ -373,13 +403,17 @@ class Decoder(nn.Module):
     def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference", fuse: bool = False) -> None:
         """Bind kernels to every linear; ``fuse`` runs q/k/v and gate/up as one call each (for serving: fewer calls,
         same results). Calibration keeps them apart, since it hooks each linear's input."""
-        for layer in self.model.layers:
-            if fuse:
-                layer.self_attn.fuse(float_kernel, int8_kernel)
-                layer.mlp.fuse(float_kernel, int8_kernel)
+        if fuse:
+            self.fuse(cpu_kernels(float_kernel, int8_kernel))
         for module in self.modules():
             if isinstance(module, Linear) and module._fn is not _released:
                 module.prepare(float_kernel, int8_kernel)
+
+    def fuse(self, kernels: KernelFactory) -> None:
+        """q/k/v and gate/up of every layer as one ``kernels`` call each (where their kinds and input scales allow)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse(kernels)
+            layer.mlp.fuse(kernels)
 
     def move_to(self, device: torch.device | str) -> None:
         """Move every tensor to ``device`` except meta placeholders (weights a bound kernel already holds on the device)."""

@@ -18,6 +18,18 @@ from .helpers import FAST_CALIBRATION, tree_digest
 from .tiny import save_tiny, save_tiny_qwen2_with_biases, write_naive_artifact
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests need CUDA; without it they are skipped, saying so (tools/gpu_check.sh runs them on a GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (this torch sees none); run tools/gpu_check.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def _unchanged(path: Path):
     """Yield ``path``, then fail the session's teardown if a test wrote to it."""
     before = tree_digest(path)

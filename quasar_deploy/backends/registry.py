@@ -28,6 +28,7 @@ class BackendEntry:
 
 
 BACKENDS: dict[str, BackendEntry] = {
+    "cuda": BackendEntry("quasar_deploy.backends.cuda:load_cuda", "quasar_deploy.backends.cuda:unavailable"),
     "cpu": BackendEntry("quasar_deploy.backends.torch_backend:load_cpu", "quasar_deploy.backends.torch_backend:unavailable"),
     "npu": BackendEntry("quasar_deploy.backends.npu:load_npu", "quasar_deploy.backends.npu:unavailable"),
     "onnxruntime": BackendEntry("quasar_deploy.backends.onnxruntime:load_onnx", "quasar_deploy.backends.onnxruntime:unavailable"),

@@ -12,7 +12,7 @@ from ..artifact import ModelFiles, open_model_files
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..kernels import default_float_kernel, default_int8_kernel
-from ..model import Decoder
+from ..model import Decoder, KVCache
 
 
 def unavailable() -> None:
@@ -28,9 +28,12 @@ class TorchCausalLM:
         self.spec = decoder.spec
         self.vocab_size = decoder.spec.vocab_size
         self.max_length = max_length or decoder.spec.max_position_embeddings
-        self.cache = decoder.new_cache()
         self.description = description
         self._device = decoder.inv_freq.device
+        self.cache = self._new_cache()
+
+    def _new_cache(self) -> KVCache:
+        return self.decoder.new_cache()
 
     def _ids(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:

@@ -52,27 +52,33 @@ def synthetic_spec(name: str) -> DecoderSpec:
 
 
 class RandomTensors:
-    """A ``TensorSource`` that invents each tensor on request: normal(0, 0.02) weights, unit norms."""
+    """A ``TensorSource`` that invents each tensor on request, on ``device``: normal(0, 0.02) weights, unit norms."""
 
-    def __init__(self, spec: DecoderSpec, seed: int = 0):
+    def __init__(self, spec: DecoderSpec, seed: int = 0, device: torch.device | str = "cpu"):
         self.spec = spec
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.shapes = {name: shape for name, shape in expected_shapes(spec).items() if name.endswith(".weight")}
         self.names = set(self.shapes)
 
     def tensor(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
         if len(shape) == 1:
-            return torch.ones(shape)
-        return torch.randn(shape, generator=self.generator) * 0.02
+            return torch.ones(shape, device=self.device)
+        return torch.randn(shape, generator=self.generator, device=self.device) * 0.02
 
 
-def synthetic_decoders(name: str, seed: int = 0) -> tuple[Decoder, Decoder]:
-    """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only)."""
+def synthetic_decoders(
+    name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[Decoder, Decoder]:
+    """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only).
+
+    ``device``: where the weights are drawn and quantized (a GPU makes an 8B shape in seconds; the
+    decoder's small buffers stay on the host until ``Decoder.move_to``).
+    """
     spec = synthetic_spec(name)
-    source = RandomTensors(spec, seed)
-    float_model = Decoder(spec, source)
-    quant_model = Decoder(spec, RandomTensors(spec, seed))
+    float_model = Decoder(spec, RandomTensors(spec, seed, device), dtype)
+    quant_model = Decoder(spec, RandomTensors(spec, seed, device), dtype)
     with torch.no_grad():
         for _, linear in quant_model.linears():
             wq, scale = quantize_weight(linear.weight.data)

@@ -1,4 +1,4 @@
-"""``quasar-deploy bench e2e|verify-step|kernels|onnx``: every speed figure the docs quote, one subcommand per measurement;
+"""``quasar-deploy bench e2e|verify-step|kernels|onnx|gpu``: every speed figure the docs quote, one subcommand per measurement;
 ``write-checkpoint``: a real-size random checkpoint to measure calibration and loading on."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from ..bench.gpu_settings import DEFAULT_ROWS, DEFAULT_SHAPES, GpuSettings
 from ..bench.modes import MODES, ORT_MODES
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
@@ -147,6 +148,38 @@ def kernels(shape, repeats, as_json):
 
     result = micro.linear_kernels(shape, repeats=repeats, progress=not as_json)
     click.echo(json.dumps(result, indent=2) if as_json else micro.describe_linear_kernels(result))
+
+
+@bench.command("gpu")
+@click.option("--shapes", default=",".join(DEFAULT_SHAPES), show_default=True, help="Comma-separated synthetic shapes for the verify step.")
+@click.option("--tokens", default=6, show_default=True, type=click.IntRange(min=1, max=16), help="Tokens per verify step (k+1).")
+@click.option("--context", default=512, show_default=True, type=click.IntRange(min=1), help="Tokens in the cache.")
+@click.option("--repeats", default=30, show_default=True, type=click.IntRange(min=1), help="Timed verify pairs.")
+@click.option("--rows", default=",".join(map(str, DEFAULT_ROWS)), show_default=True, type=INT_LIST, help="GEMM rows M.")
+@click.option("--e2e-shape", default="qwen3-1.7b", show_default=True, help="Synthetic shape of the second end-to-end run.")
+@click.option("--prompts", default=5, show_default=True, type=click.IntRange(min=1), help="Built-in prompts end to end.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--quantizer", default="triton", show_default=True, type=click.Choice(["triton", "torch"]), help="Activation quantization.")
+@json_option
+def gpu(shapes, tokens, context, repeats, rows, e2e_shape, prompts, max_new_tokens, num_draft, quantizer, as_json):
+    """On a CUDA GPU: verify step bf16 vs W8A8, int8 GEMM bandwidth, n-gram end to end; one table (tools/gpu_check.sh)."""
+    from ..bench import gpu as gpu_bench
+
+    settings = GpuSettings(
+        shapes=tuple(s.strip() for s in shapes.split(",") if s.strip()),
+        tokens=tokens,
+        context=context,
+        repeats=repeats,
+        rows=tuple(rows),
+        e2e_shape=e2e_shape,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        num_draft=num_draft,
+        quantizer=quantizer,
+    )
+    result = gpu_bench.run(settings, log=lambda line: None if as_json else click.echo(line, err=True))
+    click.echo(json.dumps(result, indent=2) if as_json else gpu_bench.table(result))
 
 
 @bench.command("write-checkpoint")

@@ -24,6 +24,12 @@ def doctor(path, as_json):
     click.echo(f"torch          {info['torch']} (python {info['python']})")
     click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; fbgemm {'available' if info['fbgemm'] else 'missing'})")
     click.echo(f"float kernel   {info['float_kernel']} (oneDNN {'available' if info['onednn'] else 'missing'})")
+    gpu = info["gpu"]
+    if "gpu" in gpu:
+        cores = "int8 tensor cores usable" if gpu["int8_tensor_cores"] else "no int8 tensor cores"
+        click.echo(f"gpu            {gpu['gpu']} (compute capability {gpu['compute_capability']}, {cores}; CUDA {gpu['cuda']})")
+    else:
+        click.echo(f"gpu            none: {gpu['reason']}")
     click.echo("targets:")
     for name, reason in info["targets"].items():
         click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")

@@ -1,0 +1,116 @@
+"""The cuda backend's linears: W8A8 on int8 tensor cores, float in bf16, both as a ``model.KernelFactory``.
+
+A W8A8 linear on a 2-D input ``x`` [M, K]:
+
+1. per-token activation quantization (``scheme.per_token_scale`` / ``quantize_activation``, or
+   the calibrated static scale) to int8: one fused Triton kernel on CUDA (``cuda_triton.py``),
+   or the same arithmetic in plain torch (``quantize_rows_torch``, the tests' reference);
+2. ``torch._int_mm``: int8 x int8 -> int32 (cuBLASLt's int8 GEMM on CUDA, exact integer
+   accumulation). On CUDA it takes only M > 16 and K, N multiples of 8 (``CUDA_RULES``): a
+   decode or verify block of M <= 16 rows is padded with zero rows to 17 (zero rows cost no
+   extra weight traffic, which is all a batch-1 step pays for), and a weight whose K or N is not
+   a multiple of 8 is padded once at load with zero columns / rows (zeros add nothing to the
+   integer sums; the padded output columns are dropped), the activations' K with zero columns;
+3. the epilogue in the order of ``scheme.reference_linear``: ``acc.float() * act_scale *
+   weight_scale (+ bias)`` in float32, then the model's dtype (bf16): elementwise IEEE
+   operations on an exact integer, so the output equals the reference's bit for bit.
+
+The device is a parameter so that the tests run this very code on the CPU, where
+``torch._int_mm`` exists too (and ``CUDA_RULES`` can be imposed to exercise the padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import float_linear
+from ..model import KernelFactory, LinearFn
+from ..scheme import per_token_scale, quantize_activation
+
+# (x [M, K], static scale [1, 1] or None, rows, cols) -> (int8 [rows, cols] zero-padded, activation scale [M, 1] or [1, 1])
+Quantizer = Callable[[torch.Tensor, "torch.Tensor | None", int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class IntMMRules:
+    """The shapes ``torch._int_mm`` accepts on a device: at least ``min_rows`` rows, K and N multiples of ``multiple``."""
+
+    min_rows: int
+    multiple: int
+
+    @staticmethod
+    def for_device(device: torch.device | str) -> IntMMRules:
+        return CUDA_RULES if torch.device(device).type == "cuda" else CPU_RULES
+
+    def padded(self, rows: int, cols: int) -> tuple[int, int]:
+        """(rows, cols) of an int8 activation block as the GEMM must receive it."""
+        return max(rows, self.min_rows), round_up(cols, self.multiple)
+
+
+CUDA_RULES = IntMMRules(min_rows=17, multiple=8)  # aten/src/ATen/native/cuda/Blas.cpp, _int_mm_out_cuda's checks
+CPU_RULES = IntMMRules(min_rows=1, multiple=1)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` with zero rows and columns appended up to [rows, cols] (itself when nothing is missing)."""
+    if t.shape == (rows, cols):
+        return t
+    return F.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]))
+
+
+def quantize_rows_torch(x: torch.Tensor, input_scale: torch.Tensor | None, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scheme's activation quantization in plain torch, as int8, zero-padded to [rows, cols]."""
+    scale = per_token_scale(x) if input_scale is None else input_scale
+    return pad2d(quantize_activation(x, scale).to(torch.int8), rows, cols), scale
+
+
+class Int8Linear:
+    """One W8A8 linear on ``wq``'s device: the weight is padded to the GEMM's rules once and kept transposed ([K, N] column-major)."""
+
+    def __init__(
+        self,
+        wq: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_scale: torch.Tensor | None,
+        rules: IntMMRules,
+        quantize: Quantizer,
+    ):
+        self.out_features, self.in_features = wq.shape
+        padded_out, self.cols = round_up(self.out_features, rules.multiple), round_up(self.in_features, rules.multiple)
+        self.weight_t = pad2d(wq, padded_out, self.cols).t()
+        self.weight_row = weight_scale.float().reshape(1, -1)
+        self.bias = bias.float() if bias is not None else None
+        self.input_scale = input_scale.float().reshape(1, 1) if input_scale is not None else None
+        self.rules, self.quantize = rules, quantize
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        q, act_scale = self.quantize(x.contiguous(), self.input_scale, *self.rules.padded(rows, self.in_features))
+        acc = torch._int_mm(q, self.weight_t)[:rows, : self.out_features]
+        y = acc.float() * act_scale * self.weight_row
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+
+def device_kernels(rules: IntMMRules, quantize: Quantizer) -> KernelFactory:
+    """The cuda backend's ``KernelFactory``: ``Int8Linear`` for W8A8 layers, ``F.linear`` (cuBLAS in bf16 on CUDA) for float ones.
+
+    Tensors must already be on the device (``Decoder.move_to`` first: each weight crosses once).
+    """
+
+    def make(weight, weight_scale, bias, input_scale) -> LinearFn:
+        if weight.dtype == torch.int8:
+            return Int8Linear(weight, weight_scale, bias, input_scale, rules, quantize)
+        return float_linear(weight, bias, "torch")
+
+    return make

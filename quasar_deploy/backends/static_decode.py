@@ -1,0 +1,129 @@
+"""The decoder's forward over fixed KV buffers with positions as device data: what a CUDA graph can capture and replay.
+
+``Decoder.forward`` slices its cache by the Python integer ``cache.length``, grows it by
+reallocation and attends row by row over exactly the visible keys, so each step would bake
+its position into a graph. Here, instead:
+
+- the keys and values live in a ``KVCache`` whose buffers only grow between steps
+  (``StaticCache.make_room``), in ``SPAN`` blocks (growing drops the captured graphs, which hold the old addresses);
+- the block's positions are ``start + arange(t)`` with ``start`` a device tensor; keys and
+  values are written with ``index_copy_`` at those positions, rotary angles computed from them;
+- attention reads the first ``span`` cached positions (the length rounded up to ``SPAN``),
+  masked to each row's own visible keys (causal, and the sliding window if any).
+
+Blocks of up to ``BLOCK_ROWS`` tokens (a decode step, a k+1 verify) run as exactly
+``BLOCK_ROWS`` rows, padded with token 0 at the positions that follow; those rows' cache writes
+lie beyond the sequence, where the next step writes before anything reads. Every GEMM and the
+attention then see the same shapes whatever the block length, so each row computes the same
+bits in a verify block as in a one-token decode (kernels chosen per shape cannot differ between
+them), and one graph per span serves every position: ``GraphedSteps`` captures it on first use
+and replays it. Longer blocks (prefill) run the same code eagerly with their own row count.
+The CPU path (``Decoder.forward``) is untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..decoder_spec import DecoderSpec
+from ..model import Decoder, KVCache, rotary_at
+from .cuda_linear import round_up
+
+SPAN = 256  # keys attended are rounded up to this many positions: one graph per span, little attention wasted
+BLOCK_ROWS = 16  # decode and verify blocks up to this long run as this many rows (k < 16)
+
+
+class StaticCache(KVCache):
+    """A ``KVCache`` whose buffers only move in ``make_room`` (between steps), in ``SPAN`` blocks up to the context window
+    (plus ``BLOCK_ROWS`` positions for the padding rows of a block that ends at the window)."""
+
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device | str, max_length: int):
+        self.max_length = max_length
+        super().__init__(spec, dtype, device, min(SPAN, max_length + BLOCK_ROWS))
+
+    def span(self, end: int) -> int:
+        """Cached positions a block ending at ``end`` attends over (masked beyond each row's own position)."""
+        return min(round_up(end, SPAN), self.max_length)
+
+    def make_room(self, end: int) -> bool:
+        """Room for positions up to ``end``; True when the buffers moved (graphs captured on them are stale)."""
+        if end <= self.capacity:
+            return False
+        self._grow(min(max(2 * self.capacity, round_up(end, SPAN)), self.max_length + BLOCK_ROWS))
+        return True
+
+
+def visible(spec: DecoderSpec, positions: torch.Tensor, span: int) -> torch.Tensor:
+    """[t, span] bool: which cached positions each query position attends to."""
+    keys = torch.arange(span, device=positions.device)[None, :]
+    allowed = keys <= positions[:, None]
+    if spec.sliding_window is not None:
+        allowed &= keys > positions[:, None] - spec.sliding_window
+    return allowed
+
+
+@torch.inference_mode()
+def static_forward(
+    decoder: Decoder, cache: StaticCache, ids: torch.Tensor, start: torch.Tensor, span: int, skip_layers: frozenset[int] = frozenset()
+) -> torch.Tensor:
+    """Logits [t, vocab] (float32) of ``ids`` at positions ``start`` (a one-element device tensor) onwards; writes their keys/values.
+
+    The caller has reserved the room and moves ``cache.length`` afterwards (a replayed graph cannot).
+    """
+    positions = start + torch.arange(ids.shape[0], device=ids.device)
+    cos, sin = rotary_at(decoder.inv_freq, positions, decoder.dtype)
+    mask = visible(decoder.spec, positions, span)
+    x = decoder.model.embed_tokens(ids)
+    for i, layer in enumerate(decoder.model.layers):
+        if i in skip_layers:
+            continue
+        attention = layer.self_attn
+        q, k, v = attention.rotated_qkv(layer.input_layernorm(x), cos, sin)
+        cache.keys[i].index_copy_(1, positions, k)
+        cache.values[i].index_copy_(1, positions, v)
+        attended = attention.attend(q, cache.keys[i][:, :span], cache.values[i][:, :span], mask)
+        x = x + attention.output(attended)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return decoder.lm_head(decoder.model.norm(x)).float()
+
+
+class GraphedSteps:
+    """CUDA graphs of ``static_forward`` for one sequence, one per (rows, span), captured on first use."""
+
+    def __init__(self, decoder: Decoder, cache: StaticCache):
+        self.decoder, self.cache = decoder, cache
+        self.device = decoder.inv_freq.device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def run(self, ids: torch.Tensor, start: int, span: int) -> torch.Tensor:
+        key = (ids.shape[0], span)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(ids, start, span)
+        static_ids, static_start, graph, logits = self.graphs[key]
+        static_ids.copy_(ids)
+        static_start.fill_(start)
+        graph.replay()
+        return logits.clone()  # the next replay of any graph in this pool may reuse the output's memory
+
+    def _capture(self, ids: torch.Tensor, start: int, span: int):
+        static_ids = ids.clone()
+        static_start = torch.full((1,), start, dtype=torch.long, device=self.device)
+
+        def step() -> torch.Tensor:
+            return static_forward(self.decoder, self.cache, static_ids, static_start, span)
+
+        # Warm up outside the capture (Triton compiles, cuBLAS picks its workspace) with the real inputs: the writes
+        # to the cache are the ones the replay makes, so the warm-up leaves nothing stale behind.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        return static_ids, static_start, graph, logits

@@ -419,6 +419,10 @@ class Decoder(nn.Module):
         """Move every tensor to ``device`` except meta placeholders (weights a bound kernel already holds on the device)."""
         self._apply(lambda t: t if t.is_meta else t.to(device))
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` in the compute dtype (the table may be stored narrower, see ``_embeddings``)."""
+        return self.model.embed_tokens(ids).to(self.dtype)
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.spec, self.dtype, self.inv_freq.device, capacity)
 
@@ -429,7 +433,7 @@ class Decoder(nn.Module):
         cache.reserve(t)
         cos, sin = rotary(self.inv_freq, start, t, self.dtype)
         mask = prefill_mask(self.spec, t, ids.device) if start == 0 else None
-        x = self.model.embed_tokens(ids).to(self.dtype)
+        x = self.embed(ids)
         for i, layer in enumerate(self.model.layers):
             if i not in skip_layers:
                 x = layer(x, cos, sin, cache, i, mask)

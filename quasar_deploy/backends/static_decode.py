@@ -73,7 +73,7 @@ def static_forward(
     positions = start + torch.arange(ids.shape[0], device=ids.device)
     cos, sin = rotary_at(decoder.inv_freq, positions, decoder.dtype)
     mask = visible(decoder.spec, positions, span)
-    x = decoder.model.embed_tokens(ids)
+    x = decoder.embed(ids)
     for i, layer in enumerate(decoder.model.layers):
         if i in skip_layers:
             continue

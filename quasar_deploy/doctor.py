@@ -7,6 +7,7 @@ import platform
 import torch
 
 from .backends import available_backends
+from .backends.registry import default_backend
 from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
 from .kernels import default_float_kernel, default_int8_kernel, fbgemm_available, onednn_available
 
@@ -28,4 +29,5 @@ def report() -> dict:
         "int8_kernel": default_int8_kernel("cpu"),
         "float_kernel": default_float_kernel("cpu"),
         "targets": targets,
+        "default_backend": default_backend(),
     }

@@ -185,7 +185,8 @@ def test_cli_streams_the_text_and_prints_stats(engine, tiny_qwen3):
     assert result.stdout == expected.text + "\n"
     assert "acceptance_length" in result.stderr and "tokens_per_s" in result.stderr
     stats = dict(line.strip().split(": ", 1) for line in result.stderr.splitlines() if line.strip())
-    assert list(stats) == ["finish_reason", *expected.stats.to_dict()]  # one "name: value" line per figure
+    assert list(stats) == ["backend", "finish_reason", *expected.stats.to_dict()]  # one "name: value" line per figure
+    assert stats["backend"].startswith("cpu float, ") and "float kernel" in stats["backend"]
     assert stats["finish_reason"] == "length" and int(stats["new_tokens"]) == 12
     assert float(stats["acceptance_length"]) >= 1.0 and float(stats["tokens_per_s"]) > 0
 

@@ -7,8 +7,13 @@ say "synthetic weights".
 
 from __future__ import annotations
 
+import hashlib
+import math
+from collections.abc import Mapping
+
 import torch
 
+from ..backends.torch_backend import return_freed_memory
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
 from ..model import Decoder
@@ -51,30 +56,80 @@ def synthetic_spec(name: str) -> DecoderSpec:
     )
 
 
+def is_layer_linear(name: str) -> bool:
+    """Whether ``name`` is a decoder layer's linear weight (quantized in W8A8; embeddings, norms and lm_head stay float)."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
 class RandomTensors:
-    """A ``TensorSource`` that invents each tensor on request: normal(0, 0.02) weights, unit norms."""
+    """A ``TensorSource`` that invents each tensor on request: normal(0, 0.02) weights, unit norms.
 
-    def __init__(self, spec: DecoderSpec, seed: int = 0):
+    Each tensor is drawn from its own generator, seeded by ``seed`` and its name, so any subset in
+    any order holds the same values: the float decoder, its W8A8 twin and transformers' twin can be
+    built apart (or one after another is freed) and still hold identical weights. ``quantized``
+    hands out layer linears as int8 with their ``weight_scale`` (one float tensor alive at a time);
+    ``shared`` tensors are handed out as they are (the float twin's embedding and norms: one copy).
+    """
+
+    def __init__(self, spec: DecoderSpec, seed: int = 0, quantized: bool = False, shared: Mapping[str, torch.Tensor] | None = None):
         self.spec = spec
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.quantized = quantized
+        self.shared = dict(shared or {})
         self.shapes = {name: shape for name, shape in expected_shapes(spec).items() if name.endswith(".weight")}
-        self.names = set(self.shapes)
+        scales = {name.removesuffix(".weight") + ".weight_scale" for name in self.shapes if is_layer_linear(name)}
+        self.names = set(self.shapes) | (scales if quantized else set())
+        self._scales: dict[str, torch.Tensor] = {}
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def _draw(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
         if len(shape) == 1:
             return torch.ones(shape)
-        return torch.randn(shape, generator=self.generator) * 0.02
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        return torch.randn(shape, generator=torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))) * 0.02
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name in self.shared:
+            return self.shared[name]
+        if name.endswith(".weight_scale"):  # asked for right after its weight (model.load_linear)
+            return self._scales.pop(name)
+        if self.quantized and is_layer_linear(name):
+            weight, self._scales[name.removesuffix(".weight") + ".weight_scale"] = quantize_weight(self._draw(name))
+            return weight
+        return self._draw(name)
 
 
-def synthetic_decoders(name: str, seed: int = 0) -> tuple[Decoder, Decoder]:
-    """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only)."""
+def synthetic_decoders(name: str, seed: int = 0, kernels: tuple[str, str] | None = None) -> tuple[Decoder, Decoder]:
+    """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only).
+
+    Built lean, so a shape fits where its two engines fit: the W8A8 decoder shares the float one's
+    embedding and norms and is quantized tensor by tensor. With ``kernels`` (float, int8) both are
+    prepared (fused), the float one first so that its unpacked weights are gone before the W8A8 one
+    is built, and both run one packed lm_head (their heads hold the same weights).
+    """
     spec = synthetic_spec(name)
-    source = RandomTensors(spec, seed)
-    float_model = Decoder(spec, source)
-    quant_model = Decoder(spec, RandomTensors(spec, seed))
-    with torch.no_grad():
-        for _, linear in quant_model.linears():
-            wq, scale = quantize_weight(linear.weight.data)
-            linear.set_quantized(wq, scale, None)
+    float_model = Decoder(spec, RandomTensors(spec, seed))
+    if kernels:
+        float_model.prepare(*kernels, fuse=True)
+        return_freed_memory()
+    shared = {n: t for n, t in float_model.state_dict().items() if not t.is_meta and not is_layer_linear(n)}
+    quant_model = Decoder(spec, RandomTensors(spec, seed, quantized=True, shared=shared))
+    if kernels:
+        quant_model.lm_head = float_model.lm_head
+        quant_model.prepare(*kernels, fuse=True)
+        return_freed_memory()
     return float_model, quant_model
+
+
+LIBRARIES_BYTES = 10**9  # the libraries (torch + transformers imported: 0.35 GB resident here), kernel scratch, allocator slack
+
+
+def engines_peak_bytes(spec: DecoderSpec) -> int:
+    """Peak resident bytes of ``synthetic_decoders(kernels=...)``: float linears (packed), embedding, one packed lm_head,
+    int8 linears; an untied head is drawn once more while the W8A8 decoder is built. Plus the libraries."""
+    shapes = expected_shapes(spec)
+    linears = [math.prod(shape) for name, shape in shapes.items() if is_layer_linear(name)]
+    embedding = 4 * spec.vocab_size * spec.hidden_size
+    head = embedding if spec.tie_word_embeddings else 2 * embedding
+    int8 = sum(linears) + 4 * sum(shapes[n.removesuffix(".weight") + ".weight_scale"][0] for n in shapes if is_layer_linear(n))
+    return 4 * sum(linears) + embedding + head + int8 + LIBRARIES_BYTES

@@ -22,6 +22,7 @@ def doctor(as_json):
     click.echo(f"torch          {info['torch']} (python {info['python']})")
     click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; fbgemm {'available' if info['fbgemm'] else 'missing'})")
     click.echo(f"float kernel   {info['float_kernel']} (oneDNN {'available' if info['onednn'] else 'missing'})")
+    click.echo(f"backend        {info['default_backend']} for artifacts and checkpoints (--backend auto; ONNX exports: onnxruntime)")
     click.echo("targets:")
     for name, reason in info["targets"].items():
         click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -22,6 +23,7 @@ def report() -> dict:
         "cpu": cpu_model(),
         "isa": sorted(f for f in ISA_FLAGS if f in flags),
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (the OpenMP runtime's default: spin, then sleep)"),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "fbgemm": fbgemm_available(),

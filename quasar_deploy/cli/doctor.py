@@ -18,6 +18,7 @@ def doctor(as_json):
         click.echo(json.dumps(info, indent=2))
         return
     click.echo(f"cpu            {info['cpu']} ({info['threads']} threads)")
+    click.echo(f"openmp waits   {info['omp_wait_policy']}")
     click.echo(f"isa            {' '.join(info['isa']) or 'none detected'}")
     click.echo(f"torch          {info['torch']} (python {info['python']})")
     click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; fbgemm {'available' if info['fbgemm'] else 'missing'})")

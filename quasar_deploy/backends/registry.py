@@ -34,8 +34,8 @@ BACKENDS: dict[str, BackendEntry] = {
     "onnxruntime": BackendEntry("quasar_deploy.backends.onnxruntime:load_onnx", "quasar_deploy.backends.onnxruntime:unavailable"),
 }
 
-# "auto" takes the first of these that can run here for artifacts and checkpoints. Measured on CPU (docs/onnx.md):
-# the torch cpu backend beats the exported graph on ONNX Runtime at real model sizes, so ONNX Runtime runs exports only.
+# "auto" takes the first of these that can run here for artifacts and checkpoints. ONNX Runtime runs exports only: it was
+# not measured faster than the torch cpu backend across loads (docs/architecture.md, "Choosing the backend").
 AUTO_ORDER = ("cuda", "cpu")
 # export target (``quasar-export.json``) -> the backend that runs it; targets missing here are other runtimes' to serve
 EXPORT_BACKENDS = {"onnx": "onnxruntime"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+from collections.abc import MutableMapping
 from functools import cache
 from pathlib import Path
 
@@ -60,3 +61,14 @@ def default_threads() -> int:
         allowed = os.cpu_count() or 1
     limit = cgroup_cpu_limit()
     return max(1, min(allowed, math.ceil(limit) if limit else allowed))
+
+
+def prefer_passive_waits(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Make OpenMP threads sleep, not spin, at the end of a parallel region, unless the user chose a policy.
+
+    Spinning wins a few percent on an idle machine and loses by orders of magnitude on a busy one:
+    a thread that spins holds a core another process (or our own other thread) needs. The OpenMP
+    runtime reads ``OMP_WAIT_POLICY`` once, when torch loads it, so the CLI calls this before any
+    command imports torch; docs/architecture.md ("OpenMP wait policy") has the measurements.
+    """
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

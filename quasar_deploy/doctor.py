@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
 
 from .backends import available_backends
 from .backends.cuda import gpu_status
+from .backends.registry import default_backend
 from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
 from .kernels import default_float_kernel, default_int8_kernel, fbgemm_available, onednn_available
 
@@ -20,6 +22,7 @@ def report(path: str | None = None) -> dict:
         "cpu": cpu_model(),
         "isa": sorted(f for f in ISA_FLAGS if f in flags),
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (the OpenMP runtime's default: spin, then sleep)"),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "fbgemm": fbgemm_available(),
@@ -28,6 +31,7 @@ def report(path: str | None = None) -> dict:
         "float_kernel": default_float_kernel("cpu"),
         "gpu": gpu_status(),
         "targets": available_backends(),
+        "default_backend": default_backend(),
         **({"memory": model_memory(path)} if path is not None else {}),
     }
 

@@ -74,6 +74,25 @@ def write_export_manifest(directory: Path, target: str, source: Path) -> None:
     write_manifest(directory, EXPORT_MANIFEST, record)
 
 
+def export_target(directory: Path) -> str | None:
+    """The target a directory was exported for, as its ``quasar-export.json`` records it (None: no export manifest).
+
+    Read before any backend loads, so ``load(path)`` can route an export to what runs it; the
+    loader then verifies every file against the same manifest.
+    """
+    file = directory / EXPORT_MANIFEST
+    if not file.is_file():
+        return None
+    try:
+        record = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise QuasarError(f"{file}: not valid JSON (corrupted manifest)") from None
+    target = record.get("target") if isinstance(record, dict) else None
+    if not isinstance(target, str):
+        raise QuasarError(f"{file}: no 'target' string (corrupted manifest)")
+    return target
+
+
 def read_export_manifest(directory: Path, target: str) -> dict:
     """What a loader of ``target`` exports checks first: the manifest exists, names ``target``, and every file matches it."""
     if not (directory / EXPORT_MANIFEST).is_file():

@@ -402,11 +402,13 @@ class Decoder(nn.Module):
 
     def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference", fuse: bool = False) -> None:
         """Bind kernels to every linear; ``fuse`` runs q/k/v and gate/up as one call each (for serving: fewer calls,
-        same results). Calibration keeps them apart, since it hooks each linear's input."""
+        same results). Calibration keeps them apart, since it hooks each linear's input. A linear whose kernel already
+        holds its only copy keeps that kernel: a head shared with another prepared decoder of the same weights
+        (``bench.synthetic``) is packed once."""
         if fuse:
             self.fuse(cpu_kernels(float_kernel, int8_kernel))
         for module in self.modules():
-            if isinstance(module, Linear) and module._fn is not _released:
+            if isinstance(module, Linear) and module._fn is not _released and not (module._fn is not None and module.weight.is_meta):
                 module.prepare(float_kernel, int8_kernel)
 
     def fuse(self, kernels: KernelFactory) -> None:

@@ -104,7 +104,7 @@ def test_integer_lists_fail_as_usage_errors(command):
 
 def test_hf_twin_shares_our_weights(tiny_qwen3):
     decoder = open_model_files(tiny_qwen3).decoder()
-    twin = _hf_twin(decoder)
+    twin = _hf_twin(decoder.spec, decoder.state_dict())
     ids = torch.arange(5, 30)
     with torch.no_grad():
         expected = twin(ids[None]).logits[0]

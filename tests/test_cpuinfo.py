@@ -1,6 +1,13 @@
-"""Thread counts follow what the process may really use: affinity and the container's CPU quota."""
+"""Threads suit what the process may really use (affinity, the container's CPU quota) and a shared machine (OpenMP waits)."""
 
-from quasar_deploy.cpuinfo import cgroup_cpu_limit, default_threads
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quasar_deploy.cpuinfo import cgroup_cpu_limit, default_threads, prefer_passive_waits
 
 
 def test_cgroup_v2_and_v1_quotas(tmp_path):
@@ -32,3 +39,21 @@ def test_default_threads_never_exceeds_the_affinity_or_the_quota(monkeypatch):
     assert default_threads() == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
     assert default_threads() == 1
+
+
+def test_passive_waits_unless_the_user_chose_a_policy():
+    environ = {}
+    prefer_passive_waits(environ)
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
+    environ = {"OMP_WAIT_POLICY": "active"}
+    prefer_passive_waits(environ)
+    assert environ == {"OMP_WAIT_POLICY": "active"}
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "PASSIVE"), ("active", "active")])
+def test_the_cli_sets_the_wait_policy_before_torch_loads(given, seen):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+    code = "import sys; from quasar_deploy.cli import main; sys.argv[1:] = ['doctor', '--json']; main()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["omp_wait_policy"] == seen

@@ -186,7 +186,8 @@ def test_cli_streams_the_text_and_prints_stats(engine, tiny_qwen3):
     assert "acceptance_length" in result.stderr and "tokens_per_s" in result.stderr
     stats = dict(line.strip().split(": ", 1) for line in result.stderr.splitlines() if line.strip())
     memory = ["vmrss_mib", "rssanon_mib", "estimated_mib"]
-    assert list(stats) == ["finish_reason", *expected.stats.to_dict(), *memory]  # one "name: value" line per figure
+    assert list(stats) == ["backend", "finish_reason", *expected.stats.to_dict(), *memory]  # one "name: value" line per figure
+    assert stats["backend"].startswith("cpu float, ") and "float kernel" in stats["backend"]
     assert 0 < float(stats["estimated_mib"]) < float(stats["rssanon_mib"]) <= float(stats["vmrss_mib"])
     assert stats["finish_reason"] == "length" and int(stats["new_tokens"]) == 12
     assert float(stats["acceptance_length"]) >= 1.0 and float(stats["tokens_per_s"]) > 0

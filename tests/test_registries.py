@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -94,17 +95,74 @@ def test_only_backends_that_can_skip_layers_are_layer_skipping(tiny_qwen3):
     assert isinstance(OrtLike(), CausalLM) and not isinstance(OrtLike(), LayerSkippingLM)
 
 
-def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tmp_path):
-    pytest.importorskip("onnxruntime")
+def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tiny_artifact, tiny_onnx, tmp_path):
+    from quasar_deploy.backends.registry import auto_backend, default_backend
     from quasar_deploy.engine import load
-    from quasar_deploy.exporters import export
 
-    onnx_dir = export(tiny_qwen3, "onnx", tmp_path / "onnx", precision="float")
-    engine = load(onnx_dir)
+    assert auto_backend(tiny_qwen3) == auto_backend(tiny_artifact.path) == default_backend() == "cpu"  # no GPU here
+    assert auto_backend(tiny_onnx) == "onnxruntime"  # routed by the target its quasar-export.json records
+    engine = load(tiny_onnx)
     assert engine.lm.description.startswith("onnxruntime") and engine.backend == "auto"
-    assert engine.generate("def f():", max_new_tokens=4).tokens == load(tiny_qwen3).generate("def f():", max_new_tokens=4).tokens
-    npu_dir = tmp_path / "npu"
-    npu_dir.mkdir()
-    (npu_dir / "quant_model_description.json").write_text("{}")
-    with pytest.raises(QuasarError, match="served by vLLM-Ascend"):
-        load(npu_dir)
+    assert (
+        engine.generate("def f():", max_new_tokens=4).tokens
+        == load(tiny_onnx, backend="onnxruntime").generate("def f():", max_new_tokens=4).tokens
+    )
+
+
+def test_an_explicit_backend_wins_over_auto(tiny_artifact):
+    from quasar_deploy.engine import load
+
+    assert load(tiny_artifact.path, backend="cpu", int8_kernel="reference").lm.description.startswith("cpu W8A8")
+    with pytest.raises(QuasarError, match="no genai_config.json"):  # the artifact is not an export: onnxruntime says so
+        load(tiny_artifact.path, backend="onnxruntime")
+
+
+def _export_dir(tmp_path, target, marker=None):
+    directory = tmp_path / f"{target}-export"
+    directory.mkdir()
+    if target is not None:
+        (directory / "quasar-export.json").write_text(json.dumps({"format_version": 1, "target": target, "files": {}}))
+    if marker is not None:
+        (directory / marker).write_text("{}")
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("target", "marker", "message"),
+    [
+        ("npu", None, "served by vLLM-Ascend"),
+        (None, "quant_model_description.json", "served by vLLM-Ascend"),  # an NPU export whose manifest was not copied
+        ("tensorrt-llm", None, "a 'tensorrt-llm' export, which no backend of this quasar-deploy runs"),
+        (None, "genai_config.json", "no quasar-export.json"),  # routed to onnxruntime, whose loader explains what is missing
+    ],
+)
+def test_exports_are_routed_or_refused_in_one_line(tmp_path, target, marker, message):
+    from quasar_deploy.engine import load
+
+    pytest.importorskip("onnxruntime")
+    with pytest.raises(QuasarError, match=message) as error:
+        load(_export_dir(tmp_path, target, marker))
+    assert "\n" not in str(error.value)
+
+
+def test_a_corrupted_export_manifest_is_one_line(tmp_path):
+    from quasar_deploy.backends.registry import auto_backend
+
+    directory = _export_dir(tmp_path, "onnx")
+    (directory / "quasar-export.json").write_text("{not json")
+    with pytest.raises(QuasarError, match="not valid JSON"):
+        auto_backend(directory)
+    (directory / "quasar-export.json").write_text("[]")
+    with pytest.raises(QuasarError, match="no 'target' string"):
+        auto_backend(directory)
+
+
+def test_generate_runs_an_onnx_export_without_backend_and_names_the_backend(tiny_onnx, tiny_artifact):
+    from click.testing import CliRunner
+
+    from quasar_deploy.cli import main
+
+    for path, backend in ((tiny_onnx, "backend: onnxruntime CPUExecutionProvider (w8a8 graph)"), (tiny_artifact.path, "backend: cpu W8A8")):
+        result = CliRunner().invoke(main, ["generate", str(path), "--prompt", "def f():", "--max-new-tokens", "4", "--stats"])
+        assert result.exit_code == 0, result.output
+        assert backend in result.output and "decode_tokens_per_s" in result.output and "prefill_s" in result.output

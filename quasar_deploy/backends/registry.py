@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import QuasarError
+from ..integrity import export_target
 from ..lazy import resolve
 
 if TYPE_CHECKING:
@@ -34,8 +35,13 @@ BACKENDS: dict[str, BackendEntry] = {
     "onnxruntime": BackendEntry("quasar_deploy.backends.onnxruntime:load_onnx", "quasar_deploy.backends.onnxruntime:unavailable"),
 }
 
-# "auto" takes the first of these that can run here.
+# "auto" takes the first of these that can run here for artifacts and checkpoints. ONNX Runtime runs exports only: it was
+# not measured faster than the torch cpu backend across loads (docs/architecture.md, "Choosing the backend").
 AUTO_ORDER = ("cuda", "cpu")
+# export target (``quasar-export.json``) -> the backend that runs it; targets missing here are other runtimes' to serve
+EXPORT_BACKENDS = {"onnx": "onnxruntime"}
+# files that mark an export whose manifest is missing (a partial copy): routed as their target, whose loader then explains
+EXPORT_MARKERS = {"genai_config.json": "onnx", "quant_model_description.json": "npu"}
 
 
 def unavailable(name: str) -> str | None:
@@ -48,18 +54,26 @@ def available_backends() -> dict[str, str | None]:
     return {name: unavailable(name) for name in BACKENDS}
 
 
+def default_backend() -> str:
+    """The backend "auto" gives artifacts and float checkpoints here: the first of ``AUTO_ORDER`` that can run."""
+    return next(n for n in AUTO_ORDER if n in BACKENDS and unavailable(n) is None)
+
+
 def auto_backend(path: Any) -> str:
-    """The backend for what ``path`` holds: an ONNX export runs on onnxruntime; artifacts and checkpoints on the first of
-    ``AUTO_ORDER`` that runs here. An NPU export is vLLM-Ascend's to serve, not ours."""
+    """The backend for what ``path`` holds: an export runs on the backend of the target its ``quasar-export.json`` records
+    (ONNX: onnxruntime); artifacts and checkpoints on ``default_backend()``. An NPU export is vLLM-Ascend's to serve."""
     directory = Path(path)
-    if (directory / "genai_config.json").is_file():
-        return "onnxruntime"
-    if (directory / "quant_model_description.json").is_file():
+    target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
+    if target is None:
+        return default_backend()
+    if target == "npu":
         raise QuasarError(
             f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "
             "to run on an NPU with quasar-deploy, load the artifact it came from with backend 'npu'"
         )
-    return next(n for n in AUTO_ORDER if n in BACKENDS and unavailable(n) is None)
+    if target not in EXPORT_BACKENDS:
+        raise QuasarError(f"{directory}: a {target!r} export, which no backend of this quasar-deploy runs")
+    return EXPORT_BACKENDS[target]
 
 
 def create_backend(name: str, path: Any, **options: Any) -> CausalLM:

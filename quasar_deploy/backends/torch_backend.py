@@ -97,4 +97,6 @@ def load_cpu(
     decoder.prepare(float_kernel, int8_kernel, fuse=True)
     return_freed_memory()
     kind = "W8A8" if files.is_artifact else "float"
-    return TorchCausalLM(decoder, description=f"cpu {kind} (float kernel {float_kernel}, int8 kernel {int8_kernel})")
+    return TorchCausalLM(
+        decoder, description=f"cpu {kind}, {torch.get_num_threads()} threads (float kernel {float_kernel}, int8 kernel {int8_kernel})"
+    )

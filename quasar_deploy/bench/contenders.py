@@ -2,31 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..artifact import open_model_files
 from ..backends.torch_backend import TorchCausalLM
+from ..decoder_spec import DecoderSpec
 from ..demo import demo_model_path
-from ..engine import Engine, load
+from ..engine import Engine, load, stop_ids_of
 from ..errors import QuasarError
 from ..kernels import default_float_kernel, default_int8_kernel
 from ..tokenizer import load_tokenizer
-from .synthetic import synthetic_decoders
+from .memory import check_fits
+from .synthetic import RandomTensors, engines_peak_bytes, synthetic_decoders, synthetic_spec
 
 
 @dataclass
 class Contenders:
-    """What the modes run on: two engines (float and W8A8 verifier) and, when available, the HF float model."""
+    """What the modes run on: two engines (float and W8A8 verifier), built on first use, and, when asked for,
+    Hugging Face's float model, loaded by ``load_hf`` for a phase of its own.
 
-    float_engine: object
-    w8a8_engine: object
-    hf_model: object | None
+    The benchmark runs transformers' model before it touches the engines and frees it after, so
+    the two never hold memory at once: peak stays near the largest single contender.
+    """
+
+    build_engines: Callable[[], tuple[Engine, Engine]]
+    tokenizer: Any
+    stop_ids: frozenset[int]
+    load_hf: Callable[[], Any] | None
     weights: str  # "trained" or "synthetic weights"
     pruned_layers: frozenset[int] = field(default_factory=frozenset)
     ort_engines: dict[str, object] = field(default_factory=dict)  # "float" / "w8a8": engines on exported ONNX graphs
+
+    @cached_property
+    def _engines(self) -> tuple[Engine, Engine]:
+        return self.build_engines()
+
+    @property
+    def float_engine(self) -> Engine:
+        return self._engines[0]
+
+    @property
+    def w8a8_engine(self) -> Engine:
+        return self._engines[1]
 
 
 def _hf_model_from(path: Path):
@@ -53,17 +76,23 @@ def trained_contenders(model: str | Path, artifact: str | Path, with_hf: bool = 
         raise QuasarError(f"{artifact}: not a W8A8 artifact (no quasar.json)")
     if open_model_files(model).is_artifact:
         raise QuasarError(f"{model}: expected the float checkpoint, got an artifact")
-    float_engine, w8a8_engine = load(model, backend="cpu"), load(artifact, backend="cpu")
     ort = ort_engines(model, artifact, ort_workdir) if ort_workdir else {}
-    return Contenders(float_engine, w8a8_engine, _hf_model_from(Path(model)) if with_hf else None, "trained", ort_engines=ort)
+    return Contenders(
+        lambda: (load(model, backend="cpu"), load(artifact, backend="cpu")),
+        load_tokenizer(model),
+        stop_ids_of(model),
+        (lambda: _hf_model_from(Path(model))) if with_hf else None,
+        "trained",
+        ort_engines=ort,
+    )
 
 
-def _hf_twin(decoder):
-    """Hugging Face's Qwen3 with the very same (shared, not copied) random weights, for hf-prompt-lookup."""
+def _hf_twin(spec: DecoderSpec, tensors: Mapping[str, torch.Tensor]):
+    """Hugging Face's Qwen3 holding ``tensors`` (by HF name, shared, not copied), for hf-prompt-lookup."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    s = decoder.spec
+    s = spec
     config = Qwen3Config(
         vocab_size=s.vocab_size,
         hidden_size=s.hidden_size,
@@ -79,18 +108,26 @@ def _hf_twin(decoder):
     )
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    model.load_state_dict(decoder.state_dict(), assign=True, strict=False)
+    model.load_state_dict(dict(tensors), assign=True, strict=False)
     model.model.rotary_emb = Qwen3RotaryEmbedding(config)  # its buffer was created on the meta device
     model.tie_weights()
     return model.eval()
 
 
 def synthetic_contenders(shape: str, with_hf: bool = True) -> Contenders:
-    """Random weights of a published shape (timing only), the demo tokenizer for prompts."""
-    float_model, quant_model = synthetic_decoders(shape)
-    hf = _hf_twin(float_model) if with_hf and shape.startswith("qwen3") else None  # before packing releases our copies
-    for decoder in (float_model, quant_model):
-        decoder.prepare(default_float_kernel(), default_int8_kernel(), fuse=True)
+    """Random weights of a published shape (timing only), the demo tokenizer for prompts; refused up front when they cannot fit."""
+    spec = synthetic_spec(shape)
+    check_fits(engines_peak_bytes(spec), f"bench e2e --synthetic {shape}")
     tokenizer = load_tokenizer(demo_model_path())
-    engines = [Engine(TorchCausalLM(d), tokenizer, frozenset(), "cpu") for d in (float_model, quant_model)]
-    return Contenders(engines[0], engines[1], hf, "synthetic weights")
+
+    def build_engines() -> tuple[Engine, Engine]:
+        decoders = synthetic_decoders(shape, kernels=(default_float_kernel(), default_int8_kernel()))
+        return tuple(Engine(TorchCausalLM(d), tokenizer, frozenset(), "cpu") for d in decoders)
+
+    def load_hf():
+        source = RandomTensors(spec)  # the same values the engines draw
+        return _hf_twin(spec, {name: source.tensor(name) for name in source.names})
+
+    return Contenders(
+        build_engines, tokenizer, frozenset(), load_hf if with_hf and shape.startswith("qwen3") else None, "synthetic weights"
+    )

@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from ..decoder_spec import DecoderSpec
 from ..kernels import default_float_kernel, default_int8_kernel
 from ..model import Decoder
-from .synthetic import synthetic_decoders
+from .memory import check_fits
+from .synthetic import LIBRARIES_BYTES, engines_peak_bytes, synthetic_decoders, synthetic_spec
 
 
 def weight_bytes(decoder: Decoder) -> int:
@@ -68,9 +70,8 @@ def verify_step(
     """Synthetic weights of a published shape; W8A8 quantized without calibration (timing only)."""
     float_kernel = float_kernel or default_float_kernel()
     int8_kernel = int8_kernel or default_int8_kernel()
-    float_model, quant_model = synthetic_decoders(shape)
-    float_model.prepare(float_kernel, int8_kernel, fuse=True)
-    quant_model.prepare(float_kernel, int8_kernel, fuse=True)
+    check_fits(engines_peak_bytes(synthetic_spec(shape)), f"verify-step --synthetic {shape}")
+    float_model, quant_model = synthetic_decoders(shape, kernels=(float_kernel, int8_kernel))
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, float_model.spec.vocab_size, (context,), generator=generator)
     ids = torch.randint(0, float_model.spec.vocab_size, (tokens,), generator=generator)
@@ -140,6 +141,25 @@ def _time_all(fns, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def linear_sizes(spec: DecoderSpec) -> list[tuple[int, int]]:
+    """The distinct (out, in) sizes of a decoder layer's linears."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    h, i = spec.hidden_size, spec.intermediate_size
+    return sorted({(q, h), (kv, h), (h, q), (i, h), (h, i)})
+
+
+def _copies(out_features: int, in_features: int) -> int:
+    """Distinct copies of one size cycled so that together they pass 256 MB of float weights (no copy stays in cache)."""
+    return max(2, -(-256 * 2**20 // (out_features * in_features * 4)))
+
+
+def kernels_peak_bytes(sizes: list[tuple[int, int]]) -> int:
+    """Peak of ``linear_kernels``: one size at a time, its float copies while packed (4 + 4 bytes) and quantized (1),
+    the two 512 MiB bandwidth buffers and the libraries."""
+    largest = max(_copies(o, i) * o * i for o, i in sizes)
+    return 9 * largest + 2 * 512 * 2**20 + LIBRARIES_BYTES
+
+
 def linear_kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 6, 8, 16), repeats: int = 5, progress: bool = True) -> dict:
     """Each distinct linear size of ``shape``: float vs W8A8 kernel time per M, and both as a fraction of the bandwidth bound.
 
@@ -148,25 +168,15 @@ def linear_kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 
     """
     from ..kernels import float_linear, int8_linear
     from ..scheme import quantize_weight
-    from .synthetic import synthetic_spec
 
-    spec = synthetic_spec(shape)
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    sizes = sorted(
-        {
-            (q, spec.hidden_size),
-            (kv, spec.hidden_size),
-            (spec.hidden_size, q),
-            (spec.intermediate_size, spec.hidden_size),
-            (spec.hidden_size, spec.intermediate_size),
-        }
-    )
+    sizes = linear_sizes(synthetic_spec(shape))
+    check_fits(kernels_peak_bytes(sizes), f"kernels --synthetic {shape}")
     float_kernel, int8_kernel = default_float_kernel(), default_int8_kernel()
     bandwidth = memory_bandwidth()
     results = []
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features in tqdm(sizes, desc="kernels", disable=not progress):
-        copies = max(2, -(-256 * 2**20 // (out_features * in_features * 4)))
+        copies = _copies(out_features, in_features)
         weights = [torch.randn(out_features, in_features, generator=generator) * 0.02 for _ in range(copies)]
         float_fns = [float_linear(w, None, float_kernel) for w in weights]
         int8_fns = [int8_linear(*quantize_weight(w), None, None, int8_kernel) for w in weights]

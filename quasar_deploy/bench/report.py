@@ -47,6 +47,8 @@ def markdown(report: dict) -> str:
                 f"| {row['k']} | {row['ngram_float_tokens_per_s']:.1f} | {row['ngram_w8a8_tokens_per_s']:.1f} | "
                 f"{row['speedup']:.2f}x | {row['acceptance_length_w8a8']:.2f} |"
             )
+    if s.get("timed_in_own_phase"):
+        lines += ["", f"Timed in a phase of their own before the others (not interleaved): {', '.join(s['timed_in_own_phase'])}."]
     if s.get("synthetic"):
         lines += ["", "Synthetic weights: timing only. Random models loop, so n-gram acceptance here says nothing about real text."]
     return "\n".join(lines) + "\n"

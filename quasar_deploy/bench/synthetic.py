@@ -7,8 +7,13 @@ say "synthetic weights".
 
 from __future__ import annotations
 
+import hashlib
+import math
+from collections.abc import Mapping
+
 import torch
 
+from ..backends.torch_backend import return_freed_memory
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
 from ..model import Decoder
@@ -51,36 +56,98 @@ def synthetic_spec(name: str) -> DecoderSpec:
     )
 
 
+def is_layer_linear(name: str) -> bool:
+    """Whether ``name`` is a decoder layer's linear weight (quantized in W8A8; embeddings, norms and lm_head stay float)."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
 class RandomTensors:
-    """A ``TensorSource`` that invents each tensor on request, on ``device``: normal(0, 0.02) weights, unit norms."""
+    """A ``TensorSource`` that invents each tensor on request, on ``device``: normal(0, 0.02) weights, unit norms.
 
-    def __init__(self, spec: DecoderSpec, seed: int = 0, device: torch.device | str = "cpu"):
+    Each tensor is drawn from its own generator, seeded by ``seed`` and its name, so any subset in
+    any order holds the same values: the float decoder, its W8A8 twin and transformers' twin can be
+    built apart (or one after another is freed) and still hold identical weights. ``quantized``
+    hands out layer linears as int8 with their ``weight_scale`` (one float tensor alive at a time);
+    ``shared`` tensors are handed out as they are (the float twin's embedding and norms: one copy).
+    """
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        quantized: bool = False,
+        shared: Mapping[str, torch.Tensor] | None = None,
+    ):
         self.spec = spec
+        self.seed = seed
         self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.quantized = quantized
+        self.shared = dict(shared or {})
         self.shapes = {name: shape for name, shape in expected_shapes(spec).items() if name.endswith(".weight")}
-        self.names = set(self.shapes)
+        scales = {name.removesuffix(".weight") + ".weight_scale" for name in self.shapes if is_layer_linear(name)}
+        self.names = set(self.shapes) | (scales if quantized else set())
+        self._scales: dict[str, torch.Tensor] = {}
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def _draw(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
         if len(shape) == 1:
             return torch.ones(shape, device=self.device)
-        return torch.randn(shape, generator=self.generator, device=self.device) * 0.02
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little"))
+        return torch.randn(shape, generator=generator, device=self.device) * 0.02
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name in self.shared:
+            return self.shared[name]
+        if name.endswith(".weight_scale"):  # asked for right after its weight (model.load_linear)
+            return self._scales.pop(name)
+        if self.quantized and is_layer_linear(name):
+            weight, self._scales[name.removesuffix(".weight") + ".weight_scale"] = quantize_weight(self._draw(name))
+            return weight
+        return self._draw(name)
 
 
 def synthetic_decoders(
-    name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    name: str,
+    seed: int = 0,
+    kernels: tuple[str, str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> tuple[Decoder, Decoder]:
     """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only).
+
+    Built lean, so a shape fits where its two engines fit: the W8A8 decoder shares the float one's
+    embedding and norms and is quantized tensor by tensor. With ``kernels`` (float, int8) both are
+    prepared (fused), the float one first so that its unpacked weights are gone before the W8A8 one
+    is built, and both run one packed lm_head (their heads hold the same weights).
 
     ``device``: where the weights are drawn and quantized (a GPU makes an 8B shape in seconds; the
     decoder's small buffers stay on the host until ``Decoder.move_to``).
     """
     spec = synthetic_spec(name)
     float_model = Decoder(spec, RandomTensors(spec, seed, device), dtype)
-    quant_model = Decoder(spec, RandomTensors(spec, seed, device), dtype)
-    with torch.no_grad():
-        for _, linear in quant_model.linears():
-            wq, scale = quantize_weight(linear.weight.data)
-            linear.set_quantized(wq, scale, None)
+    if kernels:
+        float_model.prepare(*kernels, fuse=True)
+        return_freed_memory()
+    shared = {n: t for n, t in float_model.state_dict().items() if not t.is_meta and not is_layer_linear(n)}
+    quant_model = Decoder(spec, RandomTensors(spec, seed, device, quantized=True, shared=shared), dtype)
+    if kernels:
+        quant_model.lm_head = float_model.lm_head
+        quant_model.prepare(*kernels, fuse=True)
+        return_freed_memory()
     return float_model, quant_model
+
+
+LIBRARIES_BYTES = 10**9  # the libraries (torch + transformers imported: 0.35 GB resident here), kernel scratch, allocator slack
+
+
+def engines_peak_bytes(spec: DecoderSpec) -> int:
+    """Peak resident bytes of ``synthetic_decoders(kernels=...)``: float linears (packed), embedding, one packed lm_head,
+    int8 linears; an untied head is drawn once more while the W8A8 decoder is built. Plus the libraries."""
+    shapes = expected_shapes(spec)
+    linears = [math.prod(shape) for name, shape in shapes.items() if is_layer_linear(name)]
+    embedding = 4 * spec.vocab_size * spec.hidden_size
+    head = embedding if spec.tie_word_embeddings else 2 * embedding
+    int8 = sum(linears) + 4 * sum(shapes[n.removesuffix(".weight") + ".weight_scale"][0] for n in shapes if is_layer_linear(n))
+    return 4 * sum(linears) + embedding + head + int8 + LIBRARIES_BYTES

@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from ..cpuinfo import prefer_passive_waits
 from ..errors import QuasarError
 from .bench import bench
 from .calibrate import calibrate
@@ -26,6 +27,8 @@ class QuasarGroup(click.Group):
     """Turns QuasarError (bad input, unusable backend) and OSError (disk, permissions) into ``error: ...`` and exit 1."""
 
     def invoke(self, ctx: click.Context):
+        if "torch" not in sys.modules:  # OpenMP reads its wait policy once, as torch loads it
+            prefer_passive_waits()
         try:
             return super().invoke(ctx)
         except (QuasarError, OSError) as exc:

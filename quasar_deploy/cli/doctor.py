@@ -20,6 +20,7 @@ def doctor(path, as_json):
         click.echo(json.dumps(info, indent=2))
         return
     click.echo(f"cpu            {info['cpu']} ({info['threads']} threads)")
+    click.echo(f"openmp waits   {info['omp_wait_policy']}")
     click.echo(f"isa            {' '.join(info['isa']) or 'none detected'}")
     click.echo(f"torch          {info['torch']} (python {info['python']})")
     click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; fbgemm {'available' if info['fbgemm'] else 'missing'})")
@@ -30,6 +31,7 @@ def doctor(path, as_json):
         click.echo(f"gpu            {gpu['gpu']} (compute capability {gpu['compute_capability']}, {cores}; CUDA {gpu['cuda']})")
     else:
         click.echo(f"gpu            none: {gpu['reason']}")
+    click.echo(f"backend        {info['default_backend']} for artifacts and checkpoints (--backend auto; ONNX exports: onnxruntime)")
     click.echo("targets:")
     for name, reason in info["targets"].items():
         click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")

@@ -98,7 +98,8 @@ def generate(path, prompt, prompt_file, chat, backend, show_stats, as_json, skip
     from ..engine import load
 
     text = _prompt(prompt, prompt_file, chat)
-    stream = load(path, backend=backend).stream(text, skip_layers=_layers(skip_layers), **options)
+    engine = load(path, backend=backend)
+    stream = engine.stream(text, skip_layers=_layers(skip_layers), **options)
     if as_json:
         for _ in stream:
             pass
@@ -116,6 +117,6 @@ def generate(path, prompt, prompt_file, chat, backend, show_stats, as_json, skip
             err=True,
         )
     if as_json:
-        click.echo(json.dumps(result.to_dict()))
+        click.echo(json.dumps({**result.to_dict(), "backend": engine.lm.description}))
     elif show_stats:
-        _print_stats({"finish_reason": result.finish_reason, **result.stats.to_dict(), **_memory(path, result)})
+        _print_stats({"backend": engine.lm.description, "finish_reason": result.finish_reason, **result.stats.to_dict(), **_memory(path, result)})

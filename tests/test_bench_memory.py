@@ -1,0 +1,125 @@
+"""Lean benchmarks: shapes that cannot fit are refused up front, synthetic twins share what they can, and transformers'
+model never holds memory beside our engines."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quasar_deploy.bench import memory, synthetic
+from quasar_deploy.bench.contenders import synthetic_contenders, trained_contenders
+from quasar_deploy.bench.e2e import BenchSettings, benchmark
+from quasar_deploy.bench.micro import kernels_peak_bytes, linear_sizes, verify_step
+from quasar_deploy.cli import main
+from quasar_deploy.errors import QuasarError
+from quasar_deploy.kernels import default_float_kernel, default_int8_kernel
+from quasar_deploy.scheme import quantize_weight
+
+GB = 10**9
+
+
+@pytest.fixture
+def small_shape(monkeypatch):
+    """A published-shape entry small enough for a test: hidden 64, 2 layers, vocabulary 512, tied embeddings."""
+    monkeypatch.setitem(synthetic.SHAPES, "test-tiny", (64, 128, 2, 4, 2, 16, 512, True))
+    return "test-tiny"
+
+
+def test_memory_available_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
+    assert memory.memory_available(meminfo) == 20000000 * 1024
+    assert memory.memory_available(tmp_path / "missing") > 10**15  # unknown: never refuse
+
+
+def test_what_cannot_fit_is_refused_with_the_estimate():
+    needed = synthetic.engines_peak_bytes(synthetic.synthetic_spec("qwen3-8b"))
+    # float linears (27.9 GB) + embedding and packed head (2 x 2.49 GB, untied head drawn once more) + int8 linears + libraries
+    assert 40 * GB < needed < 45 * GB
+    with pytest.raises(QuasarError, match=r"^bench e2e --synthetic qwen3-8b needs ~4\d\.\d GB, this machine has 20\.0 GB available$"):
+        memory.check_fits(needed, "bench e2e --synthetic qwen3-8b", available=20 * GB)
+    memory.check_fits(needed, "fits", available=needed)
+
+
+def test_the_qwen3_1_7b_estimate_adds_up():
+    # 5.64 GB float linears (oneDNN-packed), 1.24 GB embedding, 1.24 GB packed lm_head shared by both engines, 1.41 GB int8,
+    # 1 GB for the libraries
+    assert synthetic.engines_peak_bytes(synthetic.synthetic_spec("qwen3-1.7b")) == pytest.approx(10.53 * GB, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["e2e", "--synthetic", "qwen3-8b"], ["verify-step", "--synthetic", "qwen3-8b"], ["kernels", "--synthetic", "qwen3-8b"]],
+)
+def test_bench_commands_refuse_before_allocating(monkeypatch, tmp_path, command):
+    monkeypatch.setattr(memory, "memory_available", lambda: GB // 2)  # fake: allocating to prove it would be slow and unkind
+    result = CliRunner().invoke(main, ["bench", *command, "-o", str(tmp_path)] if command[0] == "e2e" else ["bench", *command])
+    assert result.exit_code == 1, result.output
+    assert f"{command[0]} --synthetic qwen3-8b needs ~" in result.output and "this machine has 0.5 GB available" in result.output
+
+
+def test_the_kernel_benchmark_estimate_is_its_largest_size():
+    sizes = linear_sizes(synthetic.synthetic_spec("qwen3-8b"))
+    assert (12288, 4096) in sizes and len(sizes) == 4  # q and o are square at 8B: one size
+    # two copies of the largest (>= 256 MB of float weights), float + packed + int8 bytes each; 1 GiB of copy buffers; libraries
+    assert kernels_peak_bytes(sizes) == 9 * 2 * 12288 * 4096 + 2**30 + synthetic.LIBRARIES_BYTES
+
+
+def test_random_tensors_do_not_depend_on_the_order_they_are_drawn_in(small_shape):
+    spec = synthetic.synthetic_spec(small_shape)
+    names = sorted(synthetic.RandomTensors(spec).names)
+    forward = {n: synthetic.RandomTensors(spec).tensor(n) for n in names}
+    backward = synthetic.RandomTensors(spec)
+    assert all(torch.equal(backward.tensor(n), forward[n]) for n in reversed(names))
+
+
+def test_synthetic_twins_share_embedding_and_one_packed_head(small_shape):
+    plain_float, plain_w8a8 = synthetic.synthetic_decoders(small_shape)
+    assert plain_w8a8.model.embed_tokens.weight.data_ptr() == plain_float.model.embed_tokens.weight.data_ptr()  # one copy
+    weight = plain_float.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(plain_w8a8.model.layers[1].mlp.down_proj.weight, quantize_weight(weight)[0])  # the same random draw
+
+    float_model, w8a8 = synthetic.synthetic_decoders(small_shape, kernels=(default_float_kernel(), default_int8_kernel()))
+    assert w8a8.lm_head is float_model.lm_head and w8a8.lm_head.weight.is_meta
+    ids = torch.arange(3, 11)
+    expected = [d(ids, d.new_cache()) for d in (plain_float, plain_w8a8)]
+    for got, want in zip((float_model(ids, float_model.new_cache()), w8a8(ids, w8a8.new_cache())), expected):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_verify_step_runs_on_the_lean_twins(small_shape):
+    result = verify_step(small_shape, tokens=3, context=8, repeats=2, progress=False)
+    assert result.float_ms > 0 and result.w8a8_ms > 0 and result.ideal_ratio > 1
+
+
+def test_transformers_model_is_freed_before_the_engines_load(tiny_qwen3, tiny_artifact, tmp_path):
+    contenders = trained_contenders(tiny_qwen3, tiny_artifact.path)
+    loaded, build, contenders_load_hf = [], contenders.build_engines, contenders.load_hf
+
+    def load_hf():
+        model = contenders_load_hf()
+        loaded.append(weakref.ref(model))
+        return model
+
+    def build_engines():
+        gc.collect()
+        assert loaded and loaded[0]() is None, "transformers' model is still alive while the engines load"
+        return build()
+
+    contenders.load_hf, contenders.build_engines = load_hf, build_engines
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["def f(x):"]}\n{"turns": ["class A:"]}\n')
+    settings = BenchSettings(prompts=str(prompts), limit=2, max_new_tokens=4, modes=("hf-prompt-lookup", "ngram-float"))
+    report = benchmark(settings, contenders, progress=False)
+    assert report["settings"]["timed_in_own_phase"] == ["hf-prompt-lookup"]
+    assert report["modes"]["hf-prompt-lookup"]["new_tokens"] > 0 and report["modes"]["ngram-float"]["new_tokens"] > 0
+
+
+def test_synthetic_contenders_are_refused_before_any_tensor_is_drawn(monkeypatch):
+    monkeypatch.setattr(memory, "memory_available", lambda: GB)
+    with pytest.raises(QuasarError, match="needs ~"):
+        synthetic_contenders("qwen3-1.7b")

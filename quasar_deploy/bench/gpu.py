@@ -156,7 +156,7 @@ def _ngram_benchmark(label: str, float_lm, quant_lm, tokenizer, weights: str, se
         num_draft=settings.num_draft,
         modes=("ngram-float", "ngram-w8a8"),
     )
-    report = benchmark(bench, Contenders(engines[0], engines[1], None, weights), progress=False)
+    report = benchmark(bench, Contenders(lambda: (engines[0], engines[1]), tokenizer, frozenset(), None, weights), progress=False)
     modes = report["modes"]
     return {
         "model": label,

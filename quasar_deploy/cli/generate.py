@@ -119,4 +119,6 @@ def generate(path, prompt, prompt_file, chat, backend, show_stats, as_json, skip
     if as_json:
         click.echo(json.dumps({**result.to_dict(), "backend": engine.lm.description}))
     elif show_stats:
-        _print_stats({"backend": engine.lm.description, "finish_reason": result.finish_reason, **result.stats.to_dict(), **_memory(path, result)})
+        _print_stats(
+            {"backend": engine.lm.description, "finish_reason": result.finish_reason, **result.stats.to_dict(), **_memory(path, result)}
+        )

@@ -96,19 +96,25 @@ def load_cpu(
     int8_kernel: str | None = None,
     threads: int | None = None,
 ) -> TorchCausalLM:
-    """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has.
-
-    Batched serving steps (``BatchVerifyingLM``) come with the oneDNN float kernel, the default where torch has it.
-    """
+    """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has."""
     files = path if isinstance(path, ModelFiles) else open_model_files(path)
+    kind = "W8A8" if files.is_artifact else "float"
+    return cpu_causal_lm(files.decoder(torch.float32), float_kernel, int8_kernel, threads, kind)
+
+
+def cpu_causal_lm(
+    decoder: Decoder, float_kernel: str | None = None, int8_kernel: str | None = None, threads: int | None = None, kind: str = ""
+) -> TorchCausalLM:
+    """``decoder`` with the cpu kernels bound (q/k/v and gate/up fused); batched serving steps where they are row-invariant.
+
+    MKL's float GEMM rounds a row differently with the row count, so only the oneDNN float
+    kernel (the default where torch has it) gives a ``BatchingTorchCausalLM``.
+    """
     # torch sizes its pool from the host's cores; never let it exceed what this process may use (affinity, cgroup quota)
     torch.set_num_threads(threads or min(torch.get_num_threads(), default_threads()))
     float_kernel = float_kernel or default_float_kernel("cpu")
     int8_kernel = int8_kernel or default_int8_kernel("cpu")
-    decoder = files.decoder(torch.float32)
     decoder.prepare(float_kernel, int8_kernel, fuse=True)
     return_freed_memory()
-    kind = "W8A8" if files.is_artifact else "float"
-    # MKL's float GEMM rounds a row differently with the row count: batched serving steps only on row-invariant kernels
     lm_class = BatchingTorchCausalLM if float_kernel == "onednn" else TorchCausalLM
     return lm_class(decoder, description=f"cpu {kind} (float kernel {float_kernel}, int8 kernel {int8_kernel})")

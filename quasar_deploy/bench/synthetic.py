@@ -70,11 +70,15 @@ class RandomTensors:
 def synthetic_decoders(name: str, seed: int = 0) -> tuple[Decoder, Decoder]:
     """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only)."""
     spec = synthetic_spec(name)
-    source = RandomTensors(spec, seed)
-    float_model = Decoder(spec, source)
+    return Decoder(spec, RandomTensors(spec, seed)), synthetic_w8a8_decoder(name, seed)
+
+
+def synthetic_w8a8_decoder(name: str, seed: int = 0) -> Decoder:
+    """The W8A8 decoder of ``synthetic_decoders`` alone (no float copy held meanwhile)."""
+    spec = synthetic_spec(name)
     quant_model = Decoder(spec, RandomTensors(spec, seed))
     with torch.no_grad():
         for _, linear in quant_model.linears():
             wq, scale = quantize_weight(linear.weight.data)
             linear.set_quantized(wq, scale, None)
-    return float_model, quant_model
+    return quant_model

@@ -106,7 +106,7 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        """Cancel everything and end the worker (running sequences are closed, waiting ones told the server stopped)."""
+        """Cancel everything and end the worker (running sequences are dropped, waiting ones told the server stopped)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()

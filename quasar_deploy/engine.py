@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .backends import create_backend
 from .errors import QuasarError
 from .speculative.acceptance import Sampler, SamplingParams
@@ -30,7 +32,7 @@ from .speculative.causal_lm import CausalLM, ForkingLM
 from .speculative.draft_model import check_same_vocabulary
 from .speculative.drafters import Drafter
 from .speculative.layerskip import check_can_skip, choose_skip_layers
-from .speculative.loop import LoopStats, speculate
+from .speculative.loop import LoopStats, Speculation
 from .speculative.registry import check_drafter_options, create_drafter, drafter_entry
 from .tokenizer import load_tokenizer
 
@@ -284,66 +286,86 @@ class StopStrings:
 class Generation:
     """One generation over one sequence (its own ``CausalLM`` cache), advanced one verify step at a time.
 
-    ``steps()`` yields, per verify step, the text pieces that step made safe to show,
-    so a caller can interleave several generations step by step (the server's
-    scheduler) or flatten one (``Stream``). ``result`` is set once the steps end.
+    Two ways to drive it. ``steps()`` yields, per verify step, the text pieces that step
+    made safe to show (``Stream`` flattens them). A scheduler that verifies many
+    sequences in one forward calls the phases itself: ``prefill()``, then per step
+    ``draft()`` (the block of token ids to verify on ``lm``) and ``settle(logits, began)``,
+    until ``finished``. Both run the same ``Speculation``. ``result`` is set once the last
+    step is taken; between steps the cache holds a consistent prefix, so dropping a
+    generation early (a cancelled request) needs no cleanup.
     """
 
     def __init__(self, engine: Engine, lm: CausalLM, prompt: list[int], options: GenerationOptions):
         self._engine = engine
+        self.lm = lm
         self.prompt = prompt
         self._max_new_tokens = options.max_new_tokens
-        self._sampler = Sampler(options.sampling, options.seed)
         self.loop_stats = LoopStats()
-        self._steps = speculate(
+        self._speculation = Speculation(
             lm,
             engine.drafter(options, lm),
             prompt,
-            self._sampler,
+            Sampler(options.sampling, options.seed),
             options.num_draft,
             options.max_new_tokens,
             engine.stop_ids,
             self.loop_stats,
         )
         self._stops = StopStrings(options.stop)
+        self._detokenizer = Detokenizer(engine.tokenizer, prompt)
+        self._tokens: list[int] = []
+        self._text: list[str] = []
+        self._began = 0.0
         self.result: GenerationResult | None = None
 
-    def steps(self) -> Iterator[list[str]]:
-        """Closing this iterator early (a cancelled request) closes the loop too: no result, the cache left consistent."""
-        try:
-            yield from self._run()
-        finally:
-            self._steps.close()
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
 
-    def _run(self) -> Iterator[list[str]]:
-        began = time.perf_counter()
-        detokenizer = Detokenizer(self._engine.tokenizer, self.prompt)
-        tokens: list[int] = []
-        text: list[str] = []
+    def steps(self) -> Iterator[list[str]]:
+        yield self.prefill()
+        while not self.finished:
+            yield self._take(self._speculation.step())
+
+    def prefill(self) -> list[str]:
+        """Cache the prompt: the text of the first token."""
+        self._began = time.perf_counter()
+        return self._take(self._speculation.prefill())
+
+    def draft(self) -> list[int]:
+        """The token ids ``lm`` must verify next (the pending token and the drafted ones)."""
+        return self._speculation.draft()
+
+    def settle(self, logits: torch.Tensor, verify_began: float) -> list[str]:
+        """The text of the step whose block ``lm`` computed ``logits`` for (starting at ``time.perf_counter()`` ``verify_began``)."""
+        return self._take(self._speculation.settle(logits, verify_began))
+
+    def _take(self, step: list[int]) -> list[str]:
+        pieces: list[str] = []
         stopped = False
-        for step in self._steps:
-            pieces: list[str] = []
-            for token in step:
-                tokens.append(token)
-                piece, stopped = self._stops.push(detokenizer.push(token))
-                if piece:
-                    pieces.append(piece)
-                if stopped:
-                    break
-            text.extend(pieces)
-            yield pieces
+        for token in step:
+            self._tokens.append(token)
+            piece, stopped = self._stops.push(self._detokenizer.push(token))
+            if piece:
+                pieces.append(piece)
             if stopped:
                 break
-        else:
-            tail, stopped = self._stops.push(detokenizer.flush())
+        if not stopped and self._speculation.finished:
+            tail, stopped = self._stops.push(self._detokenizer.flush())
             tail += self._stops.flush()
             if tail:
-                text.append(tail)
-                yield [tail]
-        stats = GenerationStats(self.loop_stats, len(tokens), time.perf_counter() - began)
+                pieces.append(tail)
+        self._text.extend(pieces)
+        if stopped or self._speculation.finished:
+            self._finish(stopped)
+        return pieces
+
+    def _finish(self, stopped: bool) -> None:
+        tokens = self._tokens
+        stats = GenerationStats(self.loop_stats, len(tokens), time.perf_counter() - self._began)
         finish = "stop" if stopped or (tokens and tokens[-1] in self._engine.stop_ids) else "length"
         context_full = finish == "length" and len(tokens) < self._max_new_tokens
-        self.result = GenerationResult("".join(text), tokens, stats, finish, len(self.prompt), context_full)
+        self.result = GenerationResult("".join(self._text), tokens, stats, finish, len(self.prompt), context_full)
 
 
 class Stream:

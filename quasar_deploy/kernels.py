@@ -25,7 +25,9 @@ accumulation; they differ only in speed and in where they run):
 - ``cuda`` / ``npu`` kernels live with their backends.
 
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
-once for oneDNN, measured faster than MKL at small M on AMD parts).
+once for oneDNN, measured faster than MKL at small M on AMD parts). Only ``onednn`` is
+row-invariant (a row's result does not depend on the other rows of the call), which a
+batched serving step needs; MKL's blocking changes a row's rounding with M.
 """
 
 from __future__ import annotations
@@ -85,8 +87,23 @@ def float_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -
         if not _onednn_packs(weight):
             return lambda x: F.linear(x, weight, bias)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return _row_invariant(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
     raise ValueError(f"unknown float kernel {kernel!r}; choose from {FLOAT_KERNELS}")
+
+
+def _row_invariant(linear: LinearFn) -> LinearFn:
+    """``linear`` with one input row sent as two: every row's result then no longer depends on how many rows came along.
+
+    Measured here (tests/test_batching.py): oneDNN computes each row of an M >= 2 call bit for bit alike whatever
+    M is, but takes another path for M = 1 when K > 1024, with other rounding. A one-token decode step and the
+    same row among other sequences' rows (a batched serving step) must agree exactly; the duplicate row costs
+    one more row of compute on weights read once.
+    """
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return linear(x.repeat(2, 1))[:1] if x.shape[0] == 1 else linear(x)
+
+    return run
 
 
 def _activation_scale(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:

@@ -9,7 +9,7 @@ artifacts load by name; tests check the logits against ``transformers``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -204,6 +204,7 @@ class KVCache:
 
 
 Loader = Callable[[str, bool], "torch.Tensor | None"]
+Segments = Sequence[tuple[KVCache, int]]  # stacked rows by sequence: each cache receives the next ``int`` rows, in order
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
@@ -306,25 +307,31 @@ class Attention(nn.Module):
         t = attended.shape[1]
         return self.o_proj(attended.transpose(0, 1).reshape(t, self.spec.num_heads * self.spec.head_dim))
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
-        s = self.spec
-        t = x.shape[0]
-        start = cache.length
+    def forward(self, x, cos, sin, segments: Segments, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.rotated_qkv(x, cos, sin)
+        outs, row = [], 0
+        for cache, rows in segments:  # each sequence attends over its own cache only
+            part = slice(row, row + rows)
+            outs.append(self._attend_cached(q[:, part], k[:, part], v[:, part], cache, layer, prefill_mask))
+            row += rows
+        return self.output(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
+
+    def _attend_cached(self, q, k, v, cache: KVCache, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
+        """One sequence's rows: write their keys and values to its cache, attend over what each row may see."""
+        s = self.spec
+        start = cache.length
         keys, values = cache.write(layer, k, v)
         if start == 0:
-            out = self.attend(q, keys, values, prefill_mask)
-        else:
-            # Row by row, each over exactly its visible keys: a k+1-token verify then computes bit for bit
-            # what k+1 one-token decodes compute. Batched attention differs by ~1e-7 with the row count,
-            # which a W8A8 verifier's int8 rounding can amplify into a different greedy token.
-            rows = []
-            for i in range(t):
-                end = start + i + 1
-                begin = max(0, end - s.sliding_window) if s.sliding_window else 0
-                rows.append(self.attend(q[:, i : i + 1], keys[:, begin:end], values[:, begin:end], None))
-            out = torch.cat(rows, dim=1)
-        return self.output(out)
+            return self.attend(q, keys, values, prefill_mask)
+        # Row by row, each over exactly its visible keys: a k+1-token verify then computes bit for bit
+        # what k+1 one-token decodes compute. Batched attention differs by ~1e-7 with the row count,
+        # which a W8A8 verifier's int8 rounding can amplify into a different greedy token.
+        rows = []
+        for i in range(q.shape[1]):
+            end = start + i + 1
+            begin = max(0, end - s.sliding_window) if s.sliding_window else 0
+            rows.append(self.attend(q[:, i : i + 1], keys[:, begin:end], values[:, begin:end], None))
+        return torch.cat(rows, dim=1)
 
     def attend(self, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
         """Scaled dot-product attention of q [heads, t, d] over keys/values [kv heads, n, d] (grouped-query aware)."""
@@ -358,8 +365,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(tensors(f"{prefix}.post_attention_layernorm.weight"), spec.rms_norm_eps)
         self.mlp = MLP(tensors, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, cache, layer, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+    def forward(self, x, cos, sin, segments: Segments, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -384,7 +391,8 @@ def _embeddings(source: TensorSource, spec: DecoderSpec, dtype: torch.dtype) -> 
 
 
 class Decoder(nn.Module):
-    """Batch-1 causal decoder: ``forward(ids, cache)`` appends ``ids`` to the cache and returns their logits."""
+    """Causal decoder: ``forward(ids, cache)`` appends ``ids`` to the cache and returns their logits;
+    ``forward_blocks`` does that for several sequences (each its own cache) in one pass."""
 
     def __init__(self, spec: DecoderSpec, source: TensorSource, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -430,14 +438,32 @@ class Decoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
-        t = ids.shape[0]
-        start = cache.length
-        cache.reserve(t)
-        cos, sin = rotary(self.inv_freq, start, t, self.dtype)
-        mask = prefill_mask(self.spec, t, ids.device) if start == 0 else None
-        x = self.embed(ids)
+        return self.forward_blocks([ids], [cache], skip_layers)
+
+    @torch.inference_mode()
+    def forward_blocks(
+        self, blocks: Sequence[torch.Tensor], caches: Sequence[KVCache], skip_layers: frozenset[int] = frozenset()
+    ) -> torch.Tensor:
+        """Appends ``blocks[i]`` to ``caches[i]`` for every i in one pass; their logits stacked [sum of lengths, vocab].
+
+        Several sequences' verify blocks share every linear, norm and the lm_head (the rows
+        stacked: the weights are read once per step, not once per sequence); rotary positions
+        and attention are each sequence's own. A prefill (an empty cache) runs alone.
+        """
+        sizes = [block.shape[0] for block in blocks]
+        starts = [cache.length for cache in caches]
+        if len(blocks) > 1 and 0 in starts:
+            raise ValueError("a prefill runs alone: prefill each sequence before verifying blocks together")
+        for cache, t in zip(caches, sizes):
+            cache.reserve(t)
+        ropes = [rotary(self.inv_freq, start, t, self.dtype) for start, t in zip(starts, sizes)]
+        cos, sin = (torch.cat(parts) for parts in zip(*ropes)) if len(ropes) > 1 else ropes[0]
+        mask = prefill_mask(self.spec, sizes[0], blocks[0].device) if starts[0] == 0 else None
+        x = self.embed(torch.cat(list(blocks)) if len(blocks) > 1 else blocks[0])
+        segments = list(zip(caches, sizes))
         for i, layer in enumerate(self.model.layers):
             if i not in skip_layers:
-                x = layer(x, cos, sin, cache, i, mask)
-        cache.length = start + t
+                x = layer(x, cos, sin, segments, i, mask)
+        for cache, start, t in zip(caches, starts, sizes):
+            cache.length = start + t
         return self.lm_head(self.model.norm(x)).float()

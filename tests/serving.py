@@ -1,54 +1,15 @@
-"""A live server for tests: the app under uvicorn in a thread on 127.0.0.1 and a free port, stopped on exit."""
+"""Server test helpers: a live server (``quasar_deploy.serve.local``), one metric's value, a slowed-down engine."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
-import uvicorn
 
-START_TIMEOUT_S = 30
+from quasar_deploy.serve.local import free_port, serving_in_thread, wait_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(base: str, timeout: float = START_TIMEOUT_S, process=None) -> None:
-    """Until /health answers 200; a server ``process`` that exits meanwhile fails at once, with its stderr."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}: {process.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"no server answered at {base} within {timeout} s")
-
-
-@contextmanager
-def live_server(app) -> Iterator[str]:
-    """The base URL (``http://127.0.0.1:PORT``) of ``app`` served in a thread."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base)
-        yield base
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+live_server = serving_in_thread
+__all__ = ["free_port", "live_server", "metric", "slow_engine", "wait_healthy"]
 
 
 def metric(base: str, name: str, headers: dict | None = None) -> float:

@@ -57,7 +57,7 @@ class TorchCausalLM:
 
     def new_sequence(self) -> TorchCausalLM:
         """The same decoder (weights, packed kernels) with a fresh KV cache: one per concurrent request."""
-        return TorchCausalLM(self.decoder, self.max_length, self.description)
+        return type(self)(self.decoder, self.max_length, self.description)
 
     @property
     def length(self) -> int:
@@ -66,6 +66,18 @@ class TorchCausalLM:
     @property
     def num_layers(self) -> int:
         return self.spec.num_layers
+
+
+class BatchingTorchCausalLM(TorchCausalLM):
+    """A ``TorchCausalLM`` whose kernels are row-invariant (cpu: int8 FBGEMM or reference, float oneDNN), so it also
+    serves ``BatchVerifyingLM``: many sequences' verify blocks in one ``Decoder.forward_blocks`` pass."""
+
+    def verify_batch(self, sequences: Sequence[TorchCausalLM], blocks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        if any(sequence.decoder is not self.decoder for sequence in sequences):
+            raise ValueError("verify_batch takes sequences opened over this model's weights (new_sequence)")
+        ids = [sequence._ids(block) for sequence, block in zip(sequences, blocks)]
+        logits = self.decoder.forward_blocks(ids, [sequence.cache for sequence in sequences])
+        return list(logits.split([len(block) for block in blocks]))
 
 
 def return_freed_memory() -> None:
@@ -89,14 +101,25 @@ def load_cpu(
 ) -> TorchCausalLM:
     """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has."""
     files = path if isinstance(path, ModelFiles) else open_model_files(path)
+    kind = "W8A8" if files.is_artifact else "float"
+    return cpu_causal_lm(files.decoder(torch.float32), float_kernel, int8_kernel, threads, kind)
+
+
+def cpu_causal_lm(
+    decoder: Decoder, float_kernel: str | None = None, int8_kernel: str | None = None, threads: int | None = None, kind: str = ""
+) -> TorchCausalLM:
+    """``decoder`` with the cpu kernels bound (q/k/v and gate/up fused); batched serving steps where they are row-invariant.
+
+    MKL's float GEMM rounds a row differently with the row count, so only the oneDNN float
+    kernel (the default where torch has it) gives a ``BatchingTorchCausalLM``.
+    """
     # torch sizes its pool from the host's cores; never let it exceed what this process may use (affinity, cgroup quota)
     torch.set_num_threads(threads or min(torch.get_num_threads(), default_threads()))
     float_kernel = float_kernel or default_float_kernel("cpu")
     int8_kernel = int8_kernel or default_int8_kernel("cpu")
-    decoder = files.decoder(torch.float32)
     decoder.prepare(float_kernel, int8_kernel, fuse=True)
     return_freed_memory()
-    kind = "W8A8" if files.is_artifact else "float"
-    return TorchCausalLM(
+    lm_class = BatchingTorchCausalLM if float_kernel == "onednn" else TorchCausalLM
+    return lm_class(
         decoder, description=f"cpu {kind}, {torch.get_num_threads()} threads (float kernel {float_kernel}, int8 kernel {int8_kernel})"
     )

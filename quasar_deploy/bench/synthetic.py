@@ -151,3 +151,9 @@ def engines_peak_bytes(spec: DecoderSpec) -> int:
     head = embedding if spec.tie_word_embeddings else 2 * embedding
     int8 = sum(linears) + 4 * sum(shapes[n.removesuffix(".weight") + ".weight_scale"][0] for n in shapes if is_layer_linear(n))
     return 4 * sum(linears) + embedding + head + int8 + LIBRARIES_BYTES
+
+
+def synthetic_w8a8_decoder(name: str, seed: int = 0) -> Decoder:
+    """The W8A8 decoder of ``synthetic_decoders`` alone, quantized tensor by tensor (no float copy held meanwhile)."""
+    spec = synthetic_spec(name)
+    return Decoder(spec, RandomTensors(spec, seed, quantized=True))

@@ -51,7 +51,7 @@ def run_layer(layer: DecoderLayer, spec: DecoderSpec, hidden: list[torch.Tensor]
         length = x.shape[0]
         cos, sin = rotary(inv_freq, 0, length, torch.float32)
         cache = KVCache(one_layer, torch.float32, x.device, length)
-        hidden[s] = layer(x, cos, sin, cache, 0, prefill_mask(spec, length, x.device))
+        hidden[s] = layer(x, cos, sin, [(cache, length)], 0, prefill_mask(spec, length, x.device))
 
 
 def calibrate_layers(

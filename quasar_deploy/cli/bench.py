@@ -1,9 +1,10 @@
-"""``quasar-deploy bench e2e|verify-step|kernels|onnx|gpu``: every speed figure the docs quote, one subcommand per measurement;
+"""``quasar-deploy bench e2e|serve|verify-step|roofline|kernels|onnx|gpu``: every speed figure the docs quote, one subcommand per measurement;
 ``write-checkpoint``: a real-size random checkpoint to measure calibration and loading on."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -25,7 +26,8 @@ onnx_repeats_option = click.option("--repeats", default=10, show_default=True, t
 
 @click.group()
 def bench() -> None:
-    """Measure speed: decoding modes end to end, one verify step, the linear kernels, the exported ONNX forms; write test checkpoints."""
+    """Measure speed: decoding modes end to end, the server under load, one verify step, the linear kernels, the exported ONNX
+    forms; write test checkpoints."""
 
 
 @bench.command("e2e")
@@ -96,11 +98,15 @@ def e2e(
         with_ort = Path(work) if set(ORT_MODES) & set(settings.modes) else None
         contenders = synthetic_contenders(synthetic, with_hf) if synthetic else trained_contenders(reference, artifact, with_hf, with_ort)
         result = benchmark(settings, contenders, progress=not as_json)
-    written = report_writer.write(result, output)
+    _show(result, report_writer.write(result, output), report_writer.markdown, as_json)
+
+
+def _show(report: dict, written: list[Path], markdown: Callable[[dict], str], as_json: bool) -> None:
+    """A written report on stdout: as JSON, or as its markdown table and the files written."""
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps(report, indent=2))
         return
-    click.echo(report_writer.markdown(result))
+    click.echo(markdown(report))
     click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
@@ -118,6 +124,35 @@ def roofline_command(path, prompt, max_new_tokens, draft, num_draft, as_json):
 
     result = roofline(path, prompt, max_new_tokens, draft, num_draft)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else describe_roofline(result))
+
+
+@bench.command("serve")
+@click.argument("artifact", required=False, type=click.Path(path_type=str))
+@click.option("--synthetic", metavar="SHAPE", help="Instead of ARTIFACT: W8A8 random weights of a published shape (timing only).")
+@click.option("--prompts", type=click.Path(dir_okay=False), help="Spec-Bench JSONL (turns[0] is the prompt); default: built-in.")
+@click.option("--limit", default=16, show_default=True, type=click.IntRange(min=1), help="Prompts, each sent once per level.")
+@click.option("--concurrency", default="1,4,8", show_default=True, type=INT_LIST, help="Comma-separated numbers of clients.")
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--draft", default="ngram", show_default=True, type=click.Choice(["none", "ngram", "layerskip"]))
+@click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("-o", "--output", default="bench-serve", show_default=True, type=click.Path(file_okay=False), help="New report directory.")
+@json_option
+def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, output, as_json):
+    """Our server on 127.0.0.1 under streaming clients at each concurrency: tokens/s, TTFT, inter-token latency, acceptance.
+
+    ARTIFACT defaults to the demo model's W8A8 artifact (calibrated once, cached).
+    """
+    from ..bench import serving
+    from ..calibration.data import BUILTIN
+    from ..files import require_new
+
+    if synthetic and artifact:
+        raise QuasarError("give ARTIFACT or --synthetic, not both")
+    require_new(output)
+    prompts = str(prompts or BUILTIN["prompts"])
+    settings = serving.ServeBenchSettings(prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic)
+    report = serving.benchmark_serving(settings, progress=not as_json)
+    _show(report, serving.write(report, output), serving.markdown, as_json)
 
 
 @bench.command("verify-step")

@@ -1,13 +1,17 @@
-"""One worker thread runs every admitted request's generation, each on its own sequence, one verify step at a time.
+"""One worker thread runs every admitted request's generation, each on its own sequence, one verify step per round.
 
-Round-robin, first increment: each round admits waiting requests into free slots,
-drops cancelled sequences, then advances every running sequence by one verify step
-(``_step_all``). No request waits for another to finish, a new one starts at the next
-round, and every sequence's output is what it would be alone (its own KV cache, its
-own sampler). The weights are shared; the forwards are not batched. The batched
-increment replaces ``_step_all`` with one forward over all sequences' rows (pending
-token plus k_i drafts each, M = sum of k_i + 1), which needs the speculative loop split
-into draft / verify / accept phases; admission, cancellation and delivery stay as they are.
+Each round admits waiting requests into free slots, drops cancelled sequences, then
+takes one step of every running sequence (``_step_all``): the ones just admitted
+prefill, alone; every other one drafts its block (pending token plus k_i drafts, with
+its own drafter, so layerskip drafts on its own cache), and the blocks are verified
+together. On a backend that batches (``BatchVerifyingLM``: cpu with row-invariant
+kernels) that is one forward over M = sum of k_i + 1 stacked rows, the weights read
+once for all sequences; elsewhere (onnxruntime, npu, wrappers) one ``verify`` per
+sequence, round-robin. Each sequence then accepts and rolls back on its own
+(``Generation.settle``, its own seeded sampler). No request waits for another to finish,
+a new one starts at the next round, and every sequence's output is what it would be
+alone: its own KV cache and sampler, and kernels whose rows do not depend on their
+neighbours (docs/architecture.md, "Serving").
 
 The scheduler knows nothing of HTTP or asyncio: each ticket carries a ``deliver``
 callable that the server points at the request's event queue.
@@ -18,12 +22,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..engine import Engine, Generation, GenerationOptions, GenerationResult
 from ..errors import QuasarError
 from ..files import first_line
+from ..speculative.causal_lm import BatchVerifyingLM
 from .metrics import Metrics
 from .protocol import ApiError, Request
 
@@ -52,6 +58,7 @@ class Failed:
 
 
 Event = Started | Text | Done | Failed
+T = TypeVar("T")
 
 
 class QueueFull(Exception):
@@ -70,11 +77,12 @@ class Ticket:
 
 @dataclass(eq=False)
 class Running:
-    """A sequence being generated, with the loop counters last seen (to turn totals into per-step metrics)."""
+    """A sequence being generated (``done`` once finished or failed), with the loop counters last seen (to turn totals
+    into per-step metrics)."""
 
     ticket: Ticket
     generation: Generation
-    steps: Iterator[list[str]]
+    done: bool = False
     first_step_done: bool = False
     verify_steps: int = 0
     accepted: int = 0
@@ -82,7 +90,7 @@ class Running:
 
 
 class Scheduler:
-    """Admission (``max_sequences`` running, ``max_queue`` waiting), cancellation and the round-robin worker."""
+    """Admission (``max_sequences`` running, ``max_queue`` waiting), cancellation and the worker that steps every sequence."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_sequences: int = 8, max_queue: int = 32):
         self.engine, self.metrics = engine, metrics
@@ -92,12 +100,13 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="quasar-scheduler", daemon=True)
+        self._batcher = engine.lm if isinstance(engine.lm, BatchVerifyingLM) else None
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        """Cancel everything and end the worker (running sequences are closed, waiting ones told the server stopped)."""
+        """Cancel everything and end the worker (running sequences are dropped, waiting ones told the server stopped)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -136,8 +145,6 @@ class Scheduler:
                     self._open(ticket)
             self._drop_cancelled()
             self._step_all()
-        for running in self._running:
-            running.steps.close()
         for ticket in self._waiting:
             ticket.deliver(Failed(ApiError(503, "the server is shutting down")))
         self._running.clear()
@@ -156,42 +163,65 @@ class Scheduler:
         except QuasarError as exc:
             ticket.deliver(Failed(ApiError(400, str(exc), "messages" if request.chat else "prompt")))
             return
-        self._running.append(Running(ticket, generation, generation.steps()))
+        self._running.append(Running(ticket, generation))
         self.metrics.running.set(len(self._running))
         ticket.deliver(Started(len(ids), max_tokens))
 
     def _drop_cancelled(self) -> None:
-        for running in [r for r in self._running if r.ticket.cancelled]:
-            running.steps.close()
-            self._running.remove(running)
+        self._running = [r for r in self._running if not r.ticket.cancelled]  # a dropped generation's cache goes with it
         self.metrics.running.set(len(self._running))
 
     def _step_all(self) -> None:
-        """One round: every running sequence advances one verify step (the prefill, for one just admitted)."""
-        for running in list(self._running):
-            if not self._advance(running):
-                self._running.remove(running)
+        """One round: each sequence just admitted prefills, every other one takes one verify step (one forward for all
+        where the backend batches); finished and failed ones leave."""
+        ready = [r for r in self._running if r.first_step_done]
+        for running in self._running:
+            if not running.first_step_done:
+                self._advance(running, running.generation.prefill)
+        drafted = [(r, block) for r in ready if (block := self._attempt(r, r.generation.draft)) is not None]
+        if self._batcher is not None and drafted:
+            began = time.perf_counter()
+            try:
+                logits = self._batcher.verify_batch([r.generation.lm for r, _ in drafted], [block for _, block in drafted])
+            except Exception as exc:  # one forward for all: its failure is every one of theirs
+                for running, _ in drafted:
+                    self._fail(running, exc)
+            else:
+                for (running, _), rows in zip(drafted, logits):
+                    self._advance(running, lambda g=running.generation, rows=rows: g.settle(rows, began))
+        else:
+            for running, block in drafted:
+                self._advance(running, lambda g=running.generation, block=block: _verify_alone(g, block))
+        self._running = [r for r in self._running if not r.done]
         self.metrics.running.set(len(self._running))
 
-    def _advance(self, running: Running) -> bool:
-        """One step of one sequence, its text delivered; False once it has finished or failed."""
-        ticket = running.ticket
+    def _attempt(self, running: Running, call: Callable[[], T]) -> T | None:
+        """``call()``; if it raises, the sequence fails alone (None) and the others, and the worker, go on."""
         try:
-            pieces = next(running.steps)
-        except StopIteration:
-            result = running.generation.result
-            self.metrics.prompt_tokens.inc(result.prompt_tokens)
-            self.metrics.generation_tokens.inc(len(result.tokens))
-            ticket.deliver(Done(result))
-            return False
-        except Exception as exc:  # a failing sequence must not take the others (or the worker) down
-            ticket.deliver(Failed(ApiError(500, f"generation failed: {first_line(exc)}")))
-            return False
+            return call()
+        except Exception as exc:
+            self._fail(running, exc)
+            return None
+
+    def _fail(self, running: Running, exc: Exception) -> None:
+        running.done = True
+        running.ticket.deliver(Failed(ApiError(500, f"generation failed: {first_line(exc)}")))
+
+    def _advance(self, running: Running, step: Callable[[], list[str]]) -> None:
+        """Take one step of one sequence and deliver its text, then its result once it has finished."""
+        pieces = self._attempt(running, step)
+        if pieces is None:
+            return
         self._observe(running)
         text = "".join(pieces)
         if text:
-            ticket.deliver(Text(text))
-        return True
+            running.ticket.deliver(Text(text))
+        result = running.generation.result
+        if result is not None:
+            running.done = True
+            self.metrics.prompt_tokens.inc(result.prompt_tokens)
+            self.metrics.generation_tokens.inc(len(result.tokens))
+            running.ticket.deliver(Done(result))
 
     def _observe(self, running: Running) -> None:
         stats = running.generation.loop_stats
@@ -202,3 +232,8 @@ class Scheduler:
             self.metrics.acceptance_length.observe(1 + stats.accepted - running.accepted)
             self.metrics.verify_step.observe(stats.verify_s - running.verify_s)
             running.verify_steps, running.accepted, running.verify_s = stats.verify_steps, stats.accepted, stats.verify_s
+
+
+def _verify_alone(generation: Generation, block: list[int]) -> list[str]:
+    began = time.perf_counter()
+    return generation.settle(generation.lm.verify(block), began)

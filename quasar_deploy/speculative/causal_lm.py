@@ -60,3 +60,17 @@ class LayerSkippingLM(CausalLM, Protocol):
 
     def verify_skipping(self, ids: Sequence[int], skip_layers: frozenset[int]) -> torch.Tensor:
         """``verify`` without the layers in ``skip_layers``; their cache slots at these positions are left stale."""
+
+
+@runtime_checkable
+class BatchVerifyingLM(ForkingLM, Protocol):
+    """A verifier whose sequences can verify their blocks together in one forward: what a batched serving step needs.
+
+    Each block's logits must equal, bit for bit, what ``verify`` on that sequence alone
+    gives (row-invariant kernels), so a request's output does not depend on its neighbours.
+    Backends that cannot promise that (or cannot stack rows) leave this out and are served
+    round-robin, one ``verify`` per sequence.
+    """
+
+    def verify_batch(self, sequences: Sequence[BatchVerifyingLM], blocks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """``verify(blocks[i])`` on ``sequences[i]`` (sequences opened from this one's weights) for every i, in one forward."""

@@ -14,6 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from ..errors import QuasarError
 from .acceptance import Sampler, accept
@@ -42,69 +45,105 @@ class LoopStats:
         return 1.0 + self.accepted / self.verify_steps if self.verify_steps else 1.0
 
 
-def speculate(
-    lm: CausalLM,
-    drafter: Drafter,
-    prompt: Sequence[int],
-    sampler: Sampler,
-    num_draft: int,
-    max_new_tokens: int,
-    stop_ids: Collection[int] = (),
-    stats: LoopStats | None = None,
-) -> Iterator[list[int]]:
-    """An iterator over the new tokens each verify step emits, until ``max_new_tokens``, a stop id or the context window.
+def speculate(*args: Any, **kwargs: Any) -> Iterator[list[int]]:
+    """``Speculation(*args, **kwargs).steps()``: the new tokens of each verify step, for a caller that runs one sequence."""
+    return Speculation(*args, **kwargs).steps()
 
-    Bad arguments raise here, before any work. A stop id is emitted, then
-    generation ends. Stop early by closing the iterator; the verifier's cache then
-    holds a consistent prefix.
+
+class Speculation:
+    """One sequence's speculative decoding as phases, so a caller can verify many sequences' blocks in one forward.
+
+    ``prefill`` emits the first token; then each step is ``draft`` (the block to verify:
+    the pending token and up to k drafted ones), the verifier's logits for that block
+    (``lm.verify`` here in ``step``, or a batched forward over many sequences' blocks), and
+    ``settle`` (accept, roll the cache back to the accepted prefix, count). ``finished``
+    turns true after the step that reaches ``max_new_tokens``, a stop id or the window.
+    Bad arguments raise here, before any work.
     """
-    if not prompt:
-        raise QuasarError("the prompt is empty")
-    if len(prompt) >= lm.max_length:
-        raise QuasarError(f"the prompt is {len(prompt)} tokens; the context window is {lm.max_length}, which leaves no room to generate")
-    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0:
-        raise QuasarError(f"the number of draft tokens must be an integer >= 0, got {num_draft!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise QuasarError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    return _steps(lm, drafter, list(prompt), sampler, num_draft, max_new_tokens, stop_ids, stats if stats is not None else LoopStats())
 
+    def __init__(
+        self,
+        lm: CausalLM,
+        drafter: Drafter,
+        prompt: Sequence[int],
+        sampler: Sampler,
+        num_draft: int,
+        max_new_tokens: int,
+        stop_ids: Collection[int] = (),
+        stats: LoopStats | None = None,
+    ):
+        if not prompt:
+            raise QuasarError("the prompt is empty")
+        if len(prompt) >= lm.max_length:
+            window = lm.max_length
+            raise QuasarError(f"the prompt is {len(prompt)} tokens; the context window is {window}, which leaves no room to generate")
+        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0:
+            raise QuasarError(f"the number of draft tokens must be an integer >= 0, got {num_draft!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise QuasarError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        self.lm, self.drafter, self.sampler = lm, drafter, sampler
+        self.num_draft, self.max_new_tokens, self.stop_ids = num_draft, max_new_tokens, stop_ids
+        self.stats = stats if stats is not None else LoopStats()
+        self.tokens = list(prompt)
+        self.emitted = 0
+        self.finished = False
+        self._drafted: list[int] = []
+        self._probs: torch.Tensor | None = None
 
-def _steps(
-    lm: CausalLM,
-    drafter: Drafter,
-    tokens: list[int],
-    sampler: Sampler,
-    num_draft: int,
-    max_new_tokens: int,
-    stop_ids: Collection[int],
-    stats: LoopStats,
-) -> Iterator[list[int]]:
-    began = time.perf_counter()
-    verdict = accept(lm.prefill(tokens)[None], [], None, sampler)
-    stats.prefill_s += time.perf_counter() - began
-    emitted = 0
-    while True:
-        new = verdict.tokens
-        stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
+    def steps(self) -> Iterator[list[int]]:
+        """An iterator over the new tokens each verify step emits, until ``max_new_tokens``, a stop id or the context window.
+
+        A stop id is emitted, then generation ends. Stop early by closing the iterator;
+        the verifier's cache then holds a consistent prefix.
+        """
+        yield self.prefill()
+        while not self.finished:
+            yield self.step()
+
+    def prefill(self) -> list[int]:
+        """Cache the prompt; the first new token(s)."""
+        began = time.perf_counter()
+        verdict = accept(self.lm.prefill(self.tokens)[None], [], None, self.sampler)
+        self.stats.prefill_s += time.perf_counter() - began
+        return self._emit(verdict.tokens)
+
+    def draft(self) -> list[int]:
+        """The block the verifier must run next: the pending token and the drafted ones."""
+        room = min(self.max_new_tokens - self.emitted, self.lm.max_length - len(self.tokens))
+        # A step emits at most k+1 tokens: never draft past the budget or the context window.
+        k = min(self.num_draft, room - 1)
+        began = time.perf_counter()
+        draft = self.drafter.propose(self.tokens, k, self.sampler) if k > 0 else NO_DRAFT
+        self._drafted = draft.tokens[:k]
+        self._probs = draft.probs[:k] if draft.probs is not None else None
+        self.stats.draft_s += time.perf_counter() - began
+        return [self.tokens[-1], *self._drafted]
+
+    def settle(self, logits: torch.Tensor, verify_began: float) -> list[int]:
+        """Judge the drafted block against its ``logits``, keep the cache up to the accepted prefix; the emitted tokens.
+
+        ``verify_began`` is the ``time.perf_counter()`` at which the forward for this block started.
+        """
+        verdict = accept(logits, self._drafted, self._probs, self.sampler)
+        self.lm.truncate(len(self.tokens) + verdict.accepted)
+        self.stats.verify_s += time.perf_counter() - verify_began
+        self.stats.verify_steps += 1
+        self.stats.drafted += len(self._drafted)
+        self.stats.accepted += verdict.accepted
+        return self._emit(verdict.tokens)
+
+    def step(self) -> list[int]:
+        """One whole verify step on this sequence's own verifier."""
+        block = self.draft()
+        began = time.perf_counter()
+        return self.settle(self.lm.verify(block), began)
+
+    def _emit(self, new: list[int]) -> list[int]:
+        stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
         if stop_at is not None:
             new = new[: stop_at + 1]
-        tokens.extend(new)
-        emitted += len(new)
-        yield new
-        room = min(max_new_tokens - emitted, lm.max_length - len(tokens))
-        if stop_at is not None or room <= 0:
-            return
-        # A step emits at most k+1 tokens: never draft past the budget or the context window.
-        k = min(num_draft, room - 1)
-        began = time.perf_counter()
-        draft = drafter.propose(tokens, k, sampler) if k > 0 else NO_DRAFT
-        drafted = draft.tokens[:k]
-        probs = draft.probs[:k] if draft.probs is not None else None
-        checked = time.perf_counter()
-        stats.draft_s += checked - began
-        verdict = accept(lm.verify([tokens[-1], *drafted]), drafted, probs, sampler)
-        lm.truncate(len(tokens) + verdict.accepted)
-        stats.verify_s += time.perf_counter() - checked
-        stats.verify_steps += 1
-        stats.drafted += len(drafted)
-        stats.accepted += verdict.accepted
+        self.tokens.extend(new)
+        self.emitted += len(new)
+        room = min(self.max_new_tokens - self.emitted, self.lm.max_length - len(self.tokens))
+        self.finished = stop_at is not None or room <= 0
+        return new

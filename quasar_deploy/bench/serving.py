@@ -1,0 +1,252 @@
+"""``bench serve``: our server on 127.0.0.1 under closed-loop streaming clients, at each concurrency in turn.
+
+At every level, ``concurrency`` clients share the prompts (greedy, streamed), each sending
+its next prompt as soon as its last one has finished, and the report says what clients
+saw: output tokens per second over the level's wall time, time to first token, and the
+gaps between streamed chunks (inter-token latency; a chunk is one verify step's text, 1 to
+k+1 tokens, as vLLM's serving benchmark counts it), plus the server's own mean acceptance
+length over the level (from /metrics). Throughput at each level over throughput at
+concurrency 1 is what batched verify steps are for. The server runs in this process (one
+uvicorn thread, the scheduler thread); the clients are threads too, and mostly wait.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..engine import Engine, load, warm_up
+from ..errors import QuasarError
+from ..files import atomic_directory
+
+WARM_UP_TOKENS = 8
+MODEL_NAME = "bench"
+
+
+@dataclass(frozen=True)
+class ServeBenchSettings:
+    prompts: str
+    limit: int = 16
+    concurrency: Sequence[int] = (1, 4, 8)
+    max_tokens: int = 128
+    draft: str = "ngram"
+    num_draft: int = 5
+    artifact: str | None = None
+    synthetic: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One streamed request as its client saw it."""
+
+    ttft_s: float
+    gaps_s: list[float]
+    output_tokens: int
+
+
+class WideVocabulary:
+    """The demo tokenizer for a synthetic model with a larger vocabulary: an id past the tokenizer's reads as `` <id>``.
+
+    Random weights mostly pick such ids, which the tokenizer decodes to nothing, so no
+    step would stream any text and a client could time nothing. Timing only: the text means nothing.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._known = len(tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        parts: list[str] = []
+        run: list[int] = []
+        for token in [*ids, None]:
+            if token is not None and token < self._known:
+                run.append(token)
+                continue
+            if run:
+                parts.append(self._tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
+                run = []
+            if token is not None:
+                parts.append(f" <{token}>")
+        return "".join(parts)
+
+
+def serving_engine(artifact: str | None, synthetic: str | None) -> tuple[Engine, str]:
+    """The engine to serve and how the report names it: an artifact (default: the demo model's) or a synthetic shape."""
+    if synthetic:
+        from ..backends.torch_backend import cpu_causal_lm
+        from ..demo import demo_model_path
+        from ..tokenizer import load_tokenizer
+        from .synthetic import synthetic_w8a8_decoder
+
+        lm = cpu_causal_lm(synthetic_w8a8_decoder(synthetic), kind="W8A8 synthetic")
+        warm_up(lm)
+        return Engine(
+            lm, WideVocabulary(load_tokenizer(demo_model_path())), frozenset(), "cpu"
+        ), f"synthetic {synthetic} W8A8 (random weights)"
+    if artifact is None:
+        from ..demo import demo_artifact
+
+        artifact = str(demo_artifact(progress=False))
+    return load(artifact, backend="cpu"), artifact
+
+
+def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> RequestTiming:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    usage = None
+    with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise QuasarError(f"the server answered {response.status_code}: {response.read().decode()[:200]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+    if usage is None or not arrivals:
+        raise QuasarError("a streamed completion ended without text or usage")
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return RequestTiming(arrivals[0] - sent, gaps, usage["completion_tokens"])
+
+
+def acceptance_totals(client: httpx.Client, base: str) -> tuple[float, float]:
+    """The server's acceptance-length histogram so far: (sum, count)."""
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(client.get(f"{base}/metrics").text)
+        for sample in family.samples
+        if sample.name.startswith("quasar_acceptance_length_")
+    }
+    return samples.get("quasar_acceptance_length_sum", 0.0), samples.get("quasar_acceptance_length_count", 0.0)
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def run_level(client: httpx.Client, base: str, prompts: Sequence[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """Every prompt once, from ``concurrency`` closed-loop clients."""
+    pending: queue.SimpleQueue[str] = queue.SimpleQueue()
+    for prompt in prompts:
+        pending.put(prompt)
+
+    def client_loop() -> list[RequestTiming]:
+        timings = []
+        while True:
+            try:
+                prompt = pending.get_nowait()
+            except queue.Empty:
+                return timings
+            timings.append(stream_completion(client, base, prompt, max_tokens))
+
+    accepted_before, steps_before = acceptance_totals(client, base)
+    began = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(client_loop) for _ in range(concurrency)]
+        timings = [t for f in futures for t in f.result()]
+    wall_s = time.perf_counter() - began
+    accepted_after, steps_after = acceptance_totals(client, base)
+    tokens = sum(t.output_tokens for t in timings)
+    ttft = [t.ttft_s * 1000 for t in timings]
+    gaps = [g * 1000 for t in timings for g in t.gaps_s]
+    steps = steps_after - steps_before
+    return {
+        "concurrency": concurrency,
+        "requests": len(timings),
+        "output_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s,
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p99": percentile(ttft, 99),
+        "itl_ms_p50": percentile(gaps, 50),
+        "itl_ms_p99": percentile(gaps, 99),
+        "acceptance_length": (accepted_after - accepted_before) / steps if steps else None,
+    }
+
+
+def benchmark_serving(settings: ServeBenchSettings, progress: bool = True) -> dict[str, Any]:
+    """Serve the model, warm the batched path up, then run each concurrency level in turn; the report (JSON-ready)."""
+    from ..serve.app import ServeConfig, create_app
+    from ..serve.local import serving_in_thread
+    from .e2e import environment, read_prompts
+
+    if not settings.concurrency or min(settings.concurrency) < 1:
+        raise QuasarError("--concurrency takes integers >= 1, e.g. 1,4,8")
+    prompts = read_prompts(settings.prompts, settings.limit)
+    engine, label = serving_engine(settings.artifact, settings.synthetic)
+    widest = max(settings.concurrency)
+    config = ServeConfig(MODEL_NAME, max_sequences=widest, max_queue=widest, draft=settings.draft, num_draft=settings.num_draft)
+    load_average = os.getloadavg()
+    levels = []
+    with serving_in_thread(create_app(engine, config)) as base, httpx.Client(timeout=None) as client:
+        run_level(client, base, prompts[:widest], widest, WARM_UP_TOKENS)  # every batch size's kernels built before timing
+        for concurrency in settings.concurrency:
+            levels.append(run_level(client, base, prompts, concurrency, settings.max_tokens))
+            if progress:
+                print(f"concurrency {concurrency}: {levels[-1]['tokens_per_s']:.1f} output tokens/s", flush=True)
+    single = next((level["tokens_per_s"] for level in levels if level["concurrency"] == 1), None)
+    for level in levels:
+        level["throughput_vs_concurrency_1"] = level["tokens_per_s"] / single if single else None
+    return {
+        "settings": {**asdict(settings), "concurrency": list(settings.concurrency), "model": label, "prompt_count": len(prompts)},
+        "environment": {**environment(), "load_average_at_start": list(load_average), "load_average_at_end": list(os.getloadavg())},
+        "levels": levels,
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s, env = report["settings"], report["environment"]
+    load = " ".join(f"{x:.2f}" for x in env["load_average_at_start"])
+    lines = [
+        "# quasar-deploy serving benchmark",
+        "",
+        f"Model: {s['model']}. Prompts: {s['prompt_count']} from {s['prompts']}, each once per level. Streaming, greedy, "
+        f"max_tokens {s['max_tokens']}, draft {s['draft']} k={s['num_draft']}. CPU: {env['cpu']}, {env['threads']} threads; "
+        f"load average at start {load}.",
+        "",
+        "| concurrency | requests | output tokens/s | vs concurrency 1 | TTFT p50 / p99 ms | inter-token p50 / p99 ms "
+        "| acceptance length |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for level in report["levels"]:
+        ratio = level["throughput_vs_concurrency_1"]
+        accept = level["acceptance_length"]
+        lines.append(
+            f"| {level['concurrency']} | {level['requests']} | {level['tokens_per_s']:.1f} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}x'} | {_ms(level['ttft_ms_p50'])} / {_ms(level['ttft_ms_p99'])} | "
+            f"{_ms(level['itl_ms_p50'])} / {_ms(level['itl_ms_p99'])} | {'-' if accept is None else f'{accept:.2f}'} |"
+        )
+    lines += ["", "Inter-token latency: gaps between streamed chunks; a chunk is one verify step's text (1 to k+1 tokens)."]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict[str, Any], output: str | Path) -> list[Path]:
+    """report.json and report.md in a new directory ``output``, written whole or not at all."""
+    with atomic_directory(Path(output)) as tmp:
+        (tmp / "report.json").write_text(json.dumps(report, indent=2))
+        (tmp / "report.md").write_text(markdown(report))
+    return [Path(output) / "report.json", Path(output) / "report.md"]

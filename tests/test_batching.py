@@ -1,0 +1,138 @@
+"""Batched verify steps: many sequences' blocks in one forward, each row computed exactly as alone (batch invariance)."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from quasar_deploy.engine import Engine, load
+from quasar_deploy.kernels import float_linear, onednn_available
+from quasar_deploy.serve.metrics import Metrics
+from quasar_deploy.serve.protocol import Request
+from quasar_deploy.serve.scheduler import Done, Failed, Scheduler, Ticket
+from quasar_deploy.speculative.causal_lm import BatchVerifyingLM
+
+from .serving import slow_engine
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="batched steps need the row-invariant oneDNN float kernel")
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
+    "import os\nimport sys\n",
+    "class Counter:\n    def __init__(self):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "for i in range(10):\n    print(i)\nfor i in range(",
+    "x = [1, 2, 3]\ny = [4, 5, 6]\nz = [",
+    "Once upon a time",
+    "SELECT name FROM users WHERE id = 1;\nSELECT name FROM",
+]
+
+
+@pytest.fixture(scope="module", params=["w8a8", "float"])
+def engine(request, tiny_artifact, tiny_qwen3) -> Engine:
+    return load(tiny_artifact.path if request.param == "w8a8" else tiny_qwen3, backend="cpu")
+
+
+def test_onednn_rows_do_not_depend_on_the_row_count():
+    """oneDNN takes another path for a single row when K > 1024; the kernel sends it as two, so every M agrees."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(300, 2048) * 0.02, torch.randn(9, 2048)
+    linear = float_linear(weight, None, "onednn")
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(9)])
+    for rows in (2, 5, 9):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+
+
+def test_a_batched_verify_equals_each_sequence_verified_alone(engine):
+    lm = engine.lm
+    assert isinstance(lm, BatchVerifyingLM)
+    prompts = [engine.encode(p) for p in PROMPTS]
+    blocks = [list(range(7 + i, 8 + i + i % 6)) for i in range(len(PROMPTS))]  # 1 to 6 rows each
+    alone = []
+    for ids, block in zip(prompts, blocks):
+        sequence = lm.new_sequence()
+        sequence.prefill(ids)
+        alone.append(sequence.verify(block))
+    sequences = [lm.new_sequence() for _ in prompts]
+    for sequence, ids in zip(sequences, prompts):
+        sequence.prefill(ids)
+    together = lm.verify_batch(sequences, blocks)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+    assert [s.length for s in sequences] == [len(ids) + len(block) for ids, block in zip(prompts, blocks)]
+
+
+def test_a_prefill_does_not_join_a_batch(engine):
+    sequences = [engine.lm.new_sequence() for _ in range(2)]
+    sequences[0].prefill([1, 2, 3])
+    with pytest.raises(ValueError, match="prefill runs alone"):
+        engine.lm.verify_batch(sequences, [[4], [5]])
+
+
+def serve(engine: Engine, requests: list[Request]) -> list:
+    """Each request's last event (Done or Failed), all submitted at once to one scheduler."""
+    scheduler = Scheduler(engine, Metrics(), max_sequences=len(requests))
+    inboxes = [queue.Queue() for _ in requests]
+    tickets = [Ticket(r, inbox.put) for r, inbox in zip(requests, inboxes)]
+    for ticket in tickets:  # all waiting before the worker starts: every one is admitted into the first round
+        scheduler.submit(ticket)
+    scheduler.start()
+    try:
+        finals = []
+        for inbox in inboxes:
+            event = inbox.get(timeout=120)
+            while not isinstance(event, Done | Failed):
+                event = inbox.get(timeout=120)
+            finals.append(event)
+        return finals
+    finally:
+        scheduler.stop()
+
+
+def request(prompt: str, max_tokens: int = 24, **options) -> Request:
+    return Request(prompt, chat=False, stream=True, max_tokens=max_tokens, options=options)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "layerskip", "none"])
+def test_eight_greedy_requests_served_together_equal_each_alone(engine, draft, monkeypatch):
+    alone = [engine.generate(p, max_new_tokens=24, draft=draft).tokens for p in PROMPTS]
+    decoder = engine.lm.decoder
+    batch_sizes = []
+    forward_blocks = decoder.forward_blocks
+
+    def counting(blocks, caches, skip_layers=frozenset()):
+        batch_sizes.append(len(blocks))
+        return forward_blocks(blocks, caches, skip_layers)
+
+    monkeypatch.setattr(decoder, "forward_blocks", counting)
+    finals = serve(engine, [request(p, draft=draft) for p in PROMPTS])
+    assert [f.result.tokens for f in finals] == alone
+    assert max(batch_sizes) == len(PROMPTS)  # the steps really ran all eight in one forward
+
+
+def test_seeded_sampled_requests_served_together_equal_each_alone(engine):
+    options = dict(temperature=0.8, top_p=0.9, draft="ngram")
+    alone = [engine.generate(p, max_new_tokens=24, seed=i, **options).tokens for i, p in enumerate(PROMPTS)]
+    finals = serve(engine, [request(p, seed=i, **options) for i, p in enumerate(PROMPTS)])
+    assert [f.result.tokens for f in finals] == alone
+
+
+def test_a_backend_that_cannot_batch_is_served_round_robin_with_the_same_outputs(engine):
+    wrapped = slow_engine(engine, delay=0)
+    assert not isinstance(wrapped.lm, BatchVerifyingLM)
+    alone = [engine.generate(p, max_new_tokens=16).tokens for p in PROMPTS[:4]]
+    assert [f.result.tokens for f in serve(wrapped, [request(p, 16) for p in PROMPTS[:4]])] == alone
+
+
+def test_a_failing_batched_forward_fails_its_requests_and_not_the_scheduler(engine, monkeypatch):
+    forward_blocks = engine.lm.decoder.forward_blocks
+
+    def broken(blocks, caches, skip_layers=frozenset()):
+        if len(blocks) > 1:
+            raise RuntimeError("out of memory")
+        return forward_blocks(blocks, caches, skip_layers)
+
+    monkeypatch.setattr(engine.lm.decoder, "forward_blocks", broken)
+    finals = serve(engine, [request(p, 8) for p in PROMPTS[:3]])
+    assert all(isinstance(f, Failed) and f.error.status == 500 and "out of memory" in f.error.message for f in finals)

@@ -1,0 +1,58 @@
+"""``quasar-deploy bench serve``: the report's structure and sanity on a tiny artifact (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from quasar_deploy.bench.serving import WideVocabulary, percentile
+from quasar_deploy.cli import main
+from quasar_deploy.demo import demo_model_path
+from quasar_deploy.tokenizer import load_tokenizer
+
+from .helpers import assert_one_line_error
+
+pytest.importorskip("fastapi")
+
+
+def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"def f{i}(x):\n    return x + {i}\n\n\ndef f{i}("]}) + "\n" for i in range(2)))
+    out = tmp_path / "report"
+    args = ["bench", "serve", str(tiny_artifact.path), "--prompts", str(prompts), "--concurrency", "1,2", "--max-tokens", "8"]
+    result = CliRunner().invoke(main, [*args, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["prompt_count"] == 2 and report["settings"]["concurrency"] == [1, 2]
+    assert [level["concurrency"] for level in report["levels"]] == [1, 2]
+    for level in report["levels"]:
+        assert level["requests"] == 2 and 2 <= level["output_tokens"] <= 16 and level["tokens_per_s"] > 0
+        assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"]
+        assert level["itl_ms_p50"] is None or level["itl_ms_p50"] <= level["itl_ms_p99"]
+        assert level["acceptance_length"] is None or 1 <= level["acceptance_length"] <= 6
+    assert report["levels"][0]["throughput_vs_concurrency_1"] == 1.0
+    assert len(report["environment"]["load_average_at_start"]) == 3
+    assert "| 2 | 2 |" in (out / "report.md").read_text() and "| 2 | 2 |" in result.output
+    again = CliRunner().invoke(main, [*args, "-o", str(out)])  # the report directory is never overwritten
+    assert_one_line_error(again, "already exists")
+
+
+def test_bench_serve_refuses_an_artifact_and_a_shape(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "serve", str(tmp_path), "--synthetic", "qwen3-0.6b", "-o", str(tmp_path / "r")])
+    assert_one_line_error(result, "not both")
+
+
+def test_wide_vocabulary_shows_ids_past_the_tokenizer():
+    tokenizer = load_tokenizer(demo_model_path())
+    wide = WideVocabulary(tokenizer)
+    known = tokenizer.encode("hello world")
+    assert wide.decode(known) == tokenizer.decode(known)
+    assert wide.decode([*known, 100000, *known]) == tokenizer.decode(known) + " <100000>" + tokenizer.decode(known)
+    assert wide.eos_token_id == tokenizer.eos_token_id
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([3.0, 1.0, 2.0], 99) == 3.0 and percentile([5.0], 1) == 5.0

@@ -1,5 +1,5 @@
-"""``quasar-deploy bench e2e|serve|verify-step|roofline|kernels|onnx|gpu``: every speed figure the docs quote, one subcommand per measurement;
-``write-checkpoint``: a real-size random checkpoint to measure calibration and loading on."""
+"""``quasar-deploy bench e2e|serve|verify-step|roofline|kernels|onnx|gpu``: every speed figure the docs quote, one
+subcommand per measurement; ``write-checkpoint``: a real-size random checkpoint to measure calibration and loading on."""
 
 from __future__ import annotations
 

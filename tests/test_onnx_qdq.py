@@ -159,3 +159,26 @@ def test_mismatch_notes():
     assert "on the CPU" in mismatch_note("CUDAExecutionProvider", "integer")
     assert "on the CPU" in mismatch_note("TensorrtExecutionProvider", "integer")
     assert "float math" in mismatch_note("CUDAExecutionProvider", "qdq")
+
+
+def test_provider_names_match_the_backend():
+    from quasar_deploy.backends.onnxruntime import PROVIDERS
+    from quasar_deploy.cli.options import ONNX_PROVIDERS
+
+    assert ONNX_PROVIDERS == ("auto", *PROVIDERS)
+
+
+def test_cli_provider_option(qdq_onnx, tiny_static_artifact):
+    from click.testing import CliRunner
+
+    from quasar_deploy.cli import main
+
+    run = CliRunner().invoke
+    args = ["--prompt", "the cat", "--max-new-tokens", "3", "--json"]
+    result = run(main, ["generate", str(qdq_onnx), "--provider", "cpu", *args])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.output.splitlines()[-1])["tokens"]) == 3
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        assert_one_line_error(run(main, ["generate", str(qdq_onnx), "--provider", "cuda", *args]), "onnxruntime-gpu")
+    assert_one_line_error(run(main, ["generate", str(tiny_static_artifact.path), "--provider", "cpu", *args]), "onnxruntime backend")
+    assert_one_line_error(run(main, ["serve", str(tiny_static_artifact.path), "--backend", "cpu", "--provider", "cpu"]), "not cpu")

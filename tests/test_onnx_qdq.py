@@ -153,6 +153,28 @@ def test_a_provider_that_falls_back_is_refused(qdq_onnx, monkeypatch):
         load_onnx(qdq_onnx, provider="cuda", threads=1)
 
 
+def test_tensorrt_profile_spans_every_cache_length(qdq_onnx):
+    """One optimization profile from an empty cache to the context window (512 tokens for the tiny model): TensorRT
+    never has to rebuild its engine while a sequence grows. Not run here (no GPU); this checks what ORT is given."""
+    from quasar_deploy.backends.onnxruntime import read_config, tensorrt_options
+
+    options = tensorrt_options(read_config(qdq_onnx)[0])
+    assert options["trt_int8_enable"] is True
+    profiles = {
+        k.removeprefix("trt_profile_").removesuffix("_shapes"): dict(p.split(":") for p in v.split(","))
+        for k, v in options.items()
+        if "profile" in k
+    }
+    assert profiles["min"]["past_key_values.0.key"] == "1x2x0x128" and profiles["min"]["input_ids"] == "1x1"
+    assert (
+        profiles["opt"]["input_ids"] == "1x6"
+        and profiles["opt"]["attention_mask"] == "1x512"
+        and profiles["opt"]["past_key_values.2.value"] == "1x2x506x128"
+    )
+    assert profiles["max"]["input_ids"] == "1x512" and profiles["max"]["past_key_values.2.value"] == "1x2x512x128"
+    assert all(len(profile) == 3 + 2 * 3 for profile in profiles.values())
+
+
 def test_mismatch_notes():
     assert mismatch_note("CPUExecutionProvider", "integer") is None and mismatch_note("CUDAExecutionProvider", None) is None
     assert mismatch_note("TensorrtExecutionProvider", "qdq") is None

@@ -103,6 +103,39 @@ def mismatch_note(provider: str, linear_format: str | None) -> str | None:
     return None
 
 
+def context_length(config: dict) -> int:
+    """The longest sequence the export serves (onnxruntime-genai layouts put it in ``search.max_length`` too)."""
+    return int(config["model"].get("context_length") or config.get("search", {}).get("max_length"))
+
+
+def cache_names(config: dict, kind: str) -> list[tuple[str, str]]:
+    """(key, value) names of every layer's ``past`` inputs or ``present`` outputs, as the sidecar spells them."""
+    decoder = config["model"]["decoder"]
+    names = decoder["inputs" if kind == "past" else "outputs"]
+    return [(names[f"{kind}_key_names"] % i, names[f"{kind}_value_names"] % i) for i in range(int(decoder["num_hidden_layers"]))]
+
+
+def tensorrt_options(config: dict, block: int = 6) -> dict[str, object]:
+    """TensorRT provider options: INT8 on (TensorRT then honours the Q/DQ layers; with no table named it reads none), and
+    one optimization profile over every sequence and cache length up to the context window, tuned for a ``block``-token
+    verify on a 512-token cache. Without a profile, ORT's TensorRT provider rebuilds its engine whenever an input
+    outgrows the shapes it was built for: as the cache grows, at every decoding step."""
+    decoder, context = config["model"]["decoder"], context_length(config)
+    heads, dim = int(decoder["num_key_value_heads"]), int(decoder["head_size"])
+
+    def shapes(sequence: int, past: int, total: int) -> str:
+        cache = [f"{name}:1x{heads}x{past}x{dim}" for pair in cache_names(config, "past") for name in pair]
+        return ",".join([f"input_ids:1x{sequence}", f"position_ids:1x{sequence}", f"attention_mask:1x{total}", *cache])
+
+    past = max(0, min(512, context - block))
+    return {
+        "trt_int8_enable": True,
+        "trt_profile_min_shapes": shapes(1, 0, 1),
+        "trt_profile_opt_shapes": shapes(block, past, past + block),
+        "trt_profile_max_shapes": shapes(context, context, context),
+    }
+
+
 class OnnxCausalLM:
     """Batch-1 ``CausalLM`` over an exported decoder graph."""
 
@@ -112,12 +145,10 @@ class OnnxCausalLM:
         self.session = session
         self.provider = provider
         self.vocab_size = int(model["vocab_size"])
-        self.max_length = int(model.get("context_length") or config.get("search", {}).get("max_length"))
+        self.max_length = context_length(config)
         self.num_layers = int(decoder["num_hidden_layers"])
         self._kv_shape = (1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"]))
-        names = decoder["inputs"], decoder["outputs"]
-        self._past = [(names[0]["past_key_names"] % i, names[0]["past_value_names"] % i) for i in range(self.num_layers)]
-        self._present = [(names[1]["present_key_names"] % i, names[1]["present_value_names"] % i) for i in range(self.num_layers)]
+        self._past, self._present = cache_names(config, "past"), cache_names(config, "present")
         self._device = "cuda" if provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
         self._check_graph()
         self.linear_format = linear_format
@@ -209,7 +240,8 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     options.intra_op_num_threads = threads or default_threads()  # ORT's own default counts the host's cores
     options.add_session_config_entry(*EXACT_QUANT_OPTION)
     try:
-        session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=providers)
+        with_options = [(name, tensorrt_options(config) if name == "TensorrtExecutionProvider" else {}) for name in providers]
+        session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=with_options)
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...) for a bad file
         raise QuasarError(f"{path}: ONNX Runtime cannot load the graph ({first_line(exc)})") from None
     running = session.get_providers()[0]

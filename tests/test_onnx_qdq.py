@@ -23,7 +23,7 @@ from quasar_deploy.integrity import EXPORT_MANIFEST  # noqa: E402
 from quasar_deploy.scheme import quantize_weight, reference_linear  # noqa: E402
 
 from .helpers import ONNX_PROMPT as PROMPT  # noqa: E402
-from .helpers import assert_one_line_error, run_full  # noqa: E402
+from .helpers import assert_one_line_error, copy_dir, reseal, run_full  # noqa: E402
 from .helpers import ort_session as session  # noqa: E402
 
 # ORT's CPU provider runs each Q/DQ linear as MatMulIntegerToFloat: exact integer accumulation, then
@@ -92,6 +92,16 @@ def test_manifest_and_sidecar_record_the_format(qdq_onnx, tiny_onnx):
     lm = load_onnx(qdq_onnx, threads=1)
     assert lm.linear_format == "qdq" and lm.description == "onnxruntime CPUExecutionProvider (W8A8 qdq graph)"
     assert load_onnx(tiny_onnx, threads=1).linear_format == "integer"
+
+
+def test_a_manifest_format_that_does_not_fit_the_graph_is_refused(qdq_onnx, tmp_path):
+    copy = copy_dir(qdq_onnx, tmp_path)
+    record = json.loads((copy / EXPORT_MANIFEST).read_text())
+    (copy / EXPORT_MANIFEST).write_text(json.dumps({**record, "linear_format": "int4"}))
+    reseal(copy, EXPORT_MANIFEST)
+    with pytest.raises(QuasarError, match="linear_format 'int4' does not fit a W8A8 graph") as info:
+        load_onnx(copy, threads=1)
+    assert "\n" not in str(info.value)
 
 
 def test_greedy_ngram_equals_its_own_autoregressive_decode(qdq_onnx):

@@ -149,7 +149,7 @@ class OnnxCausalLM:
         self.num_layers = int(decoder["num_hidden_layers"])
         self._kv_shape = (1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"]))
         self._past, self._present = cache_names(config, "past"), cache_names(config, "present")
-        self._device = "cuda" if provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
+        self._device = "cuda" if provider in GPU_PROVIDERS else "cpu"
         self._check_graph()
         self.linear_format = linear_format
         self.description = f"onnxruntime {provider} ({f'W8A8 {linear_format}' if linear_format else 'float'} graph)"

@@ -68,10 +68,11 @@ def verify_files(directory: Path, file: Path, listed: object, verify: bool = Tru
             raise QuasarError(f"{path}: checksum mismatch (corrupted or modified)")
 
 
-def write_export_manifest(directory: Path, target: str, source: Path) -> None:
-    """The last file an exporter writes: target, provenance, and the sha256 of every other file in ``directory``."""
+def write_export_manifest(directory: Path, target: str, source: Path, details: dict | None = None) -> None:
+    """The last file an exporter writes: target, provenance, ``details`` (what the target's loader must know, e.g. the
+    ONNX graph's linear form), and the sha256 of every other file in ``directory``."""
     record = {"format_version": EXPORT_FORMAT_VERSION, "target": target, "quasar_deploy_version": __version__, "source": str(source)}
-    write_manifest(directory, EXPORT_MANIFEST, record)
+    write_manifest(directory, EXPORT_MANIFEST, {**record, **(details or {})})
 
 
 def export_target(directory: Path) -> str | None:

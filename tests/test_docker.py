@@ -98,7 +98,7 @@ def test_dockerfile_commands_parse(dockerfile):
 
 def test_compose_commands_parse():
     commands = compose_commands()
-    assert sorted({c[0] for c in commands}) == ["calibrate", "export", "serve"] and len(commands) == 7
+    assert sorted({c[0] for c in commands}) == ["calibrate", "export", "serve"] and len(commands) == 8
     for args in commands:
         parse(args)
 

@@ -5,12 +5,17 @@ axes). The KV cache lives in ORT values: each step's ``present`` outputs are bou
 next step's ``past`` inputs through IOBinding, so on a GPU provider they never leave the
 device. Truncation after a rejected draft slices the cached values (one copy per rollback,
 never per accepted token).
+
+Which graph suits which provider (docs/onnx.md): the ``integer`` export's u8 x u8 ``MatMulInteger`` has
+kernels on the CPU only (ORT's CUDA kernel takes int8 x int8, TensorRT none), so on a GPU provider
+those nodes fall back to the CPU; the ``qdq`` export is the one TensorRT fuses into int8 GEMMs.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,8 +24,9 @@ import torch
 
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
+from ..exporters import ONNX_FORMATS
 from ..files import first_line, refuse_unfinished
-from ..integrity import read_export_manifest
+from ..integrity import EXPORT_MANIFEST, read_export_manifest
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {
@@ -28,6 +34,10 @@ PROVIDERS = {
     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
     "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
 }
+GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+# x64 CPUs without VNNI sum u8 x s8 product pairs in saturating 16-bit lanes; this makes ORT's QDQ fusions use u8 x u8
+# there (exact). No effect on VNNI CPUs or on the integer graph, which is u8 x u8 already.
+EXACT_QUANT_OPTION = ("session.x64quantprecision", "1")
 
 
 def unavailable() -> str | None:
@@ -53,15 +63,16 @@ def choose_providers(provider: str | None, available: Sequence[str]) -> list[str
     return [p for p in PROVIDERS[provider] if p in available]
 
 
-def read_config(path: Path) -> dict:
-    """The sidecar written by the exporter, once the export's manifest vouches for every file; else a one-line error."""
+def read_config(path: Path) -> tuple[dict, str | None]:
+    """The sidecar written by the exporter and the form of its W8A8 linears (None: float graph), once the export's
+    manifest vouches for every file; else a one-line error."""
     if not path.is_dir():
         raise QuasarError(f"{path}: no such directory")
     refuse_unfinished(path)
     file = path / CONFIG_FILE
     if not file.is_file():
         raise QuasarError(f"{path}: no {CONFIG_FILE} (not an ONNX export; run quasar-deploy export --target onnx)")
-    read_export_manifest(path, "onnx")
+    record = read_export_manifest(path, "onnx")
     try:
         config = json.loads(file.read_text())
         decoder = config["model"]["decoder"]
@@ -70,27 +81,78 @@ def read_config(path: Path) -> dict:
         raise QuasarError(f"{file}: not a valid ONNX export description ({exc.__class__.__name__}: {exc})") from None
     if not (path / decoder["filename"]).is_file():
         raise QuasarError(f"{path}: {decoder['filename']} is missing")
-    return config
+    # exports written before the qdq form existed carry no linear_format: their W8A8 graphs are integer ones
+    w8a8 = config.get("quasar", {}).get("precision") == "w8a8"
+    linear_format = record.get("linear_format", "integer" if w8a8 else None)
+    if linear_format not in (ONNX_FORMATS if w8a8 else (None,)):
+        raise QuasarError(f"{path / EXPORT_MANIFEST}: linear_format {linear_format!r} does not fit a {'W8A8' if w8a8 else 'float'} graph")
+    return config, linear_format
+
+
+def mismatch_note(provider: str, linear_format: str | None) -> str | None:
+    """Why ``provider`` will not run this graph's linears as int8 GEMMs on the GPU, if it will not (None: it will, or CPU)."""
+    if provider not in GPU_PROVIDERS or linear_format is None:
+        return None
+    if linear_format == "integer":
+        return (
+            f"the integer graph's u8 x u8 MatMulInteger has no {provider} kernel (ORT's CUDA kernel takes int8 x int8, "
+            "TensorRT none): ONNX Runtime runs those nodes on the CPU; export --format qdq for TensorRT"
+        )
+    if provider == "CUDAExecutionProvider":
+        return "ORT's CUDA provider runs the QDQ graph as float math on dequantized weights (no int8 GEMM); provider tensorrt fuses it"
+    return None
+
+
+def context_length(config: dict) -> int:
+    """The longest sequence the export serves (onnxruntime-genai layouts put it in ``search.max_length`` too)."""
+    return int(config["model"].get("context_length") or config.get("search", {}).get("max_length"))
+
+
+def cache_names(config: dict, kind: str) -> list[tuple[str, str]]:
+    """(key, value) names of every layer's ``past`` inputs or ``present`` outputs, as the sidecar spells them."""
+    decoder = config["model"]["decoder"]
+    names = decoder["inputs" if kind == "past" else "outputs"]
+    return [(names[f"{kind}_key_names"] % i, names[f"{kind}_value_names"] % i) for i in range(int(decoder["num_hidden_layers"]))]
+
+
+def tensorrt_options(config: dict, block: int = 6) -> dict[str, object]:
+    """TensorRT provider options: INT8 on (TensorRT then honours the Q/DQ layers; with no table named it reads none), and
+    one optimization profile over every sequence and cache length up to the context window, tuned for a ``block``-token
+    verify on a 512-token cache. Without a profile, ORT's TensorRT provider rebuilds its engine whenever an input
+    outgrows the shapes it was built for: as the cache grows, at every decoding step."""
+    decoder, context = config["model"]["decoder"], context_length(config)
+    heads, dim = int(decoder["num_key_value_heads"]), int(decoder["head_size"])
+
+    def shapes(sequence: int, past: int, total: int) -> str:
+        cache = [f"{name}:1x{heads}x{past}x{dim}" for pair in cache_names(config, "past") for name in pair]
+        return ",".join([f"input_ids:1x{sequence}", f"position_ids:1x{sequence}", f"attention_mask:1x{total}", *cache])
+
+    past = max(0, min(512, context - block))
+    return {
+        "trt_int8_enable": True,
+        "trt_profile_min_shapes": shapes(1, 0, 1),
+        "trt_profile_opt_shapes": shapes(block, past, past + block),
+        "trt_profile_max_shapes": shapes(context, context, context),
+    }
 
 
 class OnnxCausalLM:
     """Batch-1 ``CausalLM`` over an exported decoder graph."""
 
-    def __init__(self, session, config: dict, provider: str):
+    def __init__(self, session, config: dict, provider: str, linear_format: str | None):
         model = config["model"]
         decoder = model["decoder"]
         self.session = session
         self.provider = provider
         self.vocab_size = int(model["vocab_size"])
-        self.max_length = int(model.get("context_length") or config.get("search", {}).get("max_length"))
+        self.max_length = context_length(config)
         self.num_layers = int(decoder["num_hidden_layers"])
         self._kv_shape = (1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"]))
-        names = decoder["inputs"], decoder["outputs"]
-        self._past = [(names[0]["past_key_names"] % i, names[0]["past_value_names"] % i) for i in range(self.num_layers)]
-        self._present = [(names[1]["present_key_names"] % i, names[1]["present_value_names"] % i) for i in range(self.num_layers)]
-        self._device = "cuda" if provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
+        self._past, self._present = cache_names(config, "past"), cache_names(config, "present")
+        self._device = "cuda" if provider in GPU_PROVIDERS else "cpu"
         self._check_graph()
-        self.description = f"onnxruntime {provider} ({config.get('quasar', {}).get('precision', 'unknown')} graph)"
+        self.linear_format = linear_format
+        self.description = f"onnxruntime {provider} ({f'W8A8 {linear_format}' if linear_format else 'float'} graph)"
         self._cache: list = []
         self.truncate(0)
 
@@ -172,12 +234,20 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     import onnxruntime as ort
 
     path = Path(path)
-    config = read_config(path)
+    config, linear_format = read_config(path)
     providers = choose_providers(provider, ort.get_available_providers())
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or default_threads()  # ORT's own default counts the host's cores
+    options.add_session_config_entry(*EXACT_QUANT_OPTION)
     try:
-        session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=providers)
+        with_options = [(name, tensorrt_options(config) if name == "TensorrtExecutionProvider" else {}) for name in providers]
+        session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=with_options)
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...) for a bad file
         raise QuasarError(f"{path}: ONNX Runtime cannot load the graph ({first_line(exc)})") from None
-    return OnnxCausalLM(session, config, session.get_providers()[0])
+    running = session.get_providers()[0]
+    if running != providers[0]:  # ORT's Python API falls back to the next provider when one fails to start
+        raise QuasarError(f"{providers[0]} did not start (ONNX Runtime fell back to {running}); check its libraries (CUDA, TensorRT)")
+    note = mismatch_note(running, linear_format)
+    if note is not None:
+        print(f"warning: {note}", file=sys.stderr)
+    return OnnxCausalLM(session, config, running, linear_format)

@@ -1,8 +1,9 @@
 """Timing the exported ONNX forms on ONNX Runtime: ``quasar-deploy bench onnx layers|step|fidelity``.
 
-``layers``: the exported W8A8 linear (``onnx_graph.w8a8_linear``) against a float32 MatMul of the
-same shape, a chain of distinct weights (ORT shares identical initializers, which would put
-every layer's weights in cache), plus a check that the integer accumulation is exact.
+``layers``: the exported W8A8 linear in both forms (``integer``: ``onnx_graph.w8a8_linear``, per-token
+scales; ``qdq``: ``onnx_graph.qdq_linear``, static scales) against a float32 MatMul of the same shape,
+a chain of distinct weights (ORT shares identical initializers, which would put every layer's
+weights in cache), plus a check of each form against ``scheme.reference_linear``.
 ``fidelity``: an exported directory on the onnxruntime backend against the torch decoder with the
 exact reference int8 kernel (or float), teacher-forced logits and greedy continuations.
 ``step``: whole decoder graphs of a published shape with synthetic weights, float vs W8A8,
@@ -31,15 +32,17 @@ try:
 except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
+from ..backends.onnxruntime import EXACT_QUANT_OPTION
 from ..exporters.onnx import save_graph
-from ..exporters.onnx_graph import OPSET, GraphBuilder, decoder_graph, w8a8_linear
-from ..scheme import quantize_weight, reference_linear
+from ..exporters.onnx_graph import LINEAR_FORMATS, OPSET, GraphBuilder, decoder_graph
+from ..scheme import QMAX, quantize_weight, reference_linear
 from .synthetic import synthetic_decoders
 
 
 def _session(model_or_path: Path | onnx.ModelProto, threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    options.add_session_config_entry(*EXACT_QUANT_OPTION)
     source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path.SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
@@ -55,14 +58,15 @@ def _median_ms(sess: ort.InferenceSession, feed: dict, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _chain(weights: list[tuple[torch.Tensor, torch.Tensor]], quantized: bool) -> onnx.ModelProto:
-    """y = linear_n(...linear_1(x)) with the given (int8 weight, scale) pairs, as W8A8 or dequantized fp32 MatMuls."""
+def _chain(weights: list[tuple[torch.Tensor, torch.Tensor]], form: str, input_scales: list[float]) -> onnx.ModelProto:
+    """y = linear_n(...linear_1(x)) with the given (int8 weight, scale) pairs: dequantized ``fp32`` MatMuls, or W8A8 in
+    the ``integer`` form (per-token scales) or the ``qdq`` form (``input_scales``, one static scale per layer)."""
     g, x = GraphBuilder(), "x"
-    for i, (wq, scale) in enumerate(weights):
-        if quantized:
-            x = w8a8_linear(g, x, wq.numpy(), scale.numpy(), None, f"layer{i}")
-        else:
+    for i, ((wq, scale), input_scale) in enumerate(zip(weights, input_scales)):
+        if form == "fp32":
             x = g.op("MatMul", x, g.const((wq.float() * scale).numpy().T, f"layer{i}.weight_t"))
+        else:
+            x = LINEAR_FORMATS[form](g, x, wq.numpy(), scale.numpy(), input_scale if form == "qdq" else None, f"layer{i}")
     g.op("Identity", x, outputs=["y"])
     size = weights[0][0].shape[1]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["m", size]) for n in ("x", "y")]
@@ -71,19 +75,37 @@ def _chain(weights: list[tuple[torch.Tensor, torch.Tensor]], quantized: bool) ->
     )
 
 
+def _static_scales(weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> list[float]:
+    """Each layer's per-tensor scale as a calibration would set it: max |input| / 127 on ``x`` run through the float chain."""
+    scales = []
+    for wq, scale in weights:
+        scales.append(x.abs().max().item() / QMAX)
+        x = x @ (wq.float() * scale).t()
+    return scales
+
+
 def layers(size: int, depth: int, rows: tuple[int, ...], threads: int, repeats: int) -> Iterator[str]:
     torch.manual_seed(0)
     weights = [quantize_weight(torch.randn(size, size)) for _ in range(depth)]
-    sessions = {"w8a8": _session(_chain(weights, True), threads), "fp32": _session(_chain(weights, False), threads)}
     x = torch.randn(8, size)
     x[:, :16] *= 30  # outlier channels: full-range int8 codes, where AVX2 u8 x s8 kernels would overflow
-    one = _session(_chain(weights[:1], True), threads).run(None, {"x": x.numpy()})[0]
-    exact = torch.equal(torch.from_numpy(one), reference_linear(x, *weights[0]))
-    yield f"{size}x{size}, {depth} distinct layers, {threads} threads; W8A8 linear bit-exact to scheme.reference_linear: {exact}"
+    input_scales = _static_scales(weights, x)
+    sessions = {form: _session(_chain(weights, form, input_scales), threads) for form in ("fp32", *LINEAR_FORMATS)}
+    integer = _session(_chain(weights[:1], "integer", input_scales), threads).run(None, {"x": x.numpy()})[0]
+    qdq = _session(_chain(weights[:1], "qdq", input_scales), threads).run(None, {"x": x.numpy()})[0]
+    static = reference_linear(x, *weights[0], input_scale=torch.tensor([input_scales[0]]))
+    yield (
+        f"{size}x{size}, {depth} distinct layers, {threads} threads; integer linear bit-exact to scheme.reference_linear: "
+        f"{torch.equal(torch.from_numpy(integer), reference_linear(x, *weights[0]))}; qdq linear (static scales) within float "
+        f"rounding of it: {torch.allclose(torch.from_numpy(qdq), static, rtol=1e-6, atol=0)}"
+    )
     for m in rows:
         feed = {"x": np.random.default_rng(m).standard_normal((m, size), dtype=np.float32)}
         t = {k: _median_ms(s, feed, repeats) / depth for k, s in sessions.items()}
-        yield f"M={m:<4d} fp32 MatMul {t['fp32']:8.3f} ms/layer   W8A8 {t['w8a8']:8.3f} ms/layer   speed-up {t['fp32'] / t['w8a8']:.2f}x"
+        yield (
+            f"M={m:<4d} fp32 MatMul {t['fp32']:8.3f} ms/layer   integer {t['integer']:8.3f} ms/layer ({t['fp32'] / t['integer']:.2f}x)"
+            f"   qdq {t['qdq']:8.3f} ms/layer ({t['fp32'] / t['qdq']:.2f}x; qdq/integer time {t['qdq'] / t['integer']:.2f})"
+        )
 
 
 def step(shape: str, tokens: int, context: int, threads: int, repeats: int) -> Iterator[str]:

@@ -244,7 +244,7 @@ def onnx() -> None:
 @threads_option
 @onnx_repeats_option
 def onnx_layers(size, depth, rows, threads, repeats):
-    """The exported W8A8 linear vs a float32 MatMul of the same shape, and whether its integer accumulation is exact."""
+    """The exported W8A8 linear, integer and qdq forms, vs a float32 MatMul of the same shape, and how exact each is."""
     from ..bench.onnx import layers
 
     for line in layers(size, depth, rows, threads, repeats):

@@ -15,6 +15,7 @@ import click
 from ..backends.registry import BACKENDS
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
+from .options import backend_options, provider_option
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -91,14 +92,15 @@ def _memory(path: str, result) -> dict:
 @click.option("--draft-model", type=click.Path(path_type=str), help="model: path of a small draft model with the same tokenizer.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", *BACKENDS]))
+@provider_option
 @click.option("--stats", "show_stats", is_flag=True, help="Print speed and acceptance statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish_reason, stats) instead of streaming.")
-def generate(path, prompt, prompt_file, chat, backend, show_stats, as_json, skip_layers, **options):
+def generate(path, prompt, prompt_file, chat, backend, provider, show_stats, as_json, skip_layers, **options):
     """Generate a completion with the model at PATH (W8A8 artifact or Hugging Face checkpoint)."""
     from ..engine import load
 
     text = _prompt(prompt, prompt_file, chat)
-    engine = load(path, backend=backend)
+    engine = load(path, backend=backend, **backend_options(path, backend, provider))
     stream = engine.stream(text, skip_layers=_layers(skip_layers), **options)
     if as_json:
         for _ in stream:

@@ -20,3 +20,27 @@ class IntList(click.ParamType):
 
 
 INT_LIST = IntList()
+
+
+# backends/onnxruntime.PROVIDERS with "auto" (named here so that --help imports no torch; a test keeps them equal)
+ONNX_PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")
+
+provider_option = click.option(
+    "--provider",
+    type=click.Choice(ONNX_PROVIDERS),
+    help="onnxruntime backend only: ONNX Runtime's execution provider (cuda and tensorrt need onnxruntime-gpu; default auto).",
+)
+
+
+def backend_options(path: str, backend: str, provider: str | None) -> dict[str, str]:
+    """The options ``engine.load`` passes to the backend: ``--provider`` goes to onnxruntime (named, or what "auto" picks
+    for an ONNX export) and is refused for any other backend, in one line."""
+    if provider is None:
+        return {}
+    from ..backends.registry import auto_backend
+    from ..errors import QuasarError
+
+    name = auto_backend(path) if backend == "auto" else backend
+    if name != "onnxruntime":
+        raise QuasarError(f"--provider applies to the onnxruntime backend (an export --target onnx directory), not {name}")
+    return {"provider": provider}

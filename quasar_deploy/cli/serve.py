@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..backends.registry import BACKENDS
+from .options import backend_options, provider_option
 
 SERVER_DRAFTERS = ("none", "ngram", "layerskip")
 
@@ -29,6 +30,7 @@ SERVER_DRAFTERS = ("none", "ngram", "layerskip")
 @click.option("--api-key", envvar="QUASAR_API_KEY", help="Require `Authorization: Bearer KEY` on all but /health [env QUASAR_API_KEY].")
 @click.option("--model-name", help="The model name clients send (default: PATH's directory name).")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", *BACKENDS]))
+@provider_option
 @click.option(
     "--draft", default="ngram", show_default=True, type=click.Choice(SERVER_DRAFTERS), help="Default drafter; a request may pick."
 )
@@ -39,7 +41,9 @@ SERVER_DRAFTERS = ("none", "ngram", "layerskip")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Jinja chat template file.")
 @click.option("--drain-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0), help="SIGTERM: seconds to finish work.")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), help="--engine vllm only: passed to vllm serve.")
-def serve(path, engine_name, host, port, api_key, model_name, backend, draft, num_draft, tensor_parallel_size, chat_template, **limits):
+def serve(
+    path, engine_name, host, port, api_key, model_name, backend, provider, draft, num_draft, tensor_parallel_size, chat_template, **limits
+):
     """Serve the model at PATH over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from ..errors import QuasarError
 
@@ -54,7 +58,7 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, draft, nu
     from ..serve.app import ServeConfig, create_app
     from ..serve.server import run
 
-    engine = load(path, backend=backend)
+    engine = load(path, backend=backend, **backend_options(path, backend, provider))
     check_can_fork(engine.lm)
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template.read_text()

@@ -16,6 +16,9 @@ from ..errors import QuasarError
 from ..files import require_new
 
 TARGETS = {"onnx": "quasar_deploy.exporters.onnx", "npu": "quasar_deploy.exporters.npu"}
+# the forms of an ONNX export's W8A8 linears (onnx_graph.LINEAR_FORMATS builds each): named here, torch- and onnx-free,
+# for the CLI's choices and the onnxruntime backend's check of a manifest
+ONNX_FORMATS = ("integer", "qdq")
 
 
 def export(artifact: str | Path, target: str, output: str | Path, **options) -> Path:

@@ -30,7 +30,7 @@ from ..decoder_spec import rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
 from ..model import DecoderLayer, RMSNorm, check_finite, tensor_loader
-from .onnx_graph import OPSET, ExternalData, GraphBuilder, build_graph
+from .onnx_graph import LINEAR_FORMATS, OPSET, ExternalData, GraphBuilder, build_graph
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -38,9 +38,13 @@ CONFIG_FILE = "genai_config.json"
 SIDECAR_FORMAT = 1
 # protobuf refuses messages of 2 GiB; stay clear of it (graph structure adds a little on top of the weights)
 EXTERNAL_DATA_THRESHOLD = 1_900_000_000
+LINEAR_DESCRIPTIONS = {
+    "integer": "u8xu8 MatMulInteger, exact int32 accumulation",
+    "qdq": "int8 QuantizeLinear/DequantizeLinear around MatMul: static per-tensor activations, per-channel weights",
+}
 
 
-def genai_config(files: ModelFiles, precision: str) -> dict:
+def genai_config(files: ModelFiles, precision: str, linear_format: str | None) -> dict:
     """onnxruntime-genai's ``genai_config.json`` layout, plus a ``quasar`` block saying what the graph computes."""
     spec, config = files.spec, files.checkpoint.config
     scheme = files.scheme
@@ -74,7 +78,7 @@ def genai_config(files: ModelFiles, precision: str) -> dict:
             "format": SIDECAR_FORMAT,
             "precision": precision,
             "activation": scheme.activation if precision == "w8a8" else None,
-            "linear": "u8xu8 MatMulInteger, exact int32 accumulation" if precision == "w8a8" else "float32 MatMul",
+            "linear": LINEAR_DESCRIPTIONS[linear_format] if linear_format else "float32 MatMul",
             "opset": OPSET,
             # the artifact's manifest checksums every file it has (one weights file or many shards): its own hash names it
             "source_manifest_sha256": sha256_files(files.path / MANIFEST) if files.manifest else None,
@@ -82,13 +86,27 @@ def genai_config(files: ModelFiles, precision: str) -> dict:
     }
 
 
-def _check_precision(files: ModelFiles, precision: str) -> None:
+def _linear_format(files: ModelFiles, precision: str, linear_format: str) -> str | None:
+    """The form of the W8A8 linears (None for a float graph), after refusing what cannot be exported, each in one line."""
     if precision not in ("w8a8", "float"):
         raise QuasarError(f"unknown precision {precision!r}; choose from w8a8, float")
+    if linear_format not in LINEAR_FORMATS:
+        raise QuasarError(f"unknown ONNX format {linear_format!r}; choose from {', '.join(LINEAR_FORMATS)}")
     if precision == "w8a8" and not files.is_artifact:
         raise QuasarError(f"{files.path}: a float checkpoint; calibrate it first, or export it with --precision float")
     if precision == "float" and files.is_artifact:
         raise QuasarError(f"{files.path}: a W8A8 artifact holds no float weights; pass the source checkpoint with --precision float")
+    if precision == "float":
+        if linear_format != "integer":
+            raise QuasarError(f"--format {linear_format} applies to W8A8 graphs; a float graph has no quantized linears")
+        return None
+    if linear_format == "qdq" and files.scheme.activation != "static":
+        # TensorRT and ORT's QDQ fusions need constant scales; per-token scales would leave float math (docs/onnx.md)
+        raise QuasarError(
+            f"{files.path}: --format qdq needs per-tensor static activation scales, this artifact has "
+            f"{files.scheme.activation!r} ones; calibrate with --activation static, or export --format integer"
+        )
+    return linear_format
 
 
 def save_graph(model: onnx.ModelProto, directory: Path) -> None:
@@ -106,7 +124,9 @@ def graph_weight_bytes(files: ModelFiles) -> int:
     return sum(math.prod(shape) * (1 if ckpt.dtypes[name] == "I8" else 4) for name, shape in ckpt.shapes.items())
 
 
-def streamed_graph(files: ModelFiles, name: str, external: ExternalData | None, progress: bool) -> onnx.ModelProto:
+def streamed_graph(
+    files: ModelFiles, name: str, external: ExternalData | None, progress: bool, linear_format: str = "integer"
+) -> onnx.ModelProto:
     """The graph built one decoder layer at a time from the checkpoint; with ``external``, each layer's weights are in that
     file before the next layer is read, and the embedding table and lm_head go there block by block."""
     spec, ckpt = files.spec, files.checkpoint
@@ -134,7 +154,7 @@ def streamed_graph(files: ModelFiles, name: str, external: ExternalData | None, 
         for start, block in rows("lm_head.weight"):
             out[:, start : start + len(block)] = block.T
 
-    g = GraphBuilder(external)
+    g = GraphBuilder(external, linear_format)
     norm = RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)
     model = build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, None if spec.tie_word_embeddings else head_t)
     if files.manifest and quantized != set(files.manifest["quantized_layers"]):
@@ -143,26 +163,35 @@ def streamed_graph(files: ModelFiles, name: str, external: ExternalData | None, 
     return model
 
 
-def export(files: ModelFiles, output: Path, precision: str = "w8a8", external: bool | None = None, progress: bool = True) -> Path:
+def export(
+    files: ModelFiles,
+    output: Path,
+    precision: str = "w8a8",
+    linear_format: str = "integer",
+    external: bool | None = None,
+    progress: bool = True,
+) -> Path:
     """Write the ONNX decoder for ``files`` to the new directory ``output`` (temp dir, then rename), one layer at a time.
 
+    ``linear_format``: ``integer`` (exact u8 x u8 ``MatMulInteger``, for CPUs) or ``qdq`` (int8 Q/DQ pairs that
+    TensorRT fuses; static-activation artifacts only). The manifest records it, so the loader knows its graph.
     ``external``: weights in ``model.onnx.data`` (written as the graph is built) rather than inside ``model.onnx``;
     by default when they would pass protobuf's 2 GB limit.
     """
-    _check_precision(files, precision)
+    linear = _linear_format(files, precision, linear_format)
     output = Path(output)
     if external is None:
         external = graph_weight_bytes(files) > EXTERNAL_DATA_THRESHOLD
     with atomic_directory(output) as tmp:
         data = ExternalData(tmp / DATA_FILE) if external else None
         try:
-            model = streamed_graph(files, f"{files.spec.architecture}-{precision}", data, progress)
+            model = streamed_graph(files, f"{files.spec.architecture}-{precision}", data, progress, linear or "integer")
         finally:
             if data is not None:
                 data.close()
         save_graph(model, tmp)
         del model
-        (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision), indent=2))
+        (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision, linear), indent=2))
         copy_files(files.path, tmp, ("config.json", *TOKENIZER_FILES))
-        write_export_manifest(tmp, "onnx", files.path)
+        write_export_manifest(tmp, "onnx", files.path, {"precision": precision, "linear_format": linear})
     return output

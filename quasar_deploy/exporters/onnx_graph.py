@@ -5,16 +5,23 @@ Inputs and outputs follow Optimum / onnxruntime-genai naming (``input_ids``, ``a
 with dynamic batch, sequence and past axes, so the same file serves every step of the speculative
 loop and loads in other ONNX Runtime front ends.
 
-W8A8 linears are written in the one form that is both fast on ORT's CPU kernels and exact to
-``scheme.py`` (docs/onnx.md has the measurements): the activation is quantized in the graph
-(per token: ``Abs -> ReduceMax -> /127``; static: the calibrated constant), shifted to uint8
-with zero point 128, and multiplied by the weight re-encoded as uint8 with zero point 128 in
-``MatMulInteger`` (int32 accumulation), then scaled by ``acc * act_scale * weight_scale`` in
-the reference's order. u8 x u8 is used instead of u8 x s8 because MLAS's AVX2 u8 x s8 kernel
-sums product pairs in saturating 16-bit registers and loses exactness on full-range activations;
-the u8 x u8 kernel widens to 16 bits first and is exact on every x86 CPU. Per-row activation
-scales cannot go through ``DequantizeLinear`` fused kernels (ORT does not fuse a run-time
-per-row scale), hence the explicit integer form rather than Q/DQ pairs.
+W8A8 linears come in two forms (``LINEAR_FORMATS``; docs/onnx.md has the measurements):
+
+- ``integer`` (the default): the one form that is both fast on ORT's CPU kernels and exact to
+  ``scheme.py``. The activation is quantized in the graph (per token: ``Abs -> ReduceMax -> /127``;
+  static: the calibrated constant), shifted to uint8 with zero point 128, and multiplied by the
+  weight re-encoded as uint8 with zero point 128 in ``MatMulInteger`` (int32 accumulation), then
+  scaled by ``acc * act_scale * weight_scale`` in the reference's order. u8 x u8 is used instead
+  of u8 x s8 because MLAS's AVX2 u8 x s8 kernel sums product pairs in saturating 16-bit registers
+  and loses exactness on full-range activations; the u8 x u8 kernel widens to 16 bits first and is
+  exact on every x86 CPU. Per-row activation scales cannot go through ``DequantizeLinear`` fused
+  kernels (ORT does not fuse a run-time per-row scale), hence the explicit integer form.
+- ``qdq``: the standard Q/DQ form that TensorRT and ORT's QDQ-aware execution providers fuse into
+  int8 GEMMs: ``QuantizeLinear``/``DequantizeLinear`` with an int8 activation, zero point 0 and a
+  constant per-tensor scale (static artifacts only: TensorRT needs build-time constant scales),
+  and ``DequantizeLinear`` of the int8 weight with one scale per output channel, around a
+  ``MatMul``. A ``Clip`` to +-127 scales comes first, because the scheme saturates at -127 where
+  ``QuantizeLinear`` would give -128.
 """
 
 from __future__ import annotations
@@ -91,10 +98,12 @@ class ExternalData:
 class GraphBuilder:
     """Nodes and initializers with generated names; keeps the decoder code readable as math.
 
-    With ``external``, every initializer of at least ``external.min_bytes`` goes to that file as it is made.
+    ``linear_format`` names the form every W8A8 linear of this graph takes (a key of ``LINEAR_FORMATS``). With
+    ``external``, every initializer of at least ``external.min_bytes`` goes to that file as it is made.
     """
 
-    def __init__(self, external: ExternalData | None = None) -> None:
+    def __init__(self, external: ExternalData | None = None, linear_format: str = "integer") -> None:
+        self.linear_format = linear_format
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.external = external
@@ -121,6 +130,12 @@ class GraphBuilder:
             array = np.empty(shape, dtype)
             fill(array)
             self.initializers.append(numpy_helper.from_array(array, name))
+        return name
+
+    def rank0(self, value: float, dtype, name: str) -> str:
+        """A named 0-d initializer: Q/DQ scales and zero points must be scalars for per-tensor quantization (a
+        one-element 1-D scale means per-axis to the ONNX spec and to TensorRT)."""
+        self.initializers.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
         return name
 
     def scalar(self, value: float, dtype=np.float32) -> str:
@@ -154,10 +169,32 @@ def w8a8_linear(g: GraphBuilder, x: str, wq: np.ndarray, w_scale: np.ndarray, in
     return g.op("Mul", g.op("Mul", acc, scale), g.const(w_scale.reshape(-1).astype(np.float32), f"{prefix}.weight_scale"))
 
 
+def qdq_linear(g: GraphBuilder, x: str, wq: np.ndarray, w_scale: np.ndarray, input_scale: float | None, prefix: str) -> str:
+    """``scheme.reference_linear`` with a static scale, as Q/DQ pairs around a float ``MatMul`` (the form TensorRT fuses)."""
+    if input_scale is None:
+        raise ValueError("the QDQ form needs a constant (static) activation scale")
+    # one scale per linear, named after it: shared initializers let ORT merge the Q/DQ of q/k/v (and gate/up) into one
+    # DequantizeLinear with three consumers, which its QDQ fusion then leaves as float MatMuls
+    scale, zero = g.rank0(input_scale, np.float32, f"{prefix}.input_scale"), g.rank0(0, np.int8, f"{prefix}.input_zero_point")
+    low, high = (
+        g.rank0(-QMAX * input_scale, np.float32, f"{prefix}.input_min"),
+        g.rank0(QMAX * input_scale, np.float32, f"{prefix}.input_max"),
+    )
+    clipped = g.op("Clip", x, low, high)  # the scheme saturates at -127, QuantizeLinear at -128
+    activation = g.op("DequantizeLinear", g.op("QuantizeLinear", clipped, scale, zero), scale, zero)
+    weight = g.const(np.ascontiguousarray(wq.astype(np.int8).T), f"{prefix}.weight_int8")  # [in, out]
+    weight_scale = g.const(w_scale.reshape(-1).astype(np.float32), f"{prefix}.weight_scale")
+    weight_zero = g.const(np.zeros(wq.shape[0], np.int8), f"{prefix}.weight_zero_point")
+    return g.op("MatMul", activation, g.op("DequantizeLinear", weight, weight_scale, weight_zero, axis=1))
+
+
+LINEAR_FORMATS = {"integer": w8a8_linear, "qdq": qdq_linear}
+
+
 def linear(g: GraphBuilder, x: str, layer: Linear, prefix: str) -> str:
     if layer.quantized:
         input_scale = None if layer.input_scale is None else float(layer.input_scale.item())
-        y = w8a8_linear(g, x, layer.weight.numpy(), layer.weight_scale.numpy(), input_scale, prefix)
+        y = LINEAR_FORMATS[g.linear_format](g, x, layer.weight.numpy(), layer.weight_scale.numpy(), input_scale, prefix)
     else:
         y = g.op("MatMul", x, g.const(layer.weight.float().numpy().T, f"{prefix}.weight_t"))
     if layer.bias is not None:
@@ -235,11 +272,12 @@ def mlp(g: GraphBuilder, x: str, block: MLP, prefix: str) -> str:
 Fill = Callable[[np.ndarray], None]
 
 
-def decoder_graph(decoder: Decoder, name: str) -> onnx.ModelProto:
-    """The whole decoder held in memory (float32 compute) as one ONNX model with KV-cache inputs and outputs."""
+def decoder_graph(decoder: Decoder, name: str, linear_format: str = "integer") -> onnx.ModelProto:
+    """The whole decoder held in memory (float32 compute) as one ONNX model with KV-cache inputs and outputs; W8A8
+    linears in ``linear_format``."""
     embed = decoder.model.embed_tokens.weight.float().numpy()
     head = None if decoder.spec.tie_word_embeddings else decoder.lm_head.weight.float().numpy()
-    g = GraphBuilder()
+    g = GraphBuilder(linear_format=linear_format)
     return build_graph(
         g,
         decoder.spec,

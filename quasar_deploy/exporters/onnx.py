@@ -154,7 +154,7 @@ def streamed_graph(
         for start, block in rows("lm_head.weight"):
             out[:, start : start + len(block)] = block.T
 
-    g = GraphBuilder(external, linear_format)
+    g = GraphBuilder(linear_format, external)
     norm = RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)
     model = build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, None if spec.tie_word_embeddings else head_t)
     if files.manifest and quantized != set(files.manifest["quantized_layers"]):

@@ -102,7 +102,7 @@ class GraphBuilder:
     ``external``, every initializer of at least ``external.min_bytes`` goes to that file as it is made.
     """
 
-    def __init__(self, external: ExternalData | None = None, linear_format: str = "integer") -> None:
+    def __init__(self, linear_format: str = "integer", external: ExternalData | None = None) -> None:
         self.linear_format = linear_format
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
@@ -277,7 +277,7 @@ def decoder_graph(decoder: Decoder, name: str, linear_format: str = "integer") -
     linears in ``linear_format``."""
     embed = decoder.model.embed_tokens.weight.float().numpy()
     head = None if decoder.spec.tie_word_embeddings else decoder.lm_head.weight.float().numpy()
-    g = GraphBuilder(linear_format=linear_format)
+    g = GraphBuilder(linear_format)
     return build_graph(
         g,
         decoder.spec,

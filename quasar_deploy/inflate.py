@@ -202,11 +202,13 @@ def _writing(files: ModelFiles, output: Path, target: InflationTarget, seed: int
     quantized = []
     with atomic_directory(Path(output)) as tmp:
         writer = ShardWriter(tmp)
-        count = len(inflater.shapes)  # an upper bound (it counts biases and input scales): the bar's scale only
-        for name, tensor in tqdm(inflater.tensors(), total=count, desc="inflating", unit="tensor", disable=not progress):
-            writer.add(name, tensor.contiguous())
-            if tensor.dtype == torch.int8:
-                quantized.append(name.removesuffix(".weight"))
+        weights = [name for name in inflater.shapes if name.endswith(".weight")]
+        with tqdm(total=len(weights), desc="inflating", unit="weight", disable=not progress) as bar:
+            for name, tensor in inflater.tensors():
+                writer.add(name, tensor.contiguous())
+                if tensor.dtype == torch.int8:
+                    quantized.append(name.removesuffix(".weight"))
+                bar.update(name.endswith(".weight"))
         writer.close()
         (tmp / "config.json").write_text(json.dumps(_config(files, target, seed, inflater, quantized), indent=2))
         copy_files(files.path, tmp)

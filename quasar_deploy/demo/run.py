@@ -94,7 +94,7 @@ def _measure(
     return result
 
 
-def run_demo(echo: Callable[[str], None], progress: bool = True, limit: int = 8, max_new_tokens: int = 96) -> dict:
+def run_demo(echo: Callable[[str], None], progress: bool = True, limit: int = 4, max_new_tokens: int = 64) -> dict:
     """Calibrate and inflate (cached), stream one W8A8 generation of the inflated model, then measure both models end to end."""
     if not (demo_artifact_path() / MANIFEST).exists():
         echo("first run: calibrating (cached afterwards)\n")

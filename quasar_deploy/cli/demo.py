@@ -1,4 +1,4 @@
-"""``quasar-deploy demo``: the shipped model end to end."""
+"""``quasar-deploy demo``: the shipped model, and its inflation to the Qwen3-0.6B body, end to end."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import click
 
 
 @click.command()
-@click.option("--limit", default=8, show_default=True, type=click.IntRange(min=1), help="Built-in prompts to measure.")
-@click.option("--max-new-tokens", default=96, show_default=True, type=click.IntRange(min=1))
+@click.option("--limit", default=4, show_default=True, type=click.IntRange(min=1), help="Built-in prompts to measure.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 def demo(limit, max_new_tokens):
-    """The shipped demo model: calibrate (cached), stream a W8A8 generation, compare n-gram on float vs W8A8."""
+    """The demo model inflated to the Qwen3-0.6B body (same outputs, a 0.6B body's bytes per step) and the demo model itself:
+    calibrate and inflate (cached), stream a W8A8 generation, measure n-gram on float vs W8A8 verifiers end to end."""
     from ..demo.run import describe, run_demo
 
     def echo(text: str) -> None:

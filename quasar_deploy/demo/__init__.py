@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..calibration import CalibrationRecipe
+    from ..inflate import InflationTarget
 
 VARIANTS = ("plain", "outlier")
+INFLATED_SHAPE = "qwen3-0.6b"  # the published body the demo model is inflated to (bench/synthetic.SHAPES)
+INFLATION_SEED = 0
 
 
 def cache_dir() -> Path:
@@ -46,19 +50,72 @@ def demo_recipe() -> CalibrationRecipe:
     return CalibrationRecipe(num_samples=24, seq_len=256, alpha="auto", activation="dynamic")
 
 
-def demo_artifact(progress: bool = True) -> Path:
-    """The demo model's W8A8 artifact, calibrated once and cached; recalibrated when the model, recipe or artifact format changes."""
-    import json
+def _key(*inputs: object) -> str:
+    """12 hex digits naming a cached derivation: the demo model's bytes and everything else that shapes the result."""
+    plain = demo_model_path() / "model.safetensors"
+    return hashlib.sha256(plain.read_bytes() + json.dumps(inputs).encode()).hexdigest()[:12]
 
+
+def demo_artifact_path() -> Path:
+    """Where the demo artifact is cached: keyed by the model, recipe, quasar-deploy version and artifact format."""
     from .._version import __version__
     from ..artifact import FORMAT_VERSION
+
+    return cache_dir() / f"demo-w8a8-{_key(demo_recipe().to_dict(), __version__, FORMAT_VERSION)}"
+
+
+def demo_artifact(progress: bool = True) -> Path:
+    """The demo model's W8A8 artifact, calibrated once and cached; recalibrated when the model, recipe or artifact format changes."""
     from ..calibration import calibrate
 
-    plain = demo_model_path()
-    recipe = demo_recipe()
-    inputs = json.dumps([recipe.to_dict(), __version__, FORMAT_VERSION]).encode()
-    key = hashlib.sha256((plain / "model.safetensors").read_bytes() + inputs).hexdigest()[:12]
-    path = cache_dir() / f"demo-w8a8-{key}"
+    path = demo_artifact_path()
     if not (path / "quasar.json").exists():
-        calibrate(plain, output=path, recipe=recipe, progress=progress)
+        calibrate(demo_model_path(), output=path, recipe=demo_recipe(), progress=progress)
+    return path
+
+
+def inflation_target() -> InflationTarget:
+    """Qwen3-0.6B's body with the demo model's head_dim 64: its widths (32 query / 16 KV heads of 64 = its 16 / 8 of 128)."""
+    from ..artifact import open_model_files
+    from ..inflate import body_of
+
+    return body_of(INFLATED_SHAPE, open_model_files(demo_model_path(), verify=False).spec)
+
+
+def inflated_demo_paths() -> tuple[Path, Path]:
+    """(float checkpoint, W8A8 artifact) of the inflated demo model in the cache, keyed like the demo artifact they come from."""
+    from .._version import __version__
+
+    key = _key(demo_artifact_path().name, inflation_target().to_dict(), INFLATION_SEED, __version__)
+    return cache_dir() / f"demo-inflated-float-{key}", cache_dir() / f"demo-inflated-w8a8-{key}"
+
+
+def inflated_demo(progress: bool = True) -> tuple[Path, Path]:
+    """The demo model and its artifact inflated function-preservingly to the Qwen3-0.6B body (``inflate.py``), written once."""
+    from ..inflate import inflate_artifact, inflate_checkpoint
+
+    model, artifact = inflated_demo_paths()
+    target = inflation_target()
+    if not (model / "config.json").exists():
+        inflate_checkpoint(demo_model_path(), model, target, INFLATION_SEED, progress)
+    if not (artifact / "quasar.json").exists():
+        inflate_artifact(demo_artifact(progress), artifact, target, model, INFLATION_SEED, progress)
+    return model, artifact
+
+
+def onnx_export_path(model: Path) -> Path:
+    """Where the ONNX export of the demo model or of a model cached here is cached: in the cache, never beside the shipped model."""
+    from .._version import __version__
+
+    return cache_dir() / f"onnx-{model.name}-{_key(model.name, __version__)}"
+
+
+def onnx_export(model: Path) -> Path:
+    """The ONNX graph of a cached model, exported once (float for a checkpoint, exact W8A8 for an artifact)."""
+    from ..artifact import MANIFEST
+    from ..exporters import export
+
+    path = onnx_export_path(model)
+    if not path.exists():
+        export(model, "onnx", path, precision="w8a8" if (model / MANIFEST).exists() else "float")
     return path

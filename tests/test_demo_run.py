@@ -1,0 +1,32 @@
+"""``quasar-deploy demo`` end to end, on a small inflation target: what it prints and that the inflated model decodes the demo's tokens."""
+
+import pytest
+
+from quasar_deploy import demo
+from quasar_deploy.calibration import CalibrationRecipe
+from quasar_deploy.demo.run import describe, run_demo
+from quasar_deploy.inflate import InflationTarget
+
+SMALL = InflationTarget(hidden_size=512, intermediate_size=1536, num_layers=7, num_heads=8, num_kv_heads=4)
+
+
+@pytest.mark.slow
+def test_demo_measures_the_inflated_and_the_demo_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo, "demo_recipe", lambda: CalibrationRecipe(num_samples=8, seq_len=64))
+    monkeypatch.setattr(demo, "inflation_target", lambda: SMALL)
+    printed = []
+    package = sorted(demo.demo_model_path().parent.iterdir())
+    result = run_demo(printed.append, progress=False, limit=2, max_new_tokens=16)
+    text = "".join(printed)
+    assert sorted(demo.demo_model_path().parent.iterdir()) == package  # everything derived goes to the cache
+    assert "first run: calibrating (cached afterwards)" in text and "first run: inflating" in text
+    inflated, small = result["inflated"]["report"]["modes"], result["demo"]["report"]["modes"]
+    # the same tokens, so the same acceptance on every prompt (ONNX Runtime's float parts round differently: not asserted)
+    assert inflated["ngram-w8a8"]["acceptance_lengths"] == small["ngram-w8a8"]["acceptance_lengths"]
+    summary = describe(result)
+    assert "demo model inflated function-preservingly to the Qwen3-0.6B body shape (its outputs equal the demo model's;" in summary
+    assert "int8 kernel" in summary and "median over 2 prompts of the per-prompt ratio" in summary
+    paths = demo.inflated_demo_paths()
+    stamps = [p.stat().st_mtime_ns for p in paths]
+    assert demo.inflated_demo(progress=False) == paths and [p.stat().st_mtime_ns for p in paths] == stamps  # cached

@@ -162,7 +162,10 @@ def test_generate_runs_an_onnx_export_without_backend_and_names_the_backend(tiny
 
     from quasar_deploy.cli import main
 
-    for path, backend in ((tiny_onnx, "backend: onnxruntime CPUExecutionProvider (W8A8 integer graph)"), (tiny_artifact.path, "backend: cpu W8A8")):
+    for path, backend in (
+        (tiny_onnx, "backend: onnxruntime CPUExecutionProvider (W8A8 integer graph)"),
+        (tiny_artifact.path, "backend: cpu W8A8"),
+    ):
         result = CliRunner().invoke(main, ["generate", str(path), "--prompt", "def f():", "--max-new-tokens", "4", "--stats"])
         assert result.exit_code == 0, result.output
         assert backend in result.output and "decode_tokens_per_s" in result.output and "prefill_s" in result.output

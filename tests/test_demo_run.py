@@ -25,7 +25,7 @@ def test_demo_measures_the_inflated_and_the_demo_model(monkeypatch, tmp_path):
     # the same tokens, so the same acceptance on every prompt (ONNX Runtime's float parts round differently: not asserted)
     assert inflated["ngram-w8a8"]["acceptance_lengths"] == small["ngram-w8a8"]["acceptance_lengths"]
     summary = describe(result)
-    assert "demo model inflated function-preservingly to the Qwen3-0.6B body shape (its outputs equal the demo model's;" in summary
+    assert "demo model inflated function-preservingly to the Qwen3-0.6B body shape (the same function: outputs equal" in summary
     assert "int8 kernel" in summary and "median over 2 prompts of the per-prompt ratio" in summary
     paths = demo.inflated_demo_paths()
     stamps = [p.stat().st_mtime_ns for p in paths]

@@ -137,7 +137,8 @@ def describe(result: dict) -> str:
     s = inflated["spec"]
     hidden, inner, layers, heads, kv_heads, head_dim, vocab, _ = SHAPES[INFLATED_SHAPE]
     rows = [
-        f"demo model inflated function-preservingly to the Qwen3-0.6B body shape (its outputs equal the demo model's; "
+        f"demo model inflated function-preservingly to the Qwen3-0.6B body shape (the same function: outputs equal the demo model's up to "
+        f"float rounding, which can change a token late in a long generation; "
         f"{inflated['parameters_read_per_step'] / 1e6:.1f} M parameters read per step)",
         f"  hidden {s['hidden_size']}, {s['num_layers']} layers, MLP {s['intermediate_size']}, {s['num_heads']} query / "
         f"{s['num_kv_heads']} KV heads of {s['head_dim']} (Qwen3-0.6B: {hidden}, {layers}, {inner}, {heads} / {kv_heads} of {head_dim}), "

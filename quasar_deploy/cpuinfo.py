@@ -63,12 +63,16 @@ def default_threads() -> int:
     return max(1, min(allowed, math.ceil(limit) if limit else allowed))
 
 
-def prefer_passive_waits(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Make OpenMP threads sleep, not spin, at the end of a parallel region, unless the user chose a policy.
+def prefer_passive_waits(environ: MutableMapping[str, str] = os.environ, load: float | None = None, cpus: int | None = None) -> None:
+    """Make OpenMP threads sleep, not spin, at the end of a parallel region when the machine is already oversubscribed
+    (1-minute load average above the CPUs this process may use), unless the user chose a policy.
 
-    Spinning wins a few percent on an idle machine and loses by orders of magnitude on a busy one:
-    a thread that spins holds a core another process (or our own other thread) needs. The OpenMP
-    runtime reads ``OMP_WAIT_POLICY`` once, when torch loads it, so the CLI calls this before any
-    command imports torch; docs/architecture.md ("OpenMP wait policy") has the measurements.
+    Spinning holds a core another process (or our own other thread) needs: on a busy machine it loses by
+    orders of magnitude. On a quiet one it wins: passive waits made the 0.6B verify step 1.4x (float) and
+    1.8x (W8A8) slower at load 1.3-1.5. The OpenMP runtime reads ``OMP_WAIT_POLICY`` once, when torch
+    loads it, so the CLI calls this before any command imports torch; docs/architecture.md ("OpenMP wait
+    policy") has the measurements.
     """
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    load = os.getloadavg()[0] if load is None else load
+    if load > (cpus or default_threads()):
+        environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

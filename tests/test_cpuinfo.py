@@ -41,19 +41,25 @@ def test_default_threads_never_exceeds_the_affinity_or_the_quota(monkeypatch):
     assert default_threads() == 1
 
 
-def test_passive_waits_unless_the_user_chose_a_policy():
+def test_passive_waits_only_on_an_oversubscribed_machine_and_unless_the_user_chose_a_policy():
     environ = {}
-    prefer_passive_waits(environ)
+    prefer_passive_waits(environ, load=1.5, cpus=2)
+    assert environ == {}  # spinning is faster where cores are free
+    prefer_passive_waits(environ, load=7.0, cpus=2)
     assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
     environ = {"OMP_WAIT_POLICY": "active"}
-    prefer_passive_waits(environ)
+    prefer_passive_waits(environ, load=7.0, cpus=2)
     assert environ == {"OMP_WAIT_POLICY": "active"}
 
 
 @pytest.mark.parametrize(("given", "seen"), [(None, "PASSIVE"), ("active", "active")])
 def test_the_cli_sets_the_wait_policy_before_torch_loads(given, seen):
+    """With the machine made to look oversubscribed (a fake load average), the CLI picks passive waits before torch loads."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
-    code = "import sys; from quasar_deploy.cli import main; sys.argv[1:] = ['doctor', '--json']; main()"
+    code = (
+        "import os, sys; os.getloadavg = lambda: (1e6, 0, 0); "
+        "from quasar_deploy.cli import main; sys.argv[1:] = ['doctor', '--json']; main()"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["omp_wait_policy"] == seen

@@ -21,7 +21,7 @@ from ..bench.e2e import BenchSettings, benchmark
 from ..bench.synthetic import SHAPES
 from ..calibration.data import BUILTIN, read_texts
 from ..decoder_spec import expected_shapes
-from ..engine import Engine, load
+from ..engine import Engine, load, stop_ids_of
 from ..fidelity import Fidelity, evaluate
 from . import (
     INFLATED_SHAPE,
@@ -63,7 +63,8 @@ def _contenders(model: Path, artifact: Path, with_ort: bool) -> Contenders:
         if with_ort
         else {}
     )
-    return Contenders(load(model, backend="cpu"), load(artifact, backend="cpu"), None, "trained", ort_engines=ort)
+    engines = load(model, backend="cpu"), load(artifact, backend="cpu")
+    return Contenders(lambda: engines, engines[0].tokenizer, stop_ids_of(model), None, "trained", ort_engines=ort)
 
 
 def _backends(contenders: Contenders) -> dict[str, str]:

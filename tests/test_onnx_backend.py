@@ -156,3 +156,15 @@ def test_cli_export(artifact_and_onnx, tmp_path):
     result = CliRunner().invoke(main, ["export", str(artifact_and_onnx[0]), "--target", "onnx", "--output", str(tmp_path / "cli")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "cli" / "model.onnx").is_file()
+
+
+@pytest.mark.parametrize(("policy", "spinning"), [(None, "1"), ("PASSIVE", "0"), ("active", "1")])
+def test_ort_threads_spin_unless_openmp_waits_are_passive(tiny_onnx, monkeypatch, policy, spinning):
+    from quasar_deploy.backends.onnxruntime import SPINNING_OPTION, load_onnx
+
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    lm = load_onnx(tiny_onnx)
+    assert lm.session.get_session_options().get_session_config_entry(SPINNING_OPTION) == spinning

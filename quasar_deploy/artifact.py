@@ -97,12 +97,9 @@ class ArtifactWriter:
 
     def copy(self, name: str) -> None:
         """Copy the source's tensor as it is stored, block by block, refusing NaN and infinity as loading would."""
-        self.shards.add_blocks(name, TORCH_DTYPES[self.source.dtypes[name]], self.source.shapes[name], self._checked_blocks(name))
-
-    def _checked_blocks(self, name: str) -> Iterator[torch.Tensor]:
-        for block in self.source.row_blocks(name):
-            check_finite(name, block)
-            yield block
+        self.shards.add_blocks(
+            name, TORCH_DTYPES[self.source.dtypes[name]], self.source.shapes[name], checked_row_blocks(self.source, name)
+        )
 
     def finish(self, scheme: W8A8Scheme, ignore: list[str], manifest: dict) -> None:
         """Everything but the weights; the manifest last, since it lists every other file."""
@@ -112,6 +109,13 @@ class ArtifactWriter:
         (self.directory / "config.json").write_text(json.dumps(config, indent=2))
         copy_files(self.source.path, self.directory)
         write_manifest(self.directory, MANIFEST, {"format_version": FORMAT_VERSION, **manifest})
+
+
+def checked_row_blocks(source: Checkpoint, name: str) -> Iterator[torch.Tensor]:
+    """``source.row_blocks(name)``, each block refused if it holds NaN or infinity, as loading would refuse it."""
+    for block in source.row_blocks(name):
+        check_finite(name, block)
+        yield block
 
 
 @contextmanager

@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from .artifact import ModelFiles
+from .decoder_spec import DecoderSpec
 from .shards import TORCH_DTYPES
 
 MIB = 1 << 20
@@ -52,8 +53,12 @@ def estimate(files: ModelFiles) -> MemoryEstimate:
             int8 += count * TORCH_DTYPES[ckpt.dtypes[name]].itemsize
         else:
             floats += count * COMPUTE_ITEMSIZE
-    kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * COMPUTE_ITEMSIZE * 1000
-    return MemoryEstimate(int8, floats, embeddings, kv)
+    return MemoryEstimate(int8, floats, embeddings, kv_cache_bytes(spec, 1000))
+
+
+def kv_cache_bytes(spec: DecoderSpec, tokens: int, itemsize: int = COMPUTE_ITEMSIZE) -> int:
+    """Keys and values of every layer for ``tokens`` positions: what the cache holds, and what a step reads of it."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize * tokens
 
 
 def resident() -> dict[str, float]:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import load
-from ..memory import resident
+from ..memory import kv_cache_bytes, resident
 from .micro import memory_bandwidth, weight_bytes
 
 
@@ -46,10 +46,8 @@ def roofline(path: str | Path, prompt: str, max_new_tokens: int = 32, draft: str
     bandwidth = memory_bandwidth()
     result = engine.generate(prompt, max_new_tokens=max_new_tokens, draft=draft, num_draft=num_draft)
     stats, decoder = result.stats, engine.lm.decoder
-    spec = decoder.spec
     tokens = result.prompt_tokens + len(result.tokens)
-    kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * decoder.dtype.itemsize * tokens
-    step_bytes = weight_bytes(decoder) + kv_bytes
+    step_bytes = weight_bytes(decoder) + kv_cache_bytes(decoder.spec, tokens, decoder.dtype.itemsize)
     step_s = stats.verify_s / stats.verify_steps if stats.verify_steps else float("nan")
     bound_s = step_bytes / bandwidth
     return RooflineResult(

@@ -25,11 +25,11 @@ try:
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
-from ..artifact import MANIFEST, ModelFiles
+from ..artifact import MANIFEST, ModelFiles, checked_row_blocks
 from ..decoder_spec import rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
-from ..model import DecoderLayer, RMSNorm, check_finite, tensor_loader
+from ..model import DecoderLayer, RMSNorm, tensor_loader
 from .onnx_graph import LINEAR_FORMATS, OPSET, ExternalData, GraphBuilder, build_graph
 
 MODEL_FILE = "model.onnx"
@@ -141,8 +141,7 @@ def streamed_graph(
 
     def rows(tensor: str) -> Iterator[tuple[int, np.ndarray]]:
         start = 0
-        for block in ckpt.row_blocks(tensor):
-            check_finite(tensor, block)
+        for block in checked_row_blocks(ckpt, tensor):
             yield start, block.float().numpy()
             start += block.shape[0]
 

@@ -33,10 +33,15 @@ class W8A8Scheme:
         return asdict(self)
 
 
+def weight_scale(w: torch.Tensor) -> torch.Tensor:
+    """Per output channel: rowmax|w| / 127, shape [out, 1] (max and -min rather than abs: no temporary the size of w)."""
+    return (torch.maximum(w.amax(dim=1, keepdim=True), -w.amin(dim=1, keepdim=True)) / QMAX).clamp(min=1e-12)
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8; returns (int8 [out, in], float32 scale [out, 1])."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / QMAX).clamp(min=1e-12)
+    scale = weight_scale(w)
     q = torch.round(w / scale).clamp(-QMAX, QMAX).to(torch.int8)
     return q, scale
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import Linear, RMSNorm
-from ..scheme import QMAX, per_token_scale, quantize_activation
+from ..scheme import QMAX, per_token_scale, quantize_activation, weight_scale
 
 ALPHA_GRID = tuple(round(0.05 * i, 2) for i in range(21))
 
@@ -38,7 +38,7 @@ def _dequantized_weight(weight: torch.Tensor, scales: torch.Tensor | None) -> to
     """``scheme.quantize_weight(weight * scales)`` dequantized, value for value, in one new tensor modified in place
     (an 8B model's MLP weights are 50M values; the search makes one of these per alpha)."""
     w = weight * scales if scales is not None else weight.clone()
-    scale = (torch.maximum(w.amax(dim=1, keepdim=True), -w.amin(dim=1, keepdim=True)) / QMAX).clamp(min=1e-12)
+    scale = weight_scale(w)
     return w.div_(scale).round_().clamp_(-QMAX, QMAX).mul_(scale)
 
 

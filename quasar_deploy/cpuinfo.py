@@ -1,10 +1,12 @@
-"""What this CPU is and which instruction sets it exposes: kernel choice and ``doctor`` both read it."""
+"""What this machine is: its CPU, the instruction sets it exposes, the CPUs and memory this process may use. Kernel
+choice, thread counts, the backend choice and ``doctor`` read it."""
 
 from __future__ import annotations
 
 import math
 import os
 import platform
+import sys
 from collections.abc import MutableMapping
 from functools import cache
 from pathlib import Path
@@ -61,6 +63,17 @@ def default_threads() -> int:
         allowed = os.cpu_count() or 1
     limit = cgroup_cpu_limit()
     return max(1, min(allowed, math.ceil(limit) if limit else allowed))
+
+
+def memory_available(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """MemAvailable (what can be allocated without swapping), in bytes; unknown (not Linux): unlimited."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return sys.maxsize
 
 
 def prefer_passive_waits(environ: MutableMapping[str, str] = os.environ, load: float | None = None, cpus: int | None = None) -> None:

@@ -9,14 +9,15 @@ import torch
 
 from .backends import available_backends
 from .backends.cuda import gpu_status
-from .backends.registry import default_backend
+from .backends.registry import auto_backend, default_backend
 from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
 from .kernels import default_float_kernel, default_int8_kernel, fbgemm_available, onednn_available
 
 
 def report(path: str | None = None) -> dict:
     """Everything ``quasar-deploy doctor`` prints, as data (also recorded in benchmark reports); with ``path``, the
-    memory that model needs on the cpu backend (``memory.estimate``, at ``MEMORY_REPORT_TOKENS`` of KV cache)."""
+    memory that model needs on the cpu backend (``memory.estimate``, at ``memory.MEMORY_REPORT_TOKENS`` of KV cache) and the
+    backend "auto" picks for it."""
     flags = cpu_flags()
     return {
         "cpu": cpu_model(),
@@ -32,18 +33,16 @@ def report(path: str | None = None) -> dict:
         "gpu": gpu_status(),
         "targets": available_backends(),
         "default_backend": default_backend(),
-        **({"memory": model_memory(path)} if path is not None else {}),
+        "torch_decoder_backend": default_backend(("layer_skip",)),
+        **({"memory": model_memory(path), "auto_backend": auto_backend(path)} if path is not None else {}),
     }
-
-
-MEMORY_REPORT_TOKENS = 4096
 
 
 def model_memory(path: str) -> dict:
     from .artifact import open_model_files
-    from .memory import estimate
+    from .memory import estimate, report_tokens
 
     files = open_model_files(path, verify=False)  # headers only: a checksum pass over an 8B artifact takes minutes
-    tokens = min(MEMORY_REPORT_TOKENS, files.spec.max_position_embeddings)
+    tokens = report_tokens(files.spec)
     needed = estimate(files)
     return {**needed.to_dict(), "tokens": tokens, "total": needed.total(tokens), "summary": needed.describe(tokens)}

@@ -17,7 +17,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .backends import create_backend
+from .backends import create_backend, resolve_backend
 from .errors import QuasarError
 from .speculative.acceptance import Sampler, SamplingParams
 from .speculative.causal_lm import CausalLM, ForkingLM
@@ -546,11 +546,16 @@ def stop_ids_of(path: str | Path) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
 
-def load(path: str | Path, backend: str = "auto", trust_remote_code: bool = False, **backend_options: Any) -> Engine:
-    """An engine for a W8A8 artifact (W8A8 verifier) or a plain Hugging Face checkpoint (float verifier) at ``path``.
+def load(
+    path: str | Path, backend: str = "auto", trust_remote_code: bool = False, needs: Collection[str] = (), **backend_options: Any
+) -> Engine:
+    """An engine for a W8A8 artifact (W8A8 verifier), a plain Hugging Face checkpoint (float verifier) or an export at ``path``.
 
-    ``backend_options`` go to the backend's factory (e.g. ``threads``, ``int8_kernel`` for cpu; ``quantizer``, ``graphs`` for cuda).
+    ``backend="auto"`` picks the fastest backend here that provides ``needs`` (``backends.registry.CAPABILITIES``:
+    "layer_skip" for the layerskip drafter). ``backend_options`` go to the backend's factory (e.g. ``threads``,
+    ``int8_kernel`` for cpu; ``quantizer``, ``graphs`` for cuda; ``provider`` for onnxruntime).
     """
+    backend = resolve_backend(backend, path, needs, backend_options)
     lm = create_backend(backend, path, **backend_options)
     engine = Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)
     warm_up(lm)

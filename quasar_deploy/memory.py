@@ -11,6 +11,7 @@ from .decoder_spec import DecoderSpec
 from .shards import TORCH_DTYPES
 
 MIB = 1 << 20
+MEMORY_REPORT_TOKENS = 4096  # the KV cache length that reports and the backend choice size a model's memory at
 COMPUTE_ITEMSIZE = 4  # the cpu backend computes in float32
 EMBEDDINGS = "model.embed_tokens.weight"
 
@@ -54,6 +55,11 @@ def estimate(files: ModelFiles) -> MemoryEstimate:
         else:
             floats += count * COMPUTE_ITEMSIZE
     return MemoryEstimate(int8, floats, embeddings, kv_cache_bytes(spec, 1000))
+
+
+def report_tokens(spec: DecoderSpec) -> int:
+    """``MEMORY_REPORT_TOKENS``, or the context window where that is shorter."""
+    return min(MEMORY_REPORT_TOKENS, spec.max_position_embeddings)
 
 
 def kv_cache_bytes(spec: DecoderSpec, tokens: int, itemsize: int = COMPUTE_ITEMSIZE) -> int:

@@ -18,6 +18,15 @@ from .helpers import FAST_CALIBRATION, tree_digest
 from .tiny import save_tiny, save_tiny_qwen2_with_biases, write_naive_artifact
 
 
+@pytest.fixture(autouse=True, scope="session")
+def isolated_cache(tmp_path_factory):
+    """What ``load`` derives (ONNX exports of artifacts, made by "auto" on first use) goes to a cache of the session's
+    own, never the user's ~/.cache; subprocesses the tests start inherit it. A test that needs an empty cache sets its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QUASAR_CACHE", str(tmp_path_factory.mktemp("quasar-cache")))
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.gpu`` tests need CUDA; without it they are skipped, saying so (tools/gpu_check.sh runs them on a GPU)."""
     import torch

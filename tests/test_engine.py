@@ -43,7 +43,7 @@ def test_every_drafter_gives_the_plain_greedy_text(engine, tiny_llama):
 
 
 def test_a_w8a8_artifact_loads_as_the_verifier(naive_artifact):
-    w8a8 = load(naive_artifact)
+    w8a8 = load(naive_artifact, needs=("layer_skip",))  # the drafts below include layerskip
     assert "W8A8" in w8a8.lm.description
     baseline = w8a8.generate(PROMPT, max_new_tokens=25, draft="none")
     for draft in ("ngram", "layerskip"):
@@ -273,7 +273,7 @@ def test_cli_error_while_streaming_is_one_line(tiny_qwen3, monkeypatch):
         return verify(self, ids)
 
     monkeypatch.setattr(TorchCausalLM, "verify", failing)
-    result = cli(tiny_qwen3, "--prompt", PROMPT, "--draft", "none", "--max-new-tokens", 20)
+    result = cli(tiny_qwen3, "--prompt", PROMPT, "--draft", "none", "--max-new-tokens", 20, "--backend", "cpu")
     assert result.exit_code == 1 and "Traceback" not in result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 2 and lines[0] and lines[-1] == "error: the device went away", result.output
@@ -293,7 +293,7 @@ def test_the_context_window_ending_a_generation_is_flagged(short_context_model):
 
 
 def test_cli_warns_when_the_context_window_ends_the_generation(short_context_model):
-    result = cli(short_context_model, "--prompt", PROMPT, "--max-new-tokens", 50, "--json")
+    result = cli(short_context_model, "--prompt", PROMPT, "--max-new-tokens", 50, "--json", "--backend", "cpu")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["context_full"] and out["finish_reason"] == "length"

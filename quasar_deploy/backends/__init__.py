@@ -4,6 +4,6 @@ Importing this package loads no backend module (and no torch): the registry impo
 a backend when it is created or its availability is asked for.
 """
 
-from .registry import BACKENDS, available_backends, create_backend
+from .registry import BACKENDS, available_backends, create_backend, resolve_backend
 
-__all__ = ["BACKENDS", "available_backends", "create_backend"]
+__all__ = ["BACKENDS", "available_backends", "create_backend", "resolve_backend"]

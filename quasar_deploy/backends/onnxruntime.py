@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cache import cached_onnx_export
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..exporters import ONNX_FORMATS
@@ -235,15 +236,38 @@ class OnnxCausalLM:
         return self._length
 
 
+def is_export(path: Path) -> bool:
+    """Whether ``path`` is (or claims to be) an export, rather than a model to export first: ``read_config`` checks which."""
+    return (path / EXPORT_MANIFEST).is_file() or (path / CONFIG_FILE).is_file()
+
+
+def cached_export(model: Path) -> tuple[Path, dict, str | None]:
+    """An artifact's or checkpoint's export from the cache (made on first use) with its checked config; a cached export
+    that fails its check is made again, with a warning."""
+    path = cached_onnx_export(model)
+    try:
+        return path, *read_config(path)
+    except QuasarError as exc:
+        print(f"warning: the cached ONNX export is damaged ({exc}); exporting it again", file=sys.stderr)
+    path = cached_onnx_export(model, replace=True)
+    return path, *read_config(path)
+
+
 def load_onnx(path: str | Path, provider: str | None = None, threads: int | None = None) -> OnnxCausalLM:
-    """An exported ONNX directory on ORT; ``provider``: auto, cpu, cuda or tensorrt; ``threads``: intra-op threads."""
+    """An ONNX export on ORT, or an artifact or checkpoint through its export in the cache (``cache.py``: exported once per
+    model content); ``provider``: auto, cpu, cuda or tensorrt; ``threads``: intra-op threads."""
     reason = unavailable()
     if reason is not None:
         raise QuasarError(reason)
     import onnxruntime as ort
 
     path = Path(path)
-    config, linear_format = read_config(path)
+    if not path.is_dir():
+        raise QuasarError(f"{path}: no such directory")
+    if is_export(path):
+        config, linear_format = read_config(path)
+    else:
+        path, config, linear_format = cached_export(path)
     providers = choose_providers(provider, ort.get_available_providers())
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or default_threads()  # ORT's own default counts the host's cores

@@ -8,6 +8,8 @@ until someone asks for it.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,22 +24,33 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class BackendEntry:
-    """``factory(path, **options)`` builds the ``CausalLM``; ``unavailable()`` is None where it can run, else why not."""
+    """``factory(path, **options)`` builds the ``CausalLM``; ``unavailable()`` is None where it can run, else why not;
+    ``provides``: what it offers beyond a plain ``CausalLM`` (``CAPABILITIES``), which "auto" matches to a caller's needs."""
 
     factory: str
     unavailable: str
+    provides: frozenset[str] = frozenset()
 
+
+# what a caller may need of a backend: "layer_skip" (the layerskip drafter runs the verifier with layers skipped,
+# ``LayerSkippingLM``: the backends that run our torch ``Decoder``)
+CAPABILITIES = ("layer_skip",)
+TORCH_DECODER = frozenset({"layer_skip"})
 
 BACKENDS: dict[str, BackendEntry] = {
-    "cuda": BackendEntry("quasar_deploy.backends.cuda:load_cuda", "quasar_deploy.backends.cuda:unavailable"),
-    "cpu": BackendEntry("quasar_deploy.backends.torch_backend:load_cpu", "quasar_deploy.backends.torch_backend:unavailable"),
-    "npu": BackendEntry("quasar_deploy.backends.npu:load_npu", "quasar_deploy.backends.npu:unavailable"),
+    "cuda": BackendEntry("quasar_deploy.backends.cuda:load_cuda", "quasar_deploy.backends.cuda:unavailable", TORCH_DECODER),
+    "cpu": BackendEntry("quasar_deploy.backends.torch_backend:load_cpu", "quasar_deploy.backends.torch_backend:unavailable", TORCH_DECODER),
+    "npu": BackendEntry("quasar_deploy.backends.npu:load_npu", "quasar_deploy.backends.npu:unavailable", TORCH_DECODER),
     "onnxruntime": BackendEntry("quasar_deploy.backends.onnxruntime:load_onnx", "quasar_deploy.backends.onnxruntime:unavailable"),
 }
 
-# "auto" takes the first of these that can run here for artifacts and checkpoints. ONNX Runtime runs exports only: it was
-# not measured faster than the torch cpu backend across loads (docs/architecture.md, "Choosing the backend").
-AUTO_ORDER = ("cuda", "cpu")
+# "auto" takes the first of these that can run here, provides what the caller needs, and (ONNX Runtime) fits in memory.
+# On a CPU, ONNX Runtime's exact integer graph ran the W8A8 verify step 1.43x faster than the torch cpu backend
+# (docs/architecture.md, "Choosing the backend"); the artifact is exported to the cache on first use (``cache.py``).
+AUTO_ORDER = ("cuda", "onnxruntime", "cpu")
+# ONNX Runtime held 1.7x the cpu backend's resident weights for the same W8A8 model (its packed copies of the integer
+# weights sit beside the originals): "auto" picks it only where twice the cpu backend's estimate fits in MemAvailable
+ONNXRUNTIME_MEMORY_FACTOR = 2
 # export target (``quasar-export.json``) -> the backend that runs it; targets missing here are other runtimes' to serve
 EXPORT_BACKENDS = {"onnx": "onnxruntime"}
 # files that mark an export whose manifest is missing (a partial copy): routed as their target, whose loader then explains
@@ -54,18 +67,49 @@ def available_backends() -> dict[str, str | None]:
     return {name: unavailable(name) for name in BACKENDS}
 
 
-def default_backend() -> str:
-    """The backend "auto" gives artifacts and float checkpoints here: the first of ``AUTO_ORDER`` that can run."""
-    return next(n for n in AUTO_ORDER if n in BACKENDS and unavailable(n) is None)
+def _check_needs(needs: Collection[str]) -> frozenset[str]:
+    unknown = sorted(set(needs) - set(CAPABILITIES))
+    if unknown:
+        raise QuasarError(f"unknown backend capability {unknown[0]!r}; choose from {', '.join(CAPABILITIES)}")
+    return frozenset(needs)
 
 
-def auto_backend(path: Any) -> str:
+def options_of(name: str) -> list[str]:
+    """The options backend ``name``'s factory takes (besides the path)."""
+    return list(inspect.signature(resolve(BACKENDS[name].factory)).parameters)[1:]
+
+
+def candidates(needs: Collection[str] = (), options: Collection[str] = ()) -> list[str]:
+    """The backends of ``AUTO_ORDER`` that can run here, provide ``needs`` and take ``options``, best first."""
+    wanted = _check_needs(needs)
+    return [n for n in AUTO_ORDER if wanted <= BACKENDS[n].provides and unavailable(n) is None and not set(options) - set(options_of(n))]
+
+
+def default_backend(needs: Collection[str] = ()) -> str:
+    """The backend "auto" gives artifacts and float checkpoints here (before the memory check of ``auto_backend``)."""
+    return candidates(needs)[0]
+
+
+def fits_onnxruntime(path: Path) -> bool:
+    """Whether ONNX Runtime's copy of the model at ``path`` fits in the memory available now (``ONNXRUNTIME_MEMORY_FACTOR``)."""
+    from ..artifact import open_model_files
+    from ..cpuinfo import memory_available
+    from ..memory import estimate, report_tokens
+
+    files = open_model_files(path, verify=False)  # headers only; the loader verifies
+    needed = estimate(files).total(report_tokens(files.spec))
+    return needed * ONNXRUNTIME_MEMORY_FACTOR <= memory_available()
+
+
+def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
     """The backend for what ``path`` holds: an export runs on the backend of the target its ``quasar-export.json`` records
-    (ONNX: onnxruntime); artifacts and checkpoints on ``default_backend()``. An NPU export is vLLM-Ascend's to serve."""
+    (ONNX: onnxruntime); artifacts and checkpoints on the first of ``candidates(needs, options)`` (an option only one
+    backend takes, such as ``int8_kernel``, picks it), ONNX Runtime only where it fits in memory. An NPU export is
+    vLLM-Ascend's to serve."""
     directory = Path(path)
     target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
     if target is None:
-        return default_backend()
+        return next(n for n in candidates(needs, options) if n != "onnxruntime" or fits_onnxruntime(directory))
     if target == "npu":
         raise QuasarError(
             f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "
@@ -76,13 +120,21 @@ def auto_backend(path: Any) -> str:
     return EXPORT_BACKENDS[target]
 
 
+def resolve_backend(name: str, path: Any, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
+    """``name``, or for "auto" the backend ``auto_backend`` chooses for ``path``, ``needs`` and ``options``."""
+    return auto_backend(path, needs, options) if name == "auto" else name
+
+
 def create_backend(name: str, path: Any, **options: Any) -> CausalLM:
     """The model at ``path`` on backend ``name`` ("auto": chosen by ``auto_backend``)."""
-    if name == "auto":
-        name = auto_backend(path)
+    name = resolve_backend(name, path, options=options)
     if name not in BACKENDS:
         raise QuasarError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
     reason = unavailable(name)
     if reason is not None:
         raise QuasarError(f"backend {name!r} cannot run here: {reason}")
+    takes = options_of(name)
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise QuasarError(f"backend {name!r} takes no option {unknown[0]!r} (it takes {', '.join(takes)})")
     return resolve(BACKENDS[name].factory)(path, **options)

@@ -6,23 +6,10 @@ in, with nothing to say why; the estimate (from the shape's tensor sizes) refuse
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+from ..cpuinfo import memory_available
 from ..errors import QuasarError
 
 GB = 10**9
-
-
-def memory_available(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """MemAvailable (what can be allocated without swapping), in bytes; unknown (not Linux): unlimited."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return sys.maxsize
 
 
 def check_fits(needed: int, what: str, available: int | None = None) -> None:

@@ -12,7 +12,7 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def doctor(path, as_json):
     """What this machine can run: CPU features, chosen kernels, every target; with PATH (an artifact or float
-    checkpoint), the memory it needs on the cpu backend, from its tensor headers."""
+    checkpoint), the memory it needs on the cpu backend, from its tensor headers, and the backend auto picks for it."""
     from ..doctor import report
 
     info = report(path)
@@ -31,9 +31,13 @@ def doctor(path, as_json):
         click.echo(f"gpu            {gpu['gpu']} (compute capability {gpu['compute_capability']}, {cores}; CUDA {gpu['cuda']})")
     else:
         click.echo(f"gpu            none: {gpu['reason']}")
-    click.echo(f"backend        {info['default_backend']} for artifacts and checkpoints (--backend auto; ONNX exports: onnxruntime)")
+    click.echo(
+        f"backend        {info['default_backend']} for artifacts and checkpoints (--backend auto; ONNX exports: onnxruntime; "
+        f"--draft layerskip and serve: {info['torch_decoder_backend']})"
+    )
     click.echo("targets:")
     for name, reason in info["targets"].items():
         click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")
     if path is not None:
         click.echo(f"memory         {info['memory']['summary']}")
+        click.echo(f"auto runs it   on {info['auto_backend']}")

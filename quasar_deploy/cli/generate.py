@@ -43,16 +43,15 @@ def _print_stats(stats: dict) -> None:
         click.echo(f"{name:>18}: {value:.4g}" if isinstance(value, float) else f"{name:>18}: {value}", err=True)
 
 
-def _memory(path: str, result) -> dict:
+def _memory(path: str, backend: str, result) -> dict:
     """What this process holds now, next to the cpu backend's estimate for the model at this sequence's length."""
     from ..artifact import open_model_files
     from ..memory import MIB, estimate, resident
 
     measured = resident()
-    try:
-        files = open_model_files(path, verify=False)
-    except QuasarError:  # an ONNX export: ONNX Runtime holds its weights its own way
+    if backend != "cpu":  # ONNX Runtime and the devices hold their weights their own way
         return measured
+    files = open_model_files(path, verify=False)
     return {**measured, "estimated_mib": estimate(files).total(result.prompt_tokens + len(result.tokens)) / MIB}
 
 
@@ -100,7 +99,8 @@ def generate(path, prompt, prompt_file, chat, backend, provider, show_stats, as_
     from ..engine import load
 
     text = _prompt(prompt, prompt_file, chat)
-    engine = load(path, backend=backend, **backend_options(path, backend, provider))
+    needs = ("layer_skip",) if options["draft"] == "layerskip" else ()
+    engine = load(path, backend=backend, needs=needs, **backend_options(path, backend, provider, needs))
     stream = engine.stream(text, skip_layers=_layers(skip_layers), **options)
     if as_json:
         for _ in stream:
@@ -121,6 +121,5 @@ def generate(path, prompt, prompt_file, chat, backend, provider, show_stats, as_
     if as_json:
         click.echo(json.dumps({**result.to_dict(), "backend": engine.lm.description}))
     elif show_stats:
-        _print_stats(
-            {"backend": engine.lm.description, "finish_reason": result.finish_reason, **result.stats.to_dict(), **_memory(path, result)}
-        )
+        memory = _memory(path, engine.backend, result)
+        _print_stats({"backend": engine.lm.description, "finish_reason": result.finish_reason, **result.stats.to_dict(), **memory})

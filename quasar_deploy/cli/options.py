@@ -32,15 +32,15 @@ provider_option = click.option(
 )
 
 
-def backend_options(path: str, backend: str, provider: str | None) -> dict[str, str]:
-    """The options ``engine.load`` passes to the backend: ``--provider`` goes to onnxruntime (named, or what "auto" picks
-    for an ONNX export) and is refused for any other backend, in one line."""
+def backend_options(path: str, backend: str, provider: str | None, needs: tuple[str, ...] = ()) -> dict[str, str]:
+    """The options ``engine.load`` passes to the backend: ``--provider`` goes to onnxruntime (named, or what "auto" picks)
+    and is refused for any other backend, in one line."""
     if provider is None:
         return {}
-    from ..backends.registry import auto_backend
+    from ..backends.registry import resolve_backend
     from ..errors import QuasarError
 
-    name = auto_backend(path) if backend == "auto" else backend
+    name = resolve_backend(backend, path, needs)
     if name != "onnxruntime":
-        raise QuasarError(f"--provider applies to the onnxruntime backend (an export --target onnx directory), not {name}")
+        raise QuasarError(f"--provider applies to the onnxruntime backend, not {name}")
     return {"provider": provider}

@@ -13,6 +13,9 @@ from ..backends.registry import BACKENDS
 from .options import backend_options, provider_option
 
 SERVER_DRAFTERS = ("none", "ngram", "layerskip")
+# any request may ask for the layerskip drafter, so "auto" serves on a backend that runs our torch decoder
+# (on a CPU: the cpu backend, which also verifies all requests' blocks in one batched forward)
+SERVER_NEEDS = ("layer_skip",)
 
 
 @click.command()
@@ -58,7 +61,7 @@ def serve(
     from ..serve.app import ServeConfig, create_app
     from ..serve.server import run
 
-    engine = load(path, backend=backend, **backend_options(path, backend, provider))
+    engine = load(path, backend=backend, needs=SERVER_NEEDS, **backend_options(path, backend, provider, SERVER_NEEDS))
     check_can_fork(engine.lm)
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template.read_text()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..cache import cache_dir
 
 if TYPE_CHECKING:
     from ..calibration import CalibrationRecipe
@@ -15,12 +16,6 @@ if TYPE_CHECKING:
 VARIANTS = ("plain", "outlier")
 INFLATED_SHAPE = "qwen3-0.6b"  # the published body the demo model is inflated to (bench/synthetic.SHAPES)
 INFLATION_SEED = 0
-
-
-def cache_dir() -> Path:
-    """Where quasar-deploy keeps what it derives (outlier variants, demo artifacts): $QUASAR_CACHE or ~/.cache/quasar-deploy."""
-    root = os.environ.get("QUASAR_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quasar-deploy"
-    return Path(root)
 
 
 def demo_model_path(variant: str = "plain") -> Path:
@@ -101,21 +96,3 @@ def inflated_demo(progress: bool = True) -> tuple[Path, Path]:
     if not (artifact / "quasar.json").exists():
         inflate_artifact(demo_artifact(progress), artifact, target, model, INFLATION_SEED, progress)
     return model, artifact
-
-
-def onnx_export_path(model: Path) -> Path:
-    """Where the ONNX export of the demo model or of a model cached here is cached: in the cache, never beside the shipped model."""
-    from .._version import __version__
-
-    return cache_dir() / f"onnx-{model.name}-{_key(model.name, __version__)}"
-
-
-def onnx_export(model: Path) -> Path:
-    """The ONNX graph of a cached model, exported once (float for a checkpoint, exact W8A8 for an artifact)."""
-    from ..artifact import MANIFEST
-    from ..exporters import export
-
-    path = onnx_export_path(model)
-    if not path.exists():
-        export(model, "onnx", path, precision="w8a8" if (model / MANIFEST).exists() else "float")
-    return path

@@ -19,6 +19,7 @@ from ..backends.registry import unavailable
 from ..bench.contenders import Contenders
 from ..bench.e2e import BenchSettings, benchmark
 from ..bench.synthetic import SHAPES
+from ..cache import onnx_export_path
 from ..calibration.data import BUILTIN, read_texts
 from ..decoder_spec import expected_shapes
 from ..engine import Engine, load, stop_ids_of
@@ -30,8 +31,6 @@ from . import (
     demo_model_path,
     inflated_demo,
     inflated_demo_paths,
-    onnx_export,
-    onnx_export_path,
 )
 
 STREAMED_PROMPT = "import os\n\n\ndef list_python_files(root):\n"
@@ -58,11 +57,7 @@ def parameters_read_per_step(model: str | Path) -> int:
 
 def _contenders(model: Path, artifact: Path, with_ort: bool) -> Contenders:
     """Float and W8A8 engines on the cpu backend, and on ONNX Runtime (graphs exported once into the cache) when installed."""
-    ort = (
-        {"float": load(onnx_export(model), backend="onnxruntime"), "w8a8": load(onnx_export(artifact), backend="onnxruntime")}
-        if with_ort
-        else {}
-    )
+    ort = {"float": load(model, backend="onnxruntime"), "w8a8": load(artifact, backend="onnxruntime")} if with_ort else {}
     engines = load(model, backend="cpu"), load(artifact, backend="cpu")
     return Contenders(lambda: engines, engines[0].tokenizer, stop_ids_of(model), None, "trained", ort_engines=ort)
 

@@ -28,7 +28,10 @@ DEFAULT_SKIP_FRACTION = 0.5
 def check_can_skip(lm: CausalLM) -> LayerSkippingLM:
     """``lm`` itself once it is known to skip layers; a one-line error for a backend that cannot (e.g. a whole exported graph)."""
     if not isinstance(lm, LayerSkippingLM):
-        raise QuasarError(f"backend {getattr(lm, 'description', type(lm).__name__)!r} cannot skip layers; use another drafter")
+        raise QuasarError(
+            f"backend {getattr(lm, 'description', type(lm).__name__)!r} cannot skip layers: use another drafter, or a backend "
+            "that runs the torch decoder (load(path, needs=('layer_skip',)) or backend='cpu')"
+        )
     return lm
 
 

@@ -1,0 +1,82 @@
+"""What quasar-deploy derives from a model and keeps for the next run: the cache directory, and the ONNX export that
+the onnxruntime backend runs when it is handed an artifact or a checkpoint instead of an export.
+
+An export is keyed by what its graph is made of, so a changed model gets a new export and an unchanged one is never
+exported twice. An artifact's ``quasar.json`` lists the sha256 of every file it holds, so its bytes name the artifact's
+content. A float checkpoint has no such record, and hashing 16 GB on every load would cost more than the backend saves,
+so it is keyed by its config and its weight files' sizes and modification times. Writers of one key take a lock, so two
+processes started together export once; the export itself is atomic (``files.atomic_directory``), and the loader
+checks every file against the export's manifest before it runs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import QuasarError
+from .integrity import EXPORT_FORMAT_VERSION
+
+MANIFEST = "quasar.json"  # the artifact's record (artifact.MANIFEST, named here so that importing this loads no torch)
+
+
+def cache_dir() -> Path:
+    """Where quasar-deploy keeps what it derives (ONNX exports, demo artifacts): $QUASAR_CACHE or ~/.cache/quasar-deploy."""
+    root = os.environ.get("QUASAR_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quasar-deploy"
+    return Path(root)
+
+
+def content_key(model: Path) -> str:
+    """sha256 naming what ``model`` holds: its artifact record, or a checkpoint's config and weight files' sizes and times."""
+    from ._version import __version__
+
+    digest = hashlib.sha256(json.dumps([__version__, EXPORT_FORMAT_VERSION]).encode())
+    if (model / MANIFEST).is_file():
+        digest.update((model / MANIFEST).read_bytes())
+        return digest.hexdigest()
+    if not (model / "config.json").is_file():
+        raise QuasarError(f"{model}: no config.json (not a Hugging Face checkpoint or a quasar-deploy artifact)")
+    digest.update((model / "config.json").read_bytes())
+    for file in sorted(model.glob("*.safetensors*")):
+        stat = file.stat()
+        digest.update(json.dumps([file.name, stat.st_size, stat.st_mtime_ns]).encode())
+    return digest.hexdigest()
+
+
+def onnx_export_path(model: Path) -> Path:
+    """Where the ONNX export of ``model`` is cached: its directory name (made safe) and its content key."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", model.resolve().name)[:48]
+    return cache_dir() / f"onnx-{name}-{content_key(model)[:16]}"
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Held while one process checks for, and writes, ``path``: a second process waits, then finds it written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def cached_onnx_export(model: str | Path, replace: bool = False, progress: bool = True) -> Path:
+    """The ONNX export of the artifact (exact integer W8A8 graph) or float checkpoint at ``model``, exported on first
+    use; ``replace``: export it again (the loader found the cached one damaged: the cache is ours to repair)."""
+    from .exporters import export
+
+    model = Path(model)
+    path = onnx_export_path(model)
+    with _locked(path):
+        if replace and path.exists():
+            shutil.rmtree(path)
+        if not path.exists():
+            print(f"quasar-deploy: first use of {model} on ONNX Runtime: exporting it to {path} (once per model)", file=sys.stderr)
+            export(model, "onnx", path, precision="w8a8" if (model / MANIFEST).is_file() else "float", progress=progress)
+    return path

@@ -1,0 +1,114 @@
+"""``backend="auto"`` on a CPU with ONNX Runtime: the artifact's exact integer graph, exported once into the cache.
+
+What the choice must keep: the same tokens as the cpu backend's exact kernels, one export per model content (two
+processes started together included), a damaged cache entry repaired rather than run, a changed model re-exported,
+the torch decoder where a drafter needs it, and the cpu backend where ONNX Runtime's copy would not fit in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from quasar_deploy import cache
+from quasar_deploy.backends import registry
+from quasar_deploy.errors import QuasarError
+
+from .helpers import copy_dir
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_auto_runs_an_artifact_on_its_cached_integer_graph_with_the_exact_kernels_tokens(tiny_artifact, empty_cache, capfd):
+    from quasar_deploy import load
+
+    engine = load(tiny_artifact.path)
+    assert engine.backend == "onnxruntime" and "W8A8 integer graph" in engine.lm.description
+    assert "exporting it to" in capfd.readouterr().err  # the first use says what it does
+    exact = load(tiny_artifact.path, backend="cpu", int8_kernel="reference")
+    for draft in ("ngram", "none"):
+        assert (
+            engine.generate(PROMPT, max_new_tokens=24, draft=draft).tokens == exact.generate(PROMPT, max_new_tokens=24, draft=draft).tokens
+        )
+    assert [p.name for p in empty_cache.iterdir() if not p.name.startswith(".")] == [cache.onnx_export_path(tiny_artifact.path).name]
+
+    load(tiny_artifact.path)
+    assert "exporting" not in capfd.readouterr().err  # reused
+
+
+def test_a_float_checkpoint_is_exported_as_a_float_graph(tiny_qwen3, empty_cache):
+    from quasar_deploy import load
+
+    engine = load(tiny_qwen3)
+    assert engine.backend == "onnxruntime" and engine.lm.description.endswith("(float graph)")
+
+
+def test_a_damaged_cache_entry_is_exported_again(tiny_artifact, empty_cache, capfd):
+    from quasar_deploy import load
+
+    path = cache.cached_onnx_export(tiny_artifact.path, progress=False)
+    (path / "model.onnx").write_bytes(b"damaged")
+    engine = load(tiny_artifact.path)
+    assert "the cached ONNX export is damaged" in capfd.readouterr().err
+    assert engine.generate(PROMPT, max_new_tokens=4).tokens  # it runs the new export
+
+
+def test_the_key_follows_the_model_content(tiny_artifact, tiny_qwen3, tmp_path, empty_cache):
+    artifact = copy_dir(tiny_artifact.path, tmp_path, "artifact")
+    assert cache.content_key(artifact) == cache.content_key(tiny_artifact.path)  # same content, another place
+    assert cache.content_key(artifact) != cache.content_key(tiny_qwen3)
+    checkpoint = copy_dir(tiny_qwen3, tmp_path, "checkpoint")
+    before = cache.content_key(checkpoint)
+    weights = next(checkpoint.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # rewritten weights
+    assert cache.content_key(checkpoint) != before
+    with pytest.raises(QuasarError, match="no config.json"):
+        cache.content_key(tmp_path)
+
+
+def test_processes_started_together_export_once(tiny_artifact, empty_cache, capfd):
+    paths: list = []
+    threads = [
+        threading.Thread(target=lambda: paths.append(cache.cached_onnx_export(tiny_artifact.path, progress=False))) for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(paths)) == 1 and len(paths) == 3
+    assert capfd.readouterr().err.count("exporting it to") == 1
+
+
+def test_needs_and_options_choose_the_torch_decoder(tiny_artifact):
+    from quasar_deploy.cli.serve import SERVER_NEEDS
+
+    assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
+    assert registry.auto_backend(tiny_artifact.path, needs=("layer_skip",)) == "cpu"  # the layerskip drafter
+    assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "cpu"  # requests may pick layerskip
+    assert registry.auto_backend(tiny_artifact.path, options=("int8_kernel",)) == "cpu"
+    with pytest.raises(QuasarError, match="unknown backend capability 'gpu'"):
+        registry.auto_backend(tiny_artifact.path, needs=("gpu",))
+
+
+def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, monkeypatch):
+    from quasar_deploy import cpuinfo
+    from quasar_deploy.artifact import open_model_files
+    from quasar_deploy.memory import estimate, report_tokens
+
+    files = open_model_files(tiny_artifact.path, verify=False)
+    needed = estimate(files).total(report_tokens(files.spec)) * registry.ONNXRUNTIME_MEMORY_FACTOR
+    monkeypatch.setattr(cpuinfo, "memory_available", lambda: needed - 1)
+    assert registry.auto_backend(tiny_artifact.path) == "cpu"
+    monkeypatch.setattr(cpuinfo, "memory_available", lambda: needed)
+    assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"

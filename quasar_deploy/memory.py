@@ -3,6 +3,7 @@ and what this process holds now: the figures ``doctor PATH`` and ``generate --st
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import asdict, dataclass
 
@@ -76,3 +77,18 @@ def resident() -> dict[str, float]:
     except OSError:
         return {}
     return {f"{key.lower()}_mib": int(value.split()[0]) / 1024 for key, value in fields.items()}
+
+
+def return_freed_memory() -> None:
+    """Hand the heap that loading freed back to the OS (glibc keeps it otherwise).
+
+    Packing frees one float or int8 copy of every weight, in chunks of a few MB; glibc raises
+    its mmap threshold after such frees and keeps later ones in the heap, so without this a
+    loaded engine's resident memory would carry up to a quarter of its weights in freed space.
+    ONNX Runtime's session build frees the graph's copy of its weights the same way: the inflated
+    demo's W8A8 session held 1,080 MiB of anonymous memory before the trim and 554 MiB after.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        pass

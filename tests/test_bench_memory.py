@@ -123,3 +123,16 @@ def test_synthetic_contenders_are_refused_before_any_tensor_is_drawn(monkeypatch
     monkeypatch.setattr(memory, "memory_available", lambda: GB)
     with pytest.raises(QuasarError, match="needs ~"):
         synthetic_contenders("qwen3-1.7b")
+
+
+def test_the_cpu_paths_step_times_every_contender_round_robin(small_shape, monkeypatch):
+    pytest.importorskip("onnxruntime")
+    from quasar_deploy.bench import onnx as bench_onnx
+
+    lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
+    labels = ["ORT fp32", "ORT W8A8 integer", "torch float", "torch W8A8"]
+    assert [next(i for i, line in enumerate(lines) if label in line) for label in labels] == [1, 2, 3, 4]
+    assert all("the best float" in lines[i] for i in (2, 4)) and "ideal W8A8 speed-up" in lines[-1]
+    monkeypatch.setattr(memory, "memory_available", lambda: bench_onnx.step_peak_bytes(synthetic.synthetic_spec(small_shape), True) - 1)
+    with pytest.raises(QuasarError, match="needs ~"):
+        next(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))

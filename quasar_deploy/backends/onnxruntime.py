@@ -29,6 +29,7 @@ from ..errors import QuasarError
 from ..exporters import ONNX_FORMATS
 from ..files import first_line, refuse_unfinished
 from ..integrity import EXPORT_MANIFEST, read_export_manifest
+from ..memory import return_freed_memory
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {
@@ -281,6 +282,7 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     running = session.get_providers()[0]
     if running != providers[0]:  # ORT's Python API falls back to the next provider when one fails to start
         raise QuasarError(f"{providers[0]} did not start (ONNX Runtime fell back to {running}); check its libraries (CUDA, TensorRT)")
+    return_freed_memory()
     note = mismatch_note(running, linear_format)
     if note is not None:
         print(f"warning: {note}", file=sys.stderr)

@@ -48,8 +48,9 @@ BACKENDS: dict[str, BackendEntry] = {
 # On a CPU, ONNX Runtime's exact integer graph ran the W8A8 verify step 1.43x faster than the torch cpu backend
 # (docs/architecture.md, "Choosing the backend"); the artifact is exported to the cache on first use (``cache.py``).
 AUTO_ORDER = ("cuda", "onnxruntime", "cpu")
-# ONNX Runtime held 1.7x the cpu backend's resident weights for the same W8A8 model (its packed copies of the integer
-# weights sit beside the originals): "auto" picks it only where twice the cpu backend's estimate fits in MemAvailable
+# ONNX Runtime's session build peaks at about twice what it then holds (the graph's copy of the weights beside its own;
+# inflated demo W8A8: 1,069 MiB of anonymous memory at the peak, 553 after, the cpu backend 710): "auto" picks it only
+# where twice the cpu backend's estimate fits in MemAvailable
 ONNXRUNTIME_MEMORY_FACTOR = 2
 # export target (``quasar-export.json``) -> the backend that runs it; targets missing here are other runtimes' to serve
 EXPORT_BACKENDS = {"onnx": "onnxruntime"}

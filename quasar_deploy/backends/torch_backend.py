@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from ..artifact import ModelFiles, open_model_files
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..kernels import default_float_kernel, default_int8_kernel
+from ..memory import return_freed_memory
 from ..model import Decoder, KVCache
 
 
@@ -78,19 +78,6 @@ class BatchingTorchCausalLM(TorchCausalLM):
         ids = [sequence._ids(block) for sequence, block in zip(sequences, blocks)]
         logits = self.decoder.forward_blocks(ids, [sequence.cache for sequence in sequences])
         return list(logits.split([len(block) for block in blocks]))
-
-
-def return_freed_memory() -> None:
-    """Hand the heap that loading freed back to the OS (glibc keeps it otherwise).
-
-    Packing frees one float or int8 copy of every weight, in chunks of a few MB; glibc raises
-    its mmap threshold after such frees and keeps later ones in the heap, so without this a
-    loaded engine's resident memory would carry up to a quarter of its weights in freed space.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
-        pass
 
 
 def load_cpu(

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..backends.torch_backend import TorchCausalLM, return_freed_memory
+from ..backends.torch_backend import TorchCausalLM
 from ..engine import GenerationStats
 from ..errors import QuasarError
+from ..memory import return_freed_memory
 from .contenders import Contenders
 from .modes import LOSSLESS_PAIRS, MODES, ORT_MODES, drafter_and_precision
 

@@ -6,18 +6,21 @@ a chain of distinct weights (ORT shares identical initializers, which would put 
 weights in cache), plus a check of each form against ``scheme.reference_linear``.
 ``fidelity``: an exported directory on the onnxruntime backend against the torch decoder with the
 exact reference int8 kernel (or float), teacher-forced logits and greedy continuations.
-``step``: whole decoder graphs of a published shape with synthetic weights, float vs W8A8,
-timing a k+1-token verify and a one-token decode on a warm cache. Numbers are per call,
-median of the repeats; docs/onnx.md records what they gave here. Each yields its report line by
+``step``: a k+1-token verify on a warm cache of a published shape with synthetic weights, on ONNX
+Runtime's float and W8A8 graphs and the torch cpu backend's float and W8A8 decoders, timed round
+robin; speed-ups against the best float contender of each round. docs/onnx.md records what they
+gave here. Each yields its report line by
 line, since a run takes minutes.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +35,16 @@ try:
 except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
-from ..backends.onnxruntime import EXACT_QUANT_OPTION
+from ..backends.onnxruntime import EXACT_QUANT_OPTION, SPINNING_OPTION, allow_spinning
+from ..decoder_spec import expected_shapes
 from ..exporters.onnx import save_graph
 from ..exporters.onnx_graph import LINEAR_FORMATS, OPSET, GraphBuilder, decoder_graph
+from ..kernels import default_float_kernel, default_int8_kernel
+from ..memory import return_freed_memory
 from ..scheme import QMAX, quantize_weight, reference_linear
-from .synthetic import synthetic_decoders
+from .memory import check_fits
+from .micro import weight_bytes
+from .synthetic import LIBRARIES_BYTES, engines_peak_bytes, is_layer_linear, synthetic_decoders, synthetic_spec
 
 
 def _session(model_or_path: Path | onnx.ModelProto, threads: int) -> ort.InferenceSession:
@@ -108,30 +116,94 @@ def layers(size: int, depth: int, rows: tuple[int, ...], threads: int, repeats: 
         )
 
 
-def step(shape: str, tokens: int, context: int, threads: int, repeats: int) -> Iterator[str]:
-    float_model, w8a8_model = synthetic_decoders(shape)
-    spec = float_model.spec
+def _ort_feed(spec, ids: np.ndarray, context: int, rng: np.random.Generator) -> dict:
+    """A verify of ``ids`` on a ``context``-token cache of random keys and values (what a step reads, not what it means)."""
+    n = len(ids)
+    return {
+        "input_ids": ids[None],
+        "position_ids": np.arange(context, context + n)[None],
+        "attention_mask": np.ones((1, context + n), np.int64),
+        **{
+            f"past_key_values.{i}.{kv}": rng.standard_normal((1, spec.num_kv_heads, context, spec.head_dim), dtype=np.float32)
+            for i in range(spec.num_layers)
+            for kv in ("key", "value")
+        },
+    }
+
+
+def _ort_graph_bytes(spec) -> int:
+    """Both graphs' weights as ONNX Runtime holds them: float32 linears, int8 linears, and each graph's float32
+    embedding table and transposed lm_head."""
+    shapes = expected_shapes(spec)
+    linears = sum(math.prod(shape) for name, shape in shapes.items() if is_layer_linear(name))
+    table = 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    return 4 * linears + table + linears + table
+
+
+def step_peak_bytes(spec, with_torch: bool) -> int:
+    """ONNX Runtime's sessions at their build peak (twice their weights), plus the torch engines when they run too."""
+    return 2 * _ort_graph_bytes(spec) + (engines_peak_bytes(spec) if with_torch else LIBRARIES_BYTES)
+
+
+def _ort_step(directory: Path, decoder, label: str, threads: int):
+    """A session of ``decoder``'s graph, built like the onnxruntime backend's (exact u8 path, its spinning policy)."""
+    directory.mkdir()
+    save_graph(decoder_graph(decoder, label), directory)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry(*EXACT_QUANT_OPTION)
+    options.add_session_config_entry(SPINNING_OPTION, allow_spinning())
+    return ort.InferenceSession(str(directory / "model.onnx"), options, providers=["CPUExecutionProvider"])
+
+
+def step(shape: str, tokens: int, context: int, threads: int, repeats: int, with_torch: bool = True) -> Iterator[str]:
+    """Every CPU path's verify step on the same synthetic weights, timed round robin: ONNX Runtime's float and exact
+    integer W8A8 graphs (the graphs ``auto`` runs on a CPU) and, ``with_torch``, the cpu backend's float (oneDNN) and
+    W8A8 decoders. Each round times every contender once, so machine drift hits all of them alike; the speed-ups are
+    medians of per-round ratios against the round's fastest float contender."""
+    spec = synthetic_spec(shape)
+    check_fits(step_peak_bytes(spec, with_torch), f"bench onnx step --synthetic {shape}")
     rng = np.random.default_rng(0)
+    ids = rng.integers(0, spec.vocab_size, tokens)
+    steps: dict[str, Callable[[], float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, decoder in (("fp32", float_model), ("w8a8", w8a8_model)):
-            directory = Path(tmp) / label
-            directory.mkdir()
-            save_graph(decoder_graph(decoder, label), directory)
-            sess = _session(directory / "model.onnx", threads)
-            cache = {
-                f"past_key_values.{i}.{kv}": rng.standard_normal((1, spec.num_kv_heads, context, spec.head_dim), dtype=np.float32)
-                for i in range(spec.num_layers)
-                for kv in ("key", "value")
-            }
-            for n in (tokens, 1):
-                feed = {
-                    "input_ids": rng.integers(0, spec.vocab_size, (1, n)),
-                    "position_ids": np.arange(context, context + n)[None],
-                    "attention_mask": np.ones((1, context + n), np.int64),
-                    **cache,
-                }
-                ms = _median_ms(sess, feed, repeats)
-                yield f"{shape} {label}: {n} token(s) on a {context}-token cache: {ms:8.1f} ms"
+        float_model, w8a8_model = synthetic_decoders(shape)
+        ideal = weight_bytes(float_model) / weight_bytes(w8a8_model)
+        for label, decoder in (("ORT fp32", float_model), ("ORT W8A8 integer", w8a8_model)):
+            session, feed = _ort_step(Path(tmp) / label.replace(" ", "-"), decoder, label, threads), _ort_feed(spec, ids, context, rng)
+            steps[label] = partial(_timed, session.run, None, feed)
+    del float_model, w8a8_model
+    return_freed_memory()
+    if with_torch:
+        kernels = default_float_kernel(), default_int8_kernel()
+        for label, decoder in zip((f"torch float {kernels[0]}", f"torch W8A8 {kernels[1]}"), synthetic_decoders(shape, kernels=kernels)):
+            cache = decoder.new_cache(context + tokens)
+            decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), cache)
+            steps[label] = partial(_torch_step, decoder, cache, context, torch.from_numpy(ids))
+    for run in steps.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(repeats):
+        for label, run in steps.items():
+            times[label].append(run())
+    floats = [label for label in steps if "W8A8" not in label]
+    best_float = [min(times[label][i] for label in floats) for i in range(repeats)]
+    yield f"{shape} (synthetic weights), {tokens}-token verify on a {context}-token cache, {threads} threads, {repeats} rounds"
+    for label, series in times.items():
+        speedup = "" if label in floats else f"   {statistics.median(b / t for b, t in zip(best_float, series)):.2f}x the best float"
+        yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
+    yield f"  ideal W8A8 speed-up by weight bytes read: {ideal:.2f}x"
+
+
+def _timed(call: Callable[..., object], *args: object) -> float:
+    start = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - start
+
+
+def _torch_step(decoder, cache, context: int, ids: torch.Tensor) -> float:
+    cache.truncate(context)
+    return _timed(decoder, ids, cache)
 
 
 def _greedy(lm, prompt: list[int], steps: int) -> list[int]:

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..backends.torch_backend import return_freed_memory
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
+from ..memory import return_freed_memory
 from ..model import Decoder
 from ..scheme import quantize_weight
 

@@ -257,11 +257,13 @@ def onnx_layers(size, depth, rows, threads, repeats):
 @click.option("--context", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens in the cache.")
 @threads_option
 @onnx_repeats_option
-def onnx_step(shape, tokens, context, threads, repeats):
-    """Whole decoder graphs, float vs W8A8: a k+1-token verify and a one-token decode on a warm cache."""
+@click.option("--torch/--no-torch", "with_torch", default=True, show_default=True, help="Time the cpu backend's decoders too.")
+def onnx_step(shape, tokens, context, threads, repeats, with_torch):
+    """A k+1-token verify on a warm cache, ONNX Runtime float and W8A8 graphs and the cpu backend's float and W8A8
+    decoders, timed round robin; speed-ups against each round's best float."""
     from ..bench.onnx import step
 
-    for line in step(shape, tokens, context, threads, repeats):
+    for line in step(shape, tokens, context, threads, repeats, with_torch):
         click.echo(line)
 
 

@@ -27,6 +27,7 @@ def test_demo_measures_the_inflated_and_the_demo_model(monkeypatch, tmp_path):
     summary = describe(result)
     assert "demo model inflated function-preservingly to the Qwen3-0.6B body shape (the same function: outputs equal" in summary
     assert "int8 kernel" in summary and "median over 2 prompts of the per-prompt ratio" in summary
+    assert "(backend auto) runs W8A8 here on onnxruntime (the ngram-w8a8-ort rows)" in summary
     paths = demo.inflated_demo_paths()
     stamps = [p.stat().st_mtime_ns for p in paths]
     assert demo.inflated_demo(progress=False) == paths and [p.stat().st_mtime_ns for p in paths] == stamps  # cached

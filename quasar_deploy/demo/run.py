@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..artifact import MANIFEST, open_model_files
-from ..backends.registry import unavailable
+from ..backends.registry import auto_backend, unavailable
 from ..bench.contenders import Contenders
 from ..bench.e2e import BenchSettings, benchmark
 from ..bench.synthetic import SHAPES
@@ -111,7 +111,15 @@ def run_demo(echo: Callable[[str], None], progress: bool = True, limit: int = 4,
     inflated = _measure(big_model, big_artifact, with_ort, settings, progress, before=stream)
     demo = _measure(demo_model_path(), artifact, with_ort, settings, progress)
     fidelity: Fidelity = evaluate(artifact, demo_model_path(), num_samples=len(read_texts(None, "eval")), progress=False)
-    return {"inflated": inflated, "demo": demo, "fidelity": fidelity.to_dict(), "artifact": str(artifact), "onnxruntime": with_ort}
+    default = auto_backend(big_artifact)
+    return {
+        "inflated": inflated,
+        "demo": demo,
+        "fidelity": fidelity.to_dict(),
+        "artifact": str(artifact),
+        "onnxruntime": with_ort,
+        "default_backend": default,
+    }
 
 
 def _table(measured: dict) -> list[str]:
@@ -146,6 +154,8 @@ def describe(result: dict) -> str:
         f"Each 'vs best float' is the median over {prompts} prompts of the per-prompt ratio of that mode's tokens/s to the "
         f"fastest float mode's on the same prompt ({float_modes}); tokens/s are medians, modes interleaved prompt by prompt, "
         f"greedy, {inflated['report']['settings']['max_new_tokens']} new tokens, k=5.",
+        f"`quasar-deploy generate ARTIFACT` (backend auto) runs W8A8 here on {result['default_backend']} "
+        f"(the {'ngram-w8a8-ort' if result['default_backend'] == 'onnxruntime' else 'ngram-w8a8'} rows).",
         f"fidelity of the demo artifact: top-1 agreement with float {fid['top1_agreement']:.4f}, mean KL {fid['mean_kl']:.2e} nats, "
         f"perplexity {fid['ppl_w8a8']:.2f} vs {fid['ppl_float']:.2f}.",
         f"artifacts: {result['artifact']}, {inflated['artifact']}",

@@ -5,13 +5,13 @@ write leaves nothing that loads):
 
 - ``config.json``: the source config plus a compressed-tensors ``quantization_config``
   (``int-quantized``; weights int8 channel-symmetric; activations int8 token-dynamic,
-  or tensor-static with ``input_scale``; ``ignore`` lists the float linears), the
-  layout vLLM reads as W8A8.
+  or tensor-static with ``input_scale``; ``ignore`` lists the float linears, lm_head among
+  them unless it is int8, see ``artifact_config``), the layout vLLM reads as W8A8.
 - ``model.safetensors`` (or Hugging Face shards ``model-0000i-of-0000N.safetensors`` and
   ``model.safetensors.index.json``, written tensor by tensor by ``shards.py``): quantized
   linears as ``weight`` int8 [out, in] and ``weight_scale`` float32 [out, 1] (+ ``input_scale``
   float32 [1] when static); everything else (embeddings, norms with the smoothing folded in,
-  float linears, lm_head) in the dtype the source stores it in.
+  float linears, a float lm_head) in the dtype the source stores it in.
 - tokenizer files and ``generation_config.json``, copied from the source.
 - ``quasar.json``: format version, recipe, per-group alpha and errors, per-layer
   error, calibration-data fingerprint, source checkpoint hash, and ``files``: the sha256

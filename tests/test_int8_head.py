@@ -18,7 +18,7 @@ from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.kernels import default_int8_kernel
 from quasar_deploy.memory import estimate
-from quasar_deploy.scheme import quantize_weight, reference_linear
+from quasar_deploy.scheme import QMAX, quantize_weight, reference_linear
 
 from .helpers import FAST_CALIBRATION, ONNX_PROMPT, copy_dir
 
@@ -130,9 +130,21 @@ def test_batched_verify_equals_each_sequence_alone(tiny_int8_head_artifact):
     assert torch.equal(decoder.forward_blocks(blocks, caches), torch.cat(solo))
 
 
-def test_static_head_takes_one_calibrated_scale(static_head):
+def test_static_head_takes_one_calibrated_scale(static_head, tiny_qwen3_tied):
+    """The head's static scale is the largest |x| the float model's final norm gives on the calibration samples, / 127."""
+    from quasar_deploy.calibration.data import calibration_samples
+    from quasar_deploy.tokenizer import load_tokenizer
+
     scale = static_head.checkpoint.tensor("lm_head.input_scale")
-    assert scale.shape == (1,) and scale.item() > 0
+    float_model = open_model_files(tiny_qwen3_tied).decoder()
+    largest = []
+    float_model.model.norm.register_forward_hook(lambda _m, _args, out: largest.append(out.abs().max()))
+    samples = calibration_samples(
+        load_tokenizer(tiny_qwen3_tied, False), None, FAST_CALIBRATION["num_samples"], FAST_CALIBRATION["seq_len"]
+    )
+    for sample in samples:
+        float_model(torch.tensor(sample), float_model.new_cache(len(sample)))
+    torch.testing.assert_close(scale, (max(largest) / QMAX).reshape(1), rtol=1e-6, atol=0)
     decoder = static_head.decoder()
     assert decoder.lm_head.quantized and torch.equal(decoder.lm_head.input_scale, scale)
     engine = load(static_head.path, backend="cpu")

@@ -30,13 +30,9 @@ def head_source(files: ModelFiles) -> str:
 def write_int8_head(source: ModelFiles, writer: ArtifactWriter, hidden: list[torch.Tensor], static: bool) -> LayerDecision:
     """Quantize the head row block by row block into ``writer``; ``hidden`` are the last layer's float outputs of the
     calibration samples (before the final norm). Returns the head's decision: its relative output error on sampled rows."""
-    load = tensor_loader(source.checkpoint, torch.float32)
-    norm = RMSNorm(load("model.norm.weight"), source.spec.rms_norm_eps).to(hidden[0].device)
-    inputs = torch.cat([norm(x) for x in hidden])
-    absmax = inputs.abs().amax(dim=0)
+    absmax, rows = _head_inputs(source, hidden)
     input_scale = static_input_scale(absmax) if static else None
-    rows = inputs[torch.linspace(0, len(inputs) - 1, min(len(inputs), ROWS_PER_GROUP)).long()].cpu()
-    act_scale = per_token_scale(rows) if input_scale is None else input_scale.reshape(1, 1)
+    act_scale = per_token_scale(rows) if input_scale is None else input_scale.cpu().reshape(1, 1)
     quantized_rows = quantize_activation(rows, act_scale) * act_scale
     name = head_source(source)
     scales, error, reference = [], torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
@@ -56,3 +52,20 @@ def write_int8_head(source: ModelFiles, writer: ArtifactWriter, hidden: list[tor
     if input_scale is not None:
         writer.add(f"{HEAD}.input_scale", input_scale.cpu())
     return LayerDecision(float(error / reference.clamp(min=1e-30)), None, None)
+
+
+def _head_inputs(source: ModelFiles, hidden: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's calibration inputs (the final norm of ``hidden``), sample by sample so that they are never all held:
+    their per-channel max |x| and ``ROWS_PER_GROUP`` evenly spaced rows (on the host)."""
+    norm = RMSNorm(tensor_loader(source.checkpoint, torch.float32)("model.norm.weight"), source.spec.rms_norm_eps)
+    norm = norm.to(hidden[0].device)
+    total = sum(len(x) for x in hidden)
+    picks = torch.linspace(0, total - 1, min(total, ROWS_PER_GROUP)).long()
+    absmax, rows, start = torch.zeros_like(hidden[0][0]), [], 0
+    for x in hidden:
+        y = norm(x)
+        absmax = torch.maximum(absmax, y.abs().amax(dim=0))
+        mine = picks[(picks >= start) & (picks < start + len(x))] - start
+        rows.append(y[mine.to(y.device)].cpu())
+        start += len(x)
+    return absmax, torch.cat(rows)

@@ -5,13 +5,13 @@ write leaves nothing that loads):
 
 - ``config.json``: the source config plus a compressed-tensors ``quantization_config``
   (``int-quantized``; weights int8 channel-symmetric; activations int8 token-dynamic,
-  or tensor-static with ``input_scale``; ``ignore`` lists the float linears), the
-  layout vLLM reads as W8A8.
+  or tensor-static with ``input_scale``; ``ignore`` lists the float linears, lm_head among
+  them unless it is int8, see ``artifact_config``), the layout vLLM reads as W8A8.
 - ``model.safetensors`` (or Hugging Face shards ``model-0000i-of-0000N.safetensors`` and
   ``model.safetensors.index.json``, written tensor by tensor by ``shards.py``): quantized
   linears as ``weight`` int8 [out, in] and ``weight_scale`` float32 [out, 1] (+ ``input_scale``
   float32 [1] when static); everything else (embeddings, norms with the smoothing folded in,
-  float linears, lm_head) in the dtype the source stores it in.
+  float linears, a float lm_head) in the dtype the source stores it in.
 - tokenizer files and ``generation_config.json``, copied from the source.
 - ``quasar.json``: format version, recipe, per-group alpha and errors, per-layer
   error, calibration-data fingerprint, source checkpoint hash, and ``files``: the sha256
@@ -26,7 +26,7 @@ the checks off (it would otherwise load as a float checkpoint and run int8 weigh
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +47,7 @@ MANIFEST = "quasar.json"
 # what loading reads from a manifest, checked at open so a damaged one is one line, not a KeyError
 RECORD_FIELDS = {"recipe": dict, "quantized_layers": list}
 QUANTIZED_DTYPES = ("I8", "U8", "F8_E4M3", "F8_E5M2")
+HEAD = "lm_head"
 
 
 def compressed_tensors_config(scheme: W8A8Scheme, ignore: list[str]) -> dict:
@@ -75,6 +76,18 @@ def compressed_tensors_config(scheme: W8A8Scheme, ignore: list[str]) -> dict:
     }
 
 
+def artifact_config(config: dict, scheme: W8A8Scheme, quantized_layers: Iterable[str], float_linears: Iterable[str]) -> dict:
+    """The config an artifact carries: the source's plus the ``quantization_config``, whose ``ignore`` lists the float
+    linears and the lm_head unless it is int8. An int8 head is its own tensor even where the source tied it to the
+    embeddings, so the config then says ``tie_word_embeddings: false`` (else consumers would tie the two again)."""
+    head_quantized = HEAD in quantized_layers
+    ignore = [*float_linears] + ([] if head_quantized else [HEAD])
+    out = {**config, "quantization_config": compressed_tensors_config(scheme, ignore)}
+    if head_quantized:
+        out["tie_word_embeddings"] = False
+    return out
+
+
 class ArtifactWriter:
     """The weights of an artifact being written, tensor by tensor, then its config, tokenizer files and manifest (``finish``).
 
@@ -101,11 +114,10 @@ class ArtifactWriter:
             name, TORCH_DTYPES[self.source.dtypes[name]], self.source.shapes[name], checked_row_blocks(self.source, name)
         )
 
-    def finish(self, scheme: W8A8Scheme, ignore: list[str], manifest: dict) -> None:
+    def finish(self, scheme: W8A8Scheme, float_linears: list[str], manifest: dict) -> None:
         """Everything but the weights; the manifest last, since it lists every other file."""
         self.shards.close()
-        config = dict(self.source.config)
-        config["quantization_config"] = compressed_tensors_config(scheme, ignore)
+        config = artifact_config(self.source.config, scheme, manifest["quantized_layers"], float_linears)
         (self.directory / "config.json").write_text(json.dumps(config, indent=2))
         copy_files(self.source.path, self.directory)
         write_manifest(self.directory, MANIFEST, {"format_version": FORMAT_VERSION, **manifest})
@@ -129,9 +141,9 @@ def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W
     """Write a decoder held in memory (quantized by the caller) as an artifact; ``calibrate`` streams layer by layer instead."""
     with writing_artifact(source, output) as writer:
         for name, tensor in decoder.state_dict().items():
-            if not (name == "lm_head.weight" and decoder.spec.tie_word_embeddings):
+            if not (name == "lm_head.weight" and decoder.spec.tie_word_embeddings and not decoder.lm_head.quantized):
                 writer.add(name, tensor)
-        writer.finish(scheme, ["lm_head"] + [name for name, linear in decoder.linears() if not linear.quantized], manifest)
+        writer.finish(scheme, [name for name, linear in decoder.linears() if not linear.quantized], manifest)
     return Path(output)
 
 
@@ -159,7 +171,7 @@ class ModelFiles:
         decoder = Decoder(self.spec, self.checkpoint, dtype)
         if self.manifest:
             expected = set(self.manifest["quantized_layers"])
-            got = {name for name, linear in decoder.linears() if linear.quantized}
+            got = {name for name, linear in decoder.linears() if linear.quantized} | ({HEAD} if decoder.lm_head.quantized else set())
             if expected != got:
                 missing = sorted(expected ^ got)[0]
                 raise QuasarError(f"{self.path}: layer {missing!r} does not match the manifest (corrupted artifact)")

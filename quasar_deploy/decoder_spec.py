@@ -176,6 +176,8 @@ def expected_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size), "model.norm.weight": (spec.hidden_size,)}
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+        shapes["lm_head.weight_scale"] = (spec.vocab_size, 1)
+        shapes["lm_head.input_scale"] = (1,)
     for i in range(spec.num_layers):
         p = spec.layer_prefix(i)
         shapes[f"{p}.input_layernorm.weight"] = shapes[f"{p}.post_attention_layernorm.weight"] = (spec.hidden_size,)

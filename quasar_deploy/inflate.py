@@ -44,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from ._version import __version__
-from .artifact import FORMAT_VERSION, MANIFEST, ModelFiles, compressed_tensors_config, open_model_files
+from .artifact import FORMAT_VERSION, HEAD, MANIFEST, ModelFiles, artifact_config, open_model_files
 from .decoder_spec import ATTENTION_LINEARS, MLP_LINEARS, DecoderSpec, expected_shapes
 from .errors import QuasarError
 from .files import atomic_directory, copy_files, sha256_files
@@ -133,8 +133,10 @@ class _Inflater:
         for layer in range(self.big.num_layers):
             yield from self._layer(layer)
         yield "model.norm.weight", self._norm("model.norm.weight", new=False)
-        if "lm_head.weight" in self.source.names:
+        if "lm_head.weight" in self.source.names:  # an int8 head (``--int8-lm-head``) too: its rows' absmax and scales stay
             yield "lm_head.weight", self.source.tensor("lm_head.weight").repeat(1, self.copies)
+        if "lm_head.weight_scale" in self.source.names:
+            yield "lm_head.weight_scale", self.source.tensor("lm_head.weight_scale")
 
     def _layer(self, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
         prefix, new = self.big.layer_prefix(layer), layer >= self.small.num_layers
@@ -230,8 +232,7 @@ def _config(files: ModelFiles, target: InflationTarget, seed: int, inflater: _In
     config[CONFIG_KEY] = {"source": str(files.path), "source_sha256": files.checkpoint.fingerprint(), "seed": seed}
     if files.is_artifact:
         linears = [name.removesuffix(".weight") for name in inflater.shapes if name.endswith("_proj.weight")]
-        kept = set(quantized)
-        config["quantization_config"] = compressed_tensors_config(files.scheme, ["lm_head"] + [n for n in linears if n not in kept])
+        config = artifact_config(config, files.scheme, quantized, [n for n in linears if n not in set(quantized)])
     return config
 
 
@@ -255,6 +256,8 @@ def inflate_artifact(
         raise QuasarError(f"{artifact}: not a W8A8 artifact (no {MANIFEST}); inflate a float checkpoint with inflate_checkpoint")
     model = open_model_files(inflated_model)
     expected = inflated_spec(files.spec, target)
+    if HEAD in files.manifest["quantized_layers"]:  # its int8 head is stored apart even where the float model ties it
+        expected = replace(expected, tie_word_embeddings=model.spec.tie_word_embeddings)
     if model.is_artifact or replace(model.spec, architecture=expected.architecture) != expected:
         raise QuasarError(f"{inflated_model}: not the float model inflated to {target.to_dict()} (its shape differs)")
     with _writing(files, Path(output), target, seed, progress) as (tmp, quantized):

@@ -22,7 +22,7 @@ class MemoryEstimate:
     """Bytes by kind, as the cpu backend holds them: one packed copy of each weight (``Linear.release_weight``)."""
 
     int8_weights: int  # int8 weights and their scales
-    float_weights: int  # float linears, lm_head and norms, in float32
+    float_weights: int  # float linears, a float lm_head and norms, in float32
     embeddings: int  # in their stored dtype (float32 when lm_head shares them)
     kv_cache_per_1k_tokens: int
 

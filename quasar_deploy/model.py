@@ -401,8 +401,8 @@ class Decoder(nn.Module):
 
         load = tensor_loader(source, dtype)
         self.model = Body(spec, load, _embeddings(source, spec, dtype))
-        head = self.model.embed_tokens.weight.to(dtype) if spec.tie_word_embeddings else load("lm_head.weight")
-        self.lm_head = Linear(head)
+        # an int8 head (``--int8-lm-head``) is a W8A8 linear like the others, so every backend's kernels run it
+        self.lm_head = Linear(self.model.embed_tokens.weight.to(dtype)) if spec.tie_word_embeddings else load_linear(load, "lm_head")
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 
     def linears(self) -> Iterable[tuple[str, Linear]]:

@@ -57,6 +57,12 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_tied(tmp_path_factory):
+    """tiny_qwen3's shape with the lm_head tied to the embeddings, as Qwen3-0.6B has it."""
+    yield from _unchanged(save_tiny(tmp_path_factory.mktemp("tiny-qwen3-tied"), "qwen3", seed=3, tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     """A tiny Qwen2 with nonzero q/k/v biases (for the npu export's ``bias`` and ``quant_bias``)."""
     yield from _unchanged(save_tiny_qwen2_with_biases(tmp_path_factory.mktemp("tiny-qwen2")))
@@ -81,6 +87,12 @@ def tiny_artifact(tiny_qwen3, tmp_path_factory):
 def tiny_static_artifact(tiny_qwen3, tmp_path_factory):
     """tiny_qwen3 calibrated with static (per-tensor, calibrated) activation scales: a ``ModelFiles``."""
     yield from _calibrated(tiny_qwen3, tmp_path_factory, "tiny-w8a8-static", activation="static")
+
+
+@pytest.fixture(scope="session")
+def tiny_int8_head_artifact(tiny_qwen3_tied, tmp_path_factory):
+    """tiny_qwen3_tied calibrated with ``int8_lm_head`` (dynamic activations): the head int8, apart from the float embeddings."""
+    yield from _calibrated(tiny_qwen3_tied, tmp_path_factory, "tiny-w8a8-int8-head", int8_lm_head=True)
 
 
 @pytest.fixture(scope="session")

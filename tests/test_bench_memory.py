@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from quasar_deploy.bench import memory, synthetic
 from quasar_deploy.bench.contenders import synthetic_contenders, trained_contenders
 from quasar_deploy.bench.e2e import BenchSettings, benchmark
-from quasar_deploy.bench.micro import kernels_peak_bytes, linear_sizes, verify_step
+from quasar_deploy.bench.micro import kernels_peak_bytes, linear_sizes, verify_step, weight_bytes
 from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.kernels import default_float_kernel, default_int8_kernel
@@ -129,10 +129,27 @@ def test_the_cpu_paths_step_times_every_contender_round_robin(small_shape, monke
     pytest.importorskip("onnxruntime")
     from quasar_deploy.bench import onnx as bench_onnx
 
-    lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
+    lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2, int8_lm_head=True))
+    assert "W8A8 with an int8 lm_head" in lines[0]
     labels = ["ORT fp32", "ORT W8A8 integer", "torch float", "torch W8A8"]
     assert [next(i for i, line in enumerate(lines) if label in line) for label in labels] == [1, 2, 3, 4]
     assert all("the best float" in lines[i] for i in (2, 4)) and "ideal W8A8 speed-up" in lines[-1]
     monkeypatch.setattr(memory, "memory_available", lambda: bench_onnx.step_peak_bytes(synthetic.synthetic_spec(small_shape), True) - 1)
     with pytest.raises(QuasarError, match="needs ~"):
         next(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
+
+
+def test_int8_lm_head_twin_quantizes_the_float_twins_head(small_shape):
+    """``verify-step --int8-lm-head``: the W8A8 twin's own int8 head holds the float head's values (the tied embedding)."""
+    float_model, w8a8 = synthetic.synthetic_decoders(small_shape, int8_lm_head=True)
+    assert w8a8.lm_head.quantized and not w8a8.spec.tie_word_embeddings and float_model.spec.tie_word_embeddings
+    wq, scale = quantize_weight(float_model.lm_head.weight)
+    assert torch.equal(w8a8.lm_head.weight, wq) and torch.equal(w8a8.lm_head.weight_scale, scale)
+    assert weight_bytes(w8a8) < weight_bytes(synthetic.synthetic_decoders(small_shape)[1])
+    spec = synthetic.synthetic_spec(small_shape)
+    head = spec.vocab_size * spec.hidden_size
+    assert (
+        synthetic.engines_peak_bytes(spec, int8_lm_head=True) - synthetic.engines_peak_bytes(spec) == 4 * head + head + 4 * spec.vocab_size
+    )
+    result = verify_step(small_shape, tokens=3, context=8, repeats=2, progress=False, int8_lm_head=True)
+    assert result.int8_lm_head and result.ideal_ratio > 1

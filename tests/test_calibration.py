@@ -176,6 +176,7 @@ def test_recipe_normalizes_what_the_cli_and_callers_pass():
         "keep_float": ["*.down_proj"],
         "keep_float_above": None,
         "calib_data": "c.jsonl",
+        "int8_lm_head": False,
     }
     assert CalibrationRecipe(activation="static").scheme.activation == "static"
     assert quasar_deploy.CalibrationRecipe is CalibrationRecipe
@@ -203,6 +204,7 @@ def test_recipe_form_and_keyword_form_write_the_same_artifact(tiny_qwen3, tmp_pa
         "seq_len": 32,
         "keep_float": ["*.down_proj"],
         "keep_float_above": 0.5,
+        "int8_lm_head": False,
     }
 
 

@@ -28,9 +28,10 @@ QUANTIZER = {"cpu": "torch", "cuda": "triton"}
 ON_BOTH = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # the GPU half: tools/gpu_check.sh
 
 
-@pytest.fixture(params=["dynamic", "static"])
+@pytest.fixture(params=["dynamic", "static", "int8-head"])
 def artifact(request):
-    return request.getfixturevalue({"dynamic": "tiny_artifact", "static": "tiny_static_artifact"}[request.param])
+    names = {"dynamic": "tiny_artifact", "static": "tiny_static_artifact", "int8-head": "tiny_int8_head_artifact"}
+    return request.getfixturevalue(names[request.param])
 
 
 def linear_case(m: int, k: int, n: int, static: bool, bias: bool, dtype: torch.dtype, device="cpu", seed: int = 0):

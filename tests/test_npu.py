@@ -33,9 +33,10 @@ def fake_torch_npu(monkeypatch) -> ModuleType:
     return npu_emulation
 
 
-@pytest.fixture(params=["dynamic", "static"])
+@pytest.fixture(params=["dynamic", "static", "int8-head"])
 def artifact(request):
-    return request.getfixturevalue({"dynamic": "tiny_artifact", "static": "tiny_static_artifact"}[request.param])
+    names = {"dynamic": "tiny_artifact", "static": "tiny_static_artifact", "int8-head": "tiny_int8_head_artifact"}
+    return request.getfixturevalue(names[request.param])
 
 
 def reference_lm(files) -> TorchCausalLM:

@@ -39,6 +39,7 @@ class VerifyStepResult:
     repeats: int
     float_kernel: str
     int8_kernel: str
+    int8_lm_head: bool  # the W8A8 twin's lm_head is int8 too (else both run the same float head)
     threads: int
     float_ms: float  # medians
     w8a8_ms: float
@@ -66,12 +67,14 @@ def verify_step(
     float_kernel: str | None = None,
     int8_kernel: str | None = None,
     progress: bool = True,
+    int8_lm_head: bool = False,
 ) -> VerifyStepResult:
-    """Synthetic weights of a published shape; W8A8 quantized without calibration (timing only)."""
+    """Synthetic weights of a published shape; W8A8 quantized without calibration (timing only); ``int8_lm_head``
+    quantizes the W8A8 twin's head too."""
     float_kernel = float_kernel or default_float_kernel()
     int8_kernel = int8_kernel or default_int8_kernel()
-    check_fits(engines_peak_bytes(synthetic_spec(shape)), f"verify-step --synthetic {shape}")
-    float_model, quant_model = synthetic_decoders(shape, kernels=(float_kernel, int8_kernel))
+    check_fits(engines_peak_bytes(synthetic_spec(shape), int8_lm_head), f"verify-step --synthetic {shape}")
+    float_model, quant_model = synthetic_decoders(shape, kernels=(float_kernel, int8_kernel), int8_lm_head=int8_lm_head)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, float_model.spec.vocab_size, (context,), generator=generator)
     ids = torch.randint(0, float_model.spec.vocab_size, (tokens,), generator=generator)
@@ -95,6 +98,7 @@ def verify_step(
         repeats=repeats,
         float_kernel=float_kernel,
         int8_kernel=int8_kernel,
+        int8_lm_head=int8_lm_head,
         threads=torch.get_num_threads(),
         float_ms=1000 * statistics.median(float_times),
         w8a8_ms=1000 * statistics.median(quant_times),
@@ -112,7 +116,7 @@ def describe_verify_step(result: VerifyStepResult) -> str:
             f"verify step, {result.shape} (synthetic weights), {result.tokens} tokens on a {result.context}-token cache",
             f"threads          {result.threads}",
             f"float ({result.float_kernel})   {result.float_ms:9.2f} ms (median of {result.repeats})",
-            f"W8A8 ({result.int8_kernel})  {result.w8a8_ms:9.2f} ms",
+            f"W8A8 ({result.int8_kernel}, {'int8' if result.int8_lm_head else 'float'} lm_head)  {result.w8a8_ms:9.2f} ms",
             f"speed-up         {result.ratio:9.2f}x (median of pairs; range {low:.2f}-{high:.2f})",
             f"ideal (bytes)    {result.ideal_ratio:9.2f}x -> {100 * result.fraction_of_ideal:.0f}% of ideal",
         ]

@@ -133,16 +133,16 @@ def _ort_feed(spec, ids: np.ndarray, context: int, rng: np.random.Generator) -> 
 
 def _ort_graph_bytes(spec) -> int:
     """Both graphs' weights as ONNX Runtime holds them: float32 linears, int8 linears, and each graph's float32
-    embedding table and transposed lm_head."""
+    embedding table and transposed lm_head (an int8 head is smaller: this bounds it)."""
     shapes = expected_shapes(spec)
     linears = sum(math.prod(shape) for name, shape in shapes.items() if is_layer_linear(name))
     table = 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     return 4 * linears + table + linears + table
 
 
-def step_peak_bytes(spec, with_torch: bool) -> int:
+def step_peak_bytes(spec, with_torch: bool, int8_lm_head: bool = False) -> int:
     """ONNX Runtime's sessions at their build peak (twice their weights), plus the torch engines when they run too."""
-    return 2 * _ort_graph_bytes(spec) + (engines_peak_bytes(spec) if with_torch else LIBRARIES_BYTES)
+    return 2 * _ort_graph_bytes(spec) + (engines_peak_bytes(spec, int8_lm_head) if with_torch else LIBRARIES_BYTES)
 
 
 def _ort_step(directory: Path, decoder, label: str, threads: int):
@@ -156,18 +156,21 @@ def _ort_step(directory: Path, decoder, label: str, threads: int):
     return ort.InferenceSession(str(directory / "model.onnx"), options, providers=["CPUExecutionProvider"])
 
 
-def step(shape: str, tokens: int, context: int, threads: int, repeats: int, with_torch: bool = True) -> Iterator[str]:
+def step(
+    shape: str, tokens: int, context: int, threads: int, repeats: int, with_torch: bool = True, int8_lm_head: bool = False
+) -> Iterator[str]:
     """Every CPU path's verify step on the same synthetic weights, timed round robin: ONNX Runtime's float and exact
     integer W8A8 graphs (the graphs ``auto`` runs on a CPU) and, ``with_torch``, the cpu backend's float (oneDNN) and
-    W8A8 decoders. Each round times every contender once, so machine drift hits all of them alike; the speed-ups are
-    medians of per-round ratios against the round's fastest float contender."""
+    W8A8 decoders; ``int8_lm_head``: both W8A8 contenders with an int8 head. Each round times every contender once, so
+    machine drift hits all of them alike; the speed-ups are medians of per-round ratios against the round's fastest
+    float contender."""
     spec = synthetic_spec(shape)
-    check_fits(step_peak_bytes(spec, with_torch), f"bench onnx step --synthetic {shape}")
+    check_fits(step_peak_bytes(spec, with_torch, int8_lm_head), f"bench onnx step --synthetic {shape}")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, tokens)
     steps: dict[str, Callable[[], float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        float_model, w8a8_model = synthetic_decoders(shape)
+        float_model, w8a8_model = synthetic_decoders(shape, int8_lm_head=int8_lm_head)
         ideal = weight_bytes(float_model) / weight_bytes(w8a8_model)
         for label, decoder in (("ORT fp32", float_model), ("ORT W8A8 integer", w8a8_model)):
             session, feed = _ort_step(Path(tmp) / label.replace(" ", "-"), decoder, label, threads), _ort_feed(spec, ids, context, rng)
@@ -176,7 +179,8 @@ def step(shape: str, tokens: int, context: int, threads: int, repeats: int, with
     return_freed_memory()
     if with_torch:
         kernels = default_float_kernel(), default_int8_kernel()
-        for label, decoder in zip((f"torch float {kernels[0]}", f"torch W8A8 {kernels[1]}"), synthetic_decoders(shape, kernels=kernels)):
+        decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head)
+        for label, decoder in zip((f"torch float {kernels[0]}", f"torch W8A8 {kernels[1]}"), decoders):
             cache = decoder.new_cache(context + tokens)
             decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), cache)
             steps[label] = partial(_torch_step, decoder, cache, context, torch.from_numpy(ids))
@@ -188,7 +192,11 @@ def step(shape: str, tokens: int, context: int, threads: int, repeats: int, with
             times[label].append(run())
     floats = [label for label in steps if "W8A8" not in label]
     best_float = [min(times[label][i] for label in floats) for i in range(repeats)]
-    yield f"{shape} (synthetic weights), {tokens}-token verify on a {context}-token cache, {threads} threads, {repeats} rounds"
+    head = "an int8" if int8_lm_head else "a float"
+    yield (
+        f"{shape} (synthetic weights, W8A8 with {head} lm_head), {tokens}-token verify on a {context}-token cache, "
+        f"{threads} threads, {repeats} rounds"
+    )
     for label, series in times.items():
         speedup = "" if label in floats else f"   {statistics.median(b / t for b, t in zip(best_float, series)):.2f}x the best float"
         yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"

@@ -23,7 +23,7 @@ class RooflineResult:
     decode_tokens_per_s: float
     acceptance_length: float
     verify_step_ms: float  # mean over the generation's verify steps
-    bytes_per_step: int  # weights (int8 + scales + float lm_head) and the KV cache at the final length
+    bytes_per_step: int  # weights (int8 + scales + the lm_head, float unless int8) and the KV cache at the final length
     bandwidth_gb_s: float  # copy bandwidth (read + write), measured before the generation
     bound_step_ms: float  # bytes_per_step / bandwidth
     bound_tokens_per_s: float  # acceptance_length / bound_step

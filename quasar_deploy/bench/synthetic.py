@@ -7,6 +7,7 @@ say "synthetic weights".
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ SHAPES = {
     # 12800 (the intermediate size); hidden 4096, head_dim 128, vocab 153376 and untied embeddings are our assumptions
     "openpangu-7b-like": (4096, 12800, 34, 32, 8, 128, 153376, False),
 }
+HEAD_WEIGHT = "lm_head.weight"
 
 
 def synthetic_spec(name: str) -> DecoderSpec:
@@ -67,8 +69,10 @@ class RandomTensors:
     Each tensor is drawn from its own generator, seeded by ``seed`` and its name, so any subset in
     any order holds the same values: the float decoder, its W8A8 twin and transformers' twin can be
     built apart (or one after another is freed) and still hold identical weights. ``quantized``
-    hands out layer linears as int8 with their ``weight_scale`` (one float tensor alive at a time);
-    ``shared`` tensors are handed out as they are (the float twin's embedding and norms: one copy).
+    hands out layer linears as int8 with their ``weight_scale`` (one float tensor alive at a time), and with
+    ``int8_lm_head`` the head too (drawn as the float twin's head, which is the embedding table where ``spec`` ties
+    them; the decoder reading it must then be untied, see ``synthetic_decoders``); ``shared`` tensors are handed out
+    as they are (the float twin's embedding and norms: one copy).
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class RandomTensors:
         device: torch.device | str = "cpu",
         quantized: bool = False,
         shared: Mapping[str, torch.Tensor] | None = None,
+        int8_lm_head: bool = False,
     ):
         self.spec = spec
         self.seed = seed
@@ -85,7 +90,11 @@ class RandomTensors:
         self.quantized = quantized
         self.shared = dict(shared or {})
         self.shapes = {name: shape for name, shape in expected_shapes(spec).items() if name.endswith(".weight")}
-        scales = {name.removesuffix(".weight") + ".weight_scale" for name in self.shapes if is_layer_linear(name)}
+        self.head_from = "model.embed_tokens.weight" if spec.tie_word_embeddings else HEAD_WEIGHT
+        self.int8 = {name for name in self.shapes if is_layer_linear(name)} | ({HEAD_WEIGHT} if int8_lm_head else set())
+        if int8_lm_head:
+            self.shapes[HEAD_WEIGHT] = self.shapes[self.head_from]
+        scales = {name.removesuffix(".weight") + ".weight_scale" for name in self.int8}
         self.names = set(self.shapes) | (scales if quantized else set())
         self._scales: dict[str, torch.Tensor] = {}
 
@@ -93,7 +102,7 @@ class RandomTensors:
         shape = self.shapes[name]
         if len(shape) == 1:
             return torch.ones(shape, device=self.device)
-        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        digest = hashlib.sha256(f"{self.seed}:{self.head_from if name == HEAD_WEIGHT else name}".encode()).digest()
         generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little"))
         return torch.randn(shape, generator=generator, device=self.device) * 0.02
 
@@ -102,7 +111,7 @@ class RandomTensors:
             return self.shared[name]
         if name.endswith(".weight_scale"):  # asked for right after its weight (model.load_linear)
             return self._scales.pop(name)
-        if self.quantized and is_layer_linear(name):
+        if self.quantized and name in self.int8:
             weight, self._scales[name.removesuffix(".weight") + ".weight_scale"] = quantize_weight(self._draw(name))
             return weight
         return self._draw(name)
@@ -114,13 +123,15 @@ def synthetic_decoders(
     kernels: tuple[str, str] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    int8_lm_head: bool = False,
 ) -> tuple[Decoder, Decoder]:
     """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only).
 
     Built lean, so a shape fits where its two engines fit: the W8A8 decoder shares the float one's
     embedding and norms and is quantized tensor by tensor. With ``kernels`` (float, int8) both are
     prepared (fused), the float one first so that its unpacked weights are gone before the W8A8 one
-    is built, and both run one packed lm_head (their heads hold the same weights).
+    is built, and both run one packed lm_head (their heads hold the same weights), unless ``int8_lm_head``: the W8A8
+    twin then has its own int8 head, quantized from the same values (and is untied, as an artifact with one is).
 
     ``device``: where the weights are drawn and quantized (a GPU makes an 8B shape in seconds; the
     decoder's small buffers stay on the host until ``Decoder.move_to``).
@@ -130,10 +141,13 @@ def synthetic_decoders(
     if kernels:
         float_model.prepare(*kernels, fuse=True)
         return_freed_memory()
-    shared = {n: t for n, t in float_model.state_dict().items() if not t.is_meta and not is_layer_linear(n)}
-    quant_model = Decoder(spec, RandomTensors(spec, seed, device, quantized=True, shared=shared), dtype)
+    own = {HEAD_WEIGHT} if int8_lm_head else set()
+    shared = {n: t for n, t in float_model.state_dict().items() if not t.is_meta and not is_layer_linear(n) and n not in own}
+    quant_spec = dataclasses.replace(spec, tie_word_embeddings=False) if int8_lm_head else spec
+    quant_model = Decoder(quant_spec, RandomTensors(spec, seed, device, quantized=True, shared=shared, int8_lm_head=int8_lm_head), dtype)
     if kernels:
-        quant_model.lm_head = float_model.lm_head
+        if not int8_lm_head:
+            quant_model.lm_head = float_model.lm_head
         quant_model.prepare(*kernels, fuse=True)
         return_freed_memory()
     return float_model, quant_model
@@ -142,13 +156,16 @@ def synthetic_decoders(
 LIBRARIES_BYTES = 10**9  # the libraries (torch + transformers imported: 0.35 GB resident here), kernel scratch, allocator slack
 
 
-def engines_peak_bytes(spec: DecoderSpec) -> int:
+def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False) -> int:
     """Peak resident bytes of ``synthetic_decoders(kernels=...)``: float linears (packed), embedding, one packed lm_head,
-    int8 linears; an untied head is drawn once more while the W8A8 decoder is built. Plus the libraries."""
+    int8 linears; an untied head, or the float rows an int8 head is quantized from, is drawn once more while the W8A8
+    decoder is built, and an int8 head adds its bytes and scales. Plus the libraries."""
     shapes = expected_shapes(spec)
     linears = [math.prod(shape) for name, shape in shapes.items() if is_layer_linear(name)]
     embedding = 4 * spec.vocab_size * spec.hidden_size
-    head = embedding if spec.tie_word_embeddings else 2 * embedding
+    head = embedding if spec.tie_word_embeddings and not int8_lm_head else 2 * embedding
+    if int8_lm_head:
+        head += spec.vocab_size * (spec.hidden_size + 4)
     int8 = sum(linears) + 4 * sum(shapes[n.removesuffix(".weight") + ".weight_scale"][0] for n in shapes if is_layer_linear(n))
     return 4 * sum(linears) + embedding + head + int8 + LIBRARIES_BYTES
 

@@ -58,8 +58,8 @@ def calibrate(
     where = calibration_device(device)
     with writing_artifact(source.checkpoint, output, max_shard_size) as writer:
         folded, quantized_layers = calibrate_layers(source, samples, recipe, kept, writer, where, progress)
-        ignore = ["lm_head"] + [name for name, layer in folded.layers.items() if not layer.quantized]
-        writer.finish(recipe.scheme, ignore, build_manifest(source, recipe, samples, folded, quantized_layers))
+        float_linears = [name for name, layer in folded.layers.items() if not layer.quantized]
+        writer.finish(recipe.scheme, float_linears, build_manifest(source, recipe, samples, folded, quantized_layers))
     return open_model_files(output)
 
 

@@ -7,7 +7,8 @@ tensors to the writer, drop it. The next layer's inputs are this layer's float o
 computed before smoothing: smoothing preserves the function, so they are what the whole float
 model computes, and the artifact equals a whole-model calibration's bit for bit
 (tests/test_calibration_streaming.py). Embeddings are read only for the calibration tokens;
-embeddings, final norm and lm_head are copied to the artifact as stored, never materialised.
+embeddings, final norm and lm_head are copied to the artifact as stored, never materialised (an int8 lm_head,
+``head.py``, is quantized row block by row block).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
-from ..artifact import ArtifactWriter, ModelFiles
+from ..artifact import HEAD, ArtifactWriter, ModelFiles
 from ..decoder_spec import DecoderSpec, rope_inv_freq
 from ..errors import QuasarError
 from ..model import DecoderLayer, KVCache, Linear, check_finite, prefill_mask, rotary, tensor_loader
 from . import stats
 from .fold import Folded, search_and_fold
+from .head import write_int8_head
 from .quantize import quantize_layers
 from .recipe import CalibrationRecipe
 
@@ -86,6 +88,9 @@ def calibrate_layers(
         decisions |= folded.layers
         del layer, modules, group_stats  # before the next layer loads: one layer in memory, not two
     writer.copy("model.norm.weight")
-    if not spec.tie_word_embeddings:
+    if recipe.int8_lm_head:
+        decisions[HEAD] = write_int8_head(source, writer, hidden, recipe.activation == "static")
+        quantized.append(HEAD)
+    elif not spec.tie_word_embeddings:
         writer.copy("lm_head.weight")
     return Folded(searched, decisions), quantized

@@ -25,6 +25,7 @@ def recipe_record(recipe: CalibrationRecipe) -> dict:
         "seq_len": recipe.seq_len,
         "keep_float": list(recipe.keep_float),
         "keep_float_above": recipe.keep_float_above,
+        "int8_lm_head": recipe.int8_lm_head,
     }
 
 

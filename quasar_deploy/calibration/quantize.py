@@ -24,5 +24,9 @@ def quantize_layers(linears: Iterable[tuple[str, Linear]], layers: dict[str, Lay
 @torch.no_grad()
 def _quantize(linear: Linear, input_absmax: torch.Tensor | None) -> None:
     wq, w_scale = quantize_weight(linear.weight.data)
-    input_scale = None if input_absmax is None else (input_absmax.max().clamp(min=1e-12) / QMAX).reshape(1)
-    linear.set_quantized(wq, w_scale, input_scale)
+    linear.set_quantized(wq, w_scale, None if input_absmax is None else static_input_scale(input_absmax))
+
+
+def static_input_scale(input_absmax: torch.Tensor) -> torch.Tensor:
+    """The one activation scale of a static linear: the largest |x| of its calibration inputs over 127, shape [1]."""
+    return (input_absmax.max().clamp(min=1e-12) / QMAX).reshape(1)

@@ -39,7 +39,10 @@ class CalibrationRecipe:
     ``alpha``: "auto" (searched per smoothing group), "off" (no smoothing) or a fixed value in
     [0, 1]. ``keep_float``: glob patterns of linear layers to leave in float. ``keep_float_above``:
     also keep in float any layer whose relative quantization error stays above this after
-    smoothing. ``calib_data``: a JSONL or text file; None for the built-in set.
+    smoothing. ``calib_data``: a JSONL or text file; None for the built-in set. ``int8_lm_head``: quantize the lm_head
+    too (per-channel int8 weight, the recipe's activation mode, no smoothing), a separate copy when the source ties it to
+    the embeddings; it is most of the bytes a small model's W8A8 step reads, at a fidelity cost ``quasar-deploy eval``
+    measures.
     """
 
     alpha: str | float = "auto"
@@ -49,6 +52,7 @@ class CalibrationRecipe:
     keep_float: tuple[str, ...] = ()
     keep_float_above: float | None = None
     calib_data: str | None = None
+    int8_lm_head: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", _alpha(self.alpha))
@@ -62,6 +66,8 @@ class CalibrationRecipe:
         above = self.keep_float_above
         if above is not None and (isinstance(above, bool) or not isinstance(above, numbers.Real)):
             raise QuasarError(f"--keep-float-above must be a number, not {above!r}")
+        if not isinstance(self.int8_lm_head, bool):
+            raise QuasarError(f"--int8-lm-head is a switch (True or False), not {self.int8_lm_head!r}")
         if self.calib_data is not None:
             object.__setattr__(self, "calib_data", str(self.calib_data))
 

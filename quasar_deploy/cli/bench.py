@@ -161,15 +161,16 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
 @click.option("--context", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens in the cache.")
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1), help="Timed pairs.")
 @click.option("--int8-kernel", help="reference, fbgemm or fbgemm-vnni (default: the fastest exact one this CPU has).")
+@click.option("--int8-lm-head", is_flag=True, help="The W8A8 twin's lm_head in int8 too (as `calibrate --int8-lm-head` makes it).")
 @json_option
-def verify_step(shape, tokens, context, repeats, int8_kernel, as_json):
+def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, as_json):
     """One verify forward (k+1 tokens, warm cache), float vs W8A8, next to the ideal ratio of weight bytes read."""
     from ..bench import micro
     from ..kernels import INT8_KERNELS
 
     if int8_kernel is not None and int8_kernel not in INT8_KERNELS:
         raise QuasarError(f"--int8-kernel must be one of {', '.join(INT8_KERNELS)}, not {int8_kernel!r}")
-    result = micro.verify_step(shape, tokens, context, repeats, int8_kernel=int8_kernel, progress=not as_json)
+    result = micro.verify_step(shape, tokens, context, repeats, int8_kernel=int8_kernel, progress=not as_json, int8_lm_head=int8_lm_head)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else micro.describe_verify_step(result))
 
 
@@ -258,12 +259,13 @@ def onnx_layers(size, depth, rows, threads, repeats):
 @threads_option
 @onnx_repeats_option
 @click.option("--torch/--no-torch", "with_torch", default=True, show_default=True, help="Time the cpu backend's decoders too.")
-def onnx_step(shape, tokens, context, threads, repeats, with_torch):
+@click.option("--int8-lm-head", is_flag=True, help="The W8A8 contenders with an int8 lm_head (calibrate --int8-lm-head).")
+def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head):
     """A k+1-token verify on a warm cache, ONNX Runtime float and W8A8 graphs and the cpu backend's float and W8A8
     decoders, timed round robin; speed-ups against each round's best float."""
     from ..bench.onnx import step
 
-    for line in step(shape, tokens, context, threads, repeats, with_torch):
+    for line in step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head):
         click.echo(line)
 
 

@@ -15,6 +15,11 @@ import click
 @click.option("--activation", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True)
 @click.option("--keep-float", multiple=True, help="Glob of linear layers to keep in float (repeatable), e.g. '*.down_proj'.")
 @click.option("--keep-float-above", type=float, help="Also keep in float any layer whose relative error stays above this.")
+@click.option(
+    "--int8-lm-head",
+    is_flag=True,
+    help="Quantize the lm_head too (per-channel int8, no smoothing): fewer bytes per step, some fidelity lost (see `eval`).",
+)
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own tokenizer code to run.")
 @click.option(
     "--device",
@@ -24,7 +29,18 @@ import click
     help="Where the forward passes, statistics and alpha search run; the artifact is written from the host.",
 )
 def calibrate(
-    model_dir, output, calib_data, num_samples, seq_len, alpha, activation, keep_float, keep_float_above, trust_remote_code, device
+    model_dir,
+    output,
+    calib_data,
+    num_samples,
+    seq_len,
+    alpha,
+    activation,
+    keep_float,
+    keep_float_above,
+    int8_lm_head,
+    trust_remote_code,
+    device,
 ):
     """Calibrate MODEL_DIR (a local HF checkpoint) into a W8A8 artifact."""
     from ..calibration import CalibrationRecipe
@@ -38,6 +54,7 @@ def calibrate(
         keep_float=keep_float,
         keep_float_above=keep_float_above,
         calib_data=calib_data,
+        int8_lm_head=int8_lm_head,
     )
     artifact = run(model_dir, output=output, recipe=recipe, trust_remote_code=trust_remote_code, device=device)
     manifest = artifact.manifest
@@ -46,5 +63,6 @@ def calibrate(
         alpha_text = "off" if group["alpha"] is None else f"{group['alpha']:.2f}"
         click.echo(f"{group['name']:<32} {alpha_text:>6} {group['error_before']:>13.3e} {group['error_after']:>12.3e}")
     kept = [name for name, layer in manifest["layers"].items() if not layer["quantized"]]
-    click.echo(f"\n{len(manifest['quantized_layers'])} linear layers in W8A8, {len(kept)} kept in float (+ lm_head, embeddings)")
+    floats = "+ embeddings; lm_head in W8A8" if "lm_head" in manifest["quantized_layers"] else "+ lm_head, embeddings"
+    click.echo(f"\n{len(manifest['quantized_layers'])} linear layers in W8A8, {len(kept)} kept in float ({floats})")
     click.echo(f"wrote {artifact.path}")

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifact import ModelFiles
+from ..artifact import HEAD, ModelFiles
 from ..errors import QuasarError
 from ..files import atomic_directory, copy_files, require_new
 from ..integrity import write_export_manifest
@@ -125,6 +125,12 @@ def export(files: ModelFiles, output: Path, dtype: str | None = None, max_shard_
     output = require_new(output)
     torch_dtype = EXPORT_DTYPES[dtype]
     quantized = set(files.manifest["quantized_layers"])
+    if HEAD in quantized:
+        # vLLM-Ascend's lm_head is a ParallelLMHead (an embedding class), not one of the Linear layers its W8A8 methods run
+        raise QuasarError(
+            f"{files.path}: has an int8 lm_head (calibrate --int8-lm-head), which msModelSlim's W8A8 layouts do not cover "
+            "for vLLM-Ascend; calibrate without --int8-lm-head for the npu target"
+        )
     check_fused_groups(files, quantized)
 
     config = dict(files.checkpoint.config)

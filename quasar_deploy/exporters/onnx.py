@@ -25,12 +25,12 @@ try:
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
-from ..artifact import MANIFEST, ModelFiles, checked_row_blocks
+from ..artifact import HEAD, MANIFEST, ModelFiles, checked_row_blocks
 from ..decoder_spec import rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
-from ..model import DecoderLayer, RMSNorm, tensor_loader
-from .onnx_graph import LINEAR_FORMATS, OPSET, ExternalData, GraphBuilder, build_graph
+from ..model import DecoderLayer, Linear, RMSNorm, load_linear, tensor_loader
+from .onnx_graph import LINEAR_FORMATS, OPSET, ExternalData, Fill, GraphBuilder, build_graph
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -155,7 +155,11 @@ def streamed_graph(
 
     g = GraphBuilder(linear_format, external)
     norm = RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)
-    model = build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, None if spec.tie_word_embeddings else head_t)
+    head: Linear | Fill | None = None if spec.tie_word_embeddings else head_t
+    if ckpt.dtypes.get("lm_head.weight") == "I8":  # an int8 head (``--int8-lm-head``), exported as the layers' linears are
+        head = load_linear(load, HEAD)
+        quantized.add(HEAD)
+    model = build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, head)
     if files.manifest and quantized != set(files.manifest["quantized_layers"]):
         odd = sorted(quantized ^ set(files.manifest["quantized_layers"]))[0]
         raise QuasarError(f"{files.path}: layer {odd!r} does not match the manifest (corrupted artifact)")

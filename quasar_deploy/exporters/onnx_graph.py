@@ -276,7 +276,11 @@ def decoder_graph(decoder: Decoder, name: str, linear_format: str = "integer") -
     """The whole decoder held in memory (float32 compute) as one ONNX model with KV-cache inputs and outputs; W8A8
     linears in ``linear_format``."""
     embed = decoder.model.embed_tokens.weight.float().numpy()
-    head = None if decoder.spec.tie_word_embeddings else decoder.lm_head.weight.float().numpy()
+    head: Fill | Linear | None = None
+    if decoder.lm_head.quantized:
+        head = decoder.lm_head
+    elif not decoder.spec.tie_word_embeddings:
+        head = _copy_of(decoder.lm_head.weight.float().numpy().T)
     g = GraphBuilder(linear_format)
     return build_graph(
         g,
@@ -286,7 +290,7 @@ def decoder_graph(decoder: Decoder, name: str, linear_format: str = "integer") -
         _copy_of(embed),
         decoder.model.layers,
         decoder.model.norm,
-        None if head is None else _copy_of(head.T),
+        head,
     )
 
 
@@ -305,10 +309,11 @@ def build_graph(
     embed: Fill,
     layers: Iterable[DecoderLayer],
     norm: RMSNorm,
-    head_t: Fill | None,
+    head: Fill | Linear | None,
 ) -> onnx.ModelProto:
     """The decoder graph from its parts; ``layers`` may be built one at a time (each is dropped once its nodes exist),
-    ``embed`` fills the [vocab, hidden] table and ``head_t`` the [hidden, vocab] transposed lm_head (None: tied)."""
+    ``embed`` fills the [vocab, hidden] table; ``head`` fills the [hidden, vocab] transposed float lm_head, or is the
+    int8 lm_head (a W8A8 linear in the graph's format, like the layers'), or None (tied to the table)."""
     cos, sin = rotary(g, "position_ids", inv_freq)
     bias = attention_bias(g, spec, "attention_mask", past_names(0)[0], "input_ids")
     table = g.const_filled("model.embed_tokens.weight", np.float32, (spec.vocab_size, spec.hidden_size), embed)
@@ -323,11 +328,15 @@ def build_graph(
         x = g.op(
             "Add", x, mlp(g, rms_norm(g, x, layer.post_attention_layernorm, f"{p}.post_attention_layernorm.weight"), layer.mlp, f"{p}.mlp")
         )
-    if head_t is None:  # tied: one copy on disk; ORT folds the transpose once at load
-        head = g.op("Transpose", table, perm=[1, 0])
+    normed = rms_norm(g, x, norm, "model.norm.weight")
+    if isinstance(head, Linear):
+        g.op("Identity", linear(g, normed, head, "lm_head"), outputs=["logits"])
     else:
-        head = g.const_filled("lm_head.weight_t", np.float32, (spec.hidden_size, spec.vocab_size), head_t)
-    g.op("MatMul", rms_norm(g, x, norm, "model.norm.weight"), head, outputs=["logits"])
+        if head is None:  # tied: one copy on disk; ORT folds the transpose once at load
+            weight_t = g.op("Transpose", table, perm=[1, 0])
+        else:
+            weight_t = g.const_filled("lm_head.weight_t", np.float32, (spec.hidden_size, spec.vocab_size), head)
+        g.op("MatMul", normed, weight_t, outputs=["logits"])
 
     cache_shape = [BATCH, spec.num_kv_heads, PAST, spec.head_dim]
     present_shape = [BATCH, spec.num_kv_heads, TOTAL, spec.head_dim]

@@ -163,7 +163,8 @@ class OnnxCausalLM:
         self._device = "cuda" if provider in GPU_PROVIDERS else "cpu"
         self._check_graph()
         self.linear_format = linear_format
-        self.description = f"onnxruntime {provider} ({f'W8A8 {linear_format}' if linear_format else 'float'} graph)"
+        threads = session.get_session_options().intra_op_num_threads
+        self.description = f"onnxruntime {provider} ({f'W8A8 {linear_format}' if linear_format else 'float'} graph), {threads} threads"
         self._cache: list = []
         self.truncate(0)
 

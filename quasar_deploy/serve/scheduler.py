@@ -2,13 +2,13 @@
 
 Each round admits waiting requests into free slots, drops cancelled sequences, then
 takes one step of every running sequence (``_step_all``): the ones just admitted
-prefill, alone; every other one drafts its block (pending token plus k_i drafts, with
-its own drafter, so layerskip drafts on its own cache), and the blocks are verified
-together. On a backend that batches (``BatchVerifyingLM``: cpu with row-invariant
-kernels) that is one forward over M = sum of k_i + 1 stacked rows, the weights read
-once for all sequences; elsewhere (onnxruntime, npu, wrappers) one ``verify`` per
-sequence, round-robin. Each sequence then accepts and rolls back on its own
-(``Generation.settle``, its own seeded sampler). No request waits for another to finish,
+prefill; every other one drafts its block (pending token plus k_i drafts, with its own
+drafter, so layerskip drafts on its own cache). On a backend that batches
+(``BatchVerifyingLM``: cpu with row-invariant kernels) the prompts and the blocks run in
+one forward over their stacked rows, the weights read once for all sequences; elsewhere
+(onnxruntime, npu, wrappers) one ``prefill`` or ``verify`` per sequence, round-robin.
+Each sequence then accepts and rolls back on its own (``Generation.settle``, its own
+seeded sampler). No request waits for another to finish,
 a new one starts at the next round, and every sequence's output is what it would be
 alone: its own KV cache and sampler, and kernels whose rows do not depend on their
 neighbours (docs/architecture.md, "Serving").
@@ -78,7 +78,7 @@ class Ticket:
 @dataclass(eq=False)
 class Running:
     """A sequence being generated (``done`` once finished or failed), with the loop counters last seen (to turn totals
-    into per-step metrics)."""
+    into per-step acceptance lengths)."""
 
     ticket: Ticket
     generation: Generation
@@ -86,7 +86,6 @@ class Running:
     first_step_done: bool = False
     verify_steps: int = 0
     accepted: int = 0
-    verify_s: float = 0.0
 
 
 class Scheduler:
@@ -172,28 +171,39 @@ class Scheduler:
         self.metrics.running.set(len(self._running))
 
     def _step_all(self) -> None:
-        """One round: each sequence just admitted prefills, every other one takes one verify step (one forward for all
+        """One round: each sequence just admitted prefills, every other one takes one verify step (all in one forward
         where the backend batches); finished and failed ones leave."""
+        fresh = [r for r in self._running if not r.first_step_done]
         ready = [r for r in self._running if r.first_step_done]
-        for running in self._running:
-            if not running.first_step_done:
-                self._advance(running, running.generation.prefill)
         drafted = [(r, block) for r in ready if (block := self._attempt(r, r.generation.draft)) is not None]
-        if self._batcher is not None and drafted:
-            began = time.perf_counter()
-            try:
-                logits = self._batcher.verify_batch([r.generation.lm for r, _ in drafted], [block for _, block in drafted])
-            except Exception as exc:  # one forward for all: its failure is every one of theirs
-                for running, _ in drafted:
-                    self._fail(running, exc)
-            else:
-                for (running, _), rows in zip(drafted, logits):
-                    self._advance(running, lambda g=running.generation, rows=rows: g.settle(rows, began))
+        if self._batcher is not None and (fresh or drafted):
+            self._step_batched(fresh, drafted)
         else:
+            for running in fresh:
+                self._advance(running, running.generation.prefill)
             for running, block in drafted:
-                self._advance(running, lambda g=running.generation, block=block: _verify_alone(g, block))
+                self._advance(running, lambda g=running.generation, block=block: self._verify_alone(g, block))
         self._running = [r for r in self._running if not r.done]
         self.metrics.running.set(len(self._running))
+
+    def _step_batched(self, fresh: list[Running], drafted: list[tuple[Running, list[int]]]) -> None:
+        """The prompts of ``fresh`` and the blocks of ``drafted`` in one forward; each sequence then settles on its own."""
+        members = [(r, r.generation.prompt, True) for r in fresh] + [(r, block, False) for r, block in drafted]
+        sequences = [running.generation.lm for running, _, _ in members]
+        blocks = [block for _, block, _ in members]
+        prefills = [prefill for _, _, prefill in members]
+        began = time.perf_counter()
+        try:
+            logits = self._batcher.verify_batch(sequences, blocks, prefills)
+        except Exception as exc:  # one forward for all: its failure is every one of theirs
+            for running, _, _ in members:
+                self._fail(running, exc)
+            return
+        if drafted:  # one observation per forward, however many sequences it verified
+            self.metrics.verify_step.observe(time.perf_counter() - began)
+        for (running, _, prefill), rows in zip(members, logits):
+            settle = running.generation.settle_prefill if prefill else running.generation.settle
+            self._advance(running, lambda settle=settle, rows=rows: settle(rows, began))
 
     def _attempt(self, running: Running, call: Callable[[], T]) -> T | None:
         """``call()``; if it raises, the sequence fails alone (None) and the others, and the worker, go on."""
@@ -230,10 +240,10 @@ class Scheduler:
             self.metrics.time_to_first_token.observe(time.monotonic() - running.ticket.submitted)
         if stats.verify_steps > running.verify_steps:
             self.metrics.acceptance_length.observe(1 + stats.accepted - running.accepted)
-            self.metrics.verify_step.observe(stats.verify_s - running.verify_s)
-            running.verify_steps, running.accepted, running.verify_s = stats.verify_steps, stats.accepted, stats.verify_s
+            running.verify_steps, running.accepted = stats.verify_steps, stats.accepted
 
-
-def _verify_alone(generation: Generation, block: list[int]) -> list[str]:
-    began = time.perf_counter()
-    return generation.settle(generation.lm.verify(block), began)
+    def _verify_alone(self, generation: Generation, block: list[int]) -> list[str]:
+        began = time.perf_counter()
+        logits = generation.lm.verify(block)
+        self.metrics.verify_step.observe(time.perf_counter() - began)
+        return generation.settle(logits, began)

@@ -63,9 +63,9 @@ def test_a_batched_verify_equals_each_sequence_verified_alone(engine):
     assert [s.length for s in sequences] == [len(ids) + len(block) for ids, block in zip(prompts, blocks)]
 
 
-def serve(engine: Engine, requests: list[Request], metrics: Metrics | None = None) -> list:
+def serve(engine: Engine, requests: list[Request], metrics: Metrics | None = None, prefill_tokens: int = 256) -> list:
     """Each request's last event (Done or Failed), all submitted at once to one scheduler."""
-    scheduler = Scheduler(engine, metrics or Metrics(), max_sequences=len(requests))
+    scheduler = Scheduler(engine, metrics or Metrics(), max_sequences=len(requests), prefill_tokens=prefill_tokens)
     inboxes = [queue.Queue() for _ in requests]
     tickets = [Ticket(r, inbox.put) for r, inbox in zip(requests, inboxes)]
     for ticket in tickets:  # all waiting before the worker starts: every one is admitted into the first round
@@ -109,6 +109,18 @@ def count_forwards(engine: Engine, monkeypatch) -> list[list[bool]]:
 
     monkeypatch.setattr(engine.lm.decoder, "forward_blocks", counting)
     return forwards
+
+
+def test_a_burst_of_requests_prefills_over_rounds_within_the_token_budget(engine, monkeypatch):
+    alone = [engine.generate(p, max_new_tokens=16).tokens for p in PROMPTS]
+    lengths = [len(engine.encode(p)) for p in PROMPTS]
+    budget = max(lengths) + 1
+    forwards, prompts = count_forwards(engine, monkeypatch), iter(lengths)
+    finals = serve(engine, [request(p, 16) for p in PROMPTS], prefill_tokens=budget)
+    assert [f.result.tokens for f in finals] == alone
+    prefilled = [[next(prompts) for _ in range(sum(f))] for f in forwards if any(f)]
+    assert len(prefilled) > 1 and all(sum(rows) <= budget for rows in prefilled)
+    assert not all(forwards[1])  # the first sequences verified while later ones prefilled
 
 
 def test_the_verify_step_histogram_observes_each_batched_forward_once(engine, monkeypatch):

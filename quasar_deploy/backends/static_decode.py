@@ -1,7 +1,7 @@
 """The decoder's forward over fixed KV buffers with positions as device data: what a CUDA graph can capture and replay.
 
 ``Decoder.forward`` slices its cache by the Python integer ``cache.length``, grows it by
-reallocation and attends row by row over exactly the visible keys, so each step would bake
+reallocation and builds its attention masks from that position, so each step would bake
 its position into a graph. Here, instead:
 
 - the keys and values live in a ``KVCache`` whose buffers only grow between steps

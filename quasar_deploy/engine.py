@@ -332,6 +332,11 @@ class Generation:
         self._began = time.perf_counter()
         return self._take(self._speculation.prefill())
 
+    def settle_prefill(self, logits: torch.Tensor, prefill_began: float) -> list[str]:
+        """The text of the first token, from the prompt's last ``logits`` that ``lm`` computed (a batched prefill)."""
+        self._began = prefill_began
+        return self._take(self._speculation.settle_prefill(logits, prefill_began))
+
     def draft(self) -> list[int]:
         """The token ids ``lm`` must verify next (the pending token and the drafted ones)."""
         return self._speculation.draft()

@@ -10,6 +10,7 @@ artifacts load by name; tests check the logits against ``transformers``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -188,8 +189,10 @@ class KVCache:
         self.keys, self.values, self.capacity = new_k, new_v, capacity
 
     def reserve(self, extra: int) -> None:
-        if self.length + extra > self.capacity:
-            self._grow(max(2 * self.capacity, self.length + extra))
+        """Room for ``extra`` more positions, and for the whole ``KEY_CHUNK`` they end in (cached attention reads it)."""
+        end = round_up(self.length + extra, KEY_CHUNK)
+        if end > self.capacity:
+            self._grow(max(2 * self.capacity, end))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[1]
@@ -204,7 +207,6 @@ class KVCache:
 
 
 Loader = Callable[[str, bool], "torch.Tensor | None"]
-Segments = Sequence[tuple[KVCache, int]]  # stacked rows by sequence: each cache receives the next ``int`` rows, in order
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
@@ -245,16 +247,68 @@ def rotary_at(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtyp
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def visible(spec: DecoderSpec, positions: torch.Tensor, span: int) -> torch.Tensor:
+    """[t, span] bool: which cached positions each query position attends to (causal, and the sliding window if any)."""
+    keys = torch.arange(span, device=positions.device)[None, :]
+    allowed = keys <= positions[:, None]
+    if spec.sliding_window is not None:
+        allowed &= keys > positions[:, None] - spec.sliding_window
+    return allowed
+
+
 def prefill_mask(spec: DecoderSpec, length: int, device: torch.device | str) -> torch.Tensor | None:
-    """Causal (and sliding-window) mask of a prefill; later blocks attend row by row instead."""
+    """Causal (and sliding-window) mask of a prefill; later blocks attend in fixed-shape pieces instead (``Segment``)."""
     if length == 1:
         return None
-    q_pos = torch.arange(length, device=device)[:, None]
-    k_pos = torch.arange(length, device=device)[None, :]
-    allowed = k_pos <= q_pos
-    if spec.sliding_window is not None:
-        allowed &= k_pos > q_pos - spec.sliding_window
-    return allowed
+    return visible(spec, torch.arange(length, device=device), length)
+
+
+# Attention after the prefill runs in fixed shapes, so that a row computes the same bits whatever block or batch it is in:
+QUERY_ROWS = 16  # a block's query rows, in pieces of this many (the last piece padded)
+KEY_CHUNK = 256  # keys are read up to a multiple of this, and values summed in chunks of exactly this many
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Up to ``QUERY_ROWS`` query rows of one block after the prefill: where they start and which cached keys each sees."""
+
+    first: int  # the piece's first row within the block
+    rows: int
+    span: int  # cached positions read: the piece's end rounded up to KEY_CHUNK
+    bias: torch.Tensor  # [group * QUERY_ROWS, span]: 0 where a row may look, -inf elsewhere (each query head of a kv group alike)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a stacked forward: its cache, where the rows start in it, and what they attend to,
+    built once per forward for every layer. ``prefill`` (an empty cache) holds the causal mask of the whole block
+    (None for one row); otherwise ``pieces`` cover the rows."""
+
+    cache: KVCache
+    start: int
+    rows: int
+    prefill: torch.Tensor | None = None
+    pieces: tuple[Piece, ...] = ()
+
+
+def segment(spec: DecoderSpec, cache: KVCache, rows: int, device: torch.device | str) -> Segment:
+    """The ``Segment`` of ``rows`` new positions appended to ``cache`` (its room reserved by the caller)."""
+    start = cache.length
+    if start == 0:
+        return Segment(cache, start, rows, prefill=prefill_mask(spec, rows, device))
+    pieces = []
+    for first in range(0, rows, QUERY_ROWS):
+        n = min(QUERY_ROWS, rows - first)
+        span = round_up(start + first + n, KEY_CHUNK)
+        positions = start + first + torch.arange(QUERY_ROWS, device=device).clamp(max=n - 1)  # padding rows: as the last row
+        hidden = ~visible(spec, positions, span)
+        bias = torch.zeros(QUERY_ROWS, span, dtype=cache.dtype, device=device).masked_fill_(hidden, float("-inf"))
+        pieces.append(Piece(first, n, span, bias.repeat(spec.num_heads // spec.num_kv_heads, 1)))
+    return Segment(cache, start, rows, pieces=tuple(pieces))
 
 
 def load_linear(tensors: Loader, prefix: str) -> Linear:
@@ -307,31 +361,48 @@ class Attention(nn.Module):
         t = attended.shape[1]
         return self.o_proj(attended.transpose(0, 1).reshape(t, self.spec.num_heads * self.spec.head_dim))
 
-    def forward(self, x, cos, sin, segments: Segments, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int) -> torch.Tensor:
         q, k, v = self.rotated_qkv(x, cos, sin)
         outs, row = [], 0
-        for cache, rows in segments:  # each sequence attends over its own cache only
-            part = slice(row, row + rows)
-            outs.append(self._attend_cached(q[:, part], k[:, part], v[:, part], cache, layer, prefill_mask))
-            row += rows
+        for seg in segments:  # each sequence attends over its own cache only
+            part = slice(row, row + seg.rows)
+            outs.append(self._attend_cached(q[:, part], k[:, part], v[:, part], seg, layer))
+            row += seg.rows
         return self.output(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
 
-    def _attend_cached(self, q, k, v, cache: KVCache, layer: int, prefill_mask: torch.Tensor | None) -> torch.Tensor:
+    def _attend_cached(self, q, k, v, seg: Segment, layer: int) -> torch.Tensor:
         """One sequence's rows: write their keys and values to its cache, attend over what each row may see."""
+        keys, values = seg.cache.write(layer, k, v)
+        if seg.start == 0:
+            return self.attend(q, keys, values, seg.prefill)
+        keys, values = seg.cache.keys[layer], seg.cache.values[layer]
+        parts = [self.attend_piece(q[:, p.first : p.first + p.rows], keys, values, p) for p in seg.pieces]
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def attend_piece(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """Attention of up to ``QUERY_ROWS`` rows q [heads, n, d] over a cache's keys/values [kv heads, >= span, d].
+
+        Every row's result is the same bits whether it runs alone (a one-token decode), in a
+        verify block or next to other sequences: the shapes do not depend on the block. The
+        rows are padded to QUERY_ROWS (a GEMM may round a 1- or 2-row product otherwise); the
+        scores read the keys up to ``span``, a multiple of KEY_CHUNK (a score's dot product
+        over head_dim does not depend on how many columns the GEMM has); keys a row may not see
+        get -inf (added in the same call), so its softmax gets exact zeros after its own terms;
+        and the values are summed in chunks of exactly KEY_CHUNK positions, added in order (a
+        GEMM splits a longer sum at points that depend on its length). A row alone reads fewer
+        chunks than in a block that ends later; the chunks it skips hold only its zero weights,
+        which add exactly 0. Found by test on this CPU (tests/test_attention.py), not promised
+        by the GEMM library: the tests hold it.
+        """
         s = self.spec
-        start = cache.length
-        keys, values = cache.write(layer, k, v)
-        if start == 0:
-            return self.attend(q, keys, values, prefill_mask)
-        # Row by row, each over exactly its visible keys: a k+1-token verify then computes bit for bit
-        # what k+1 one-token decodes compute. Batched attention differs by ~1e-7 with the row count,
-        # which a W8A8 verifier's int8 rounding can amplify into a different greedy token.
-        rows = []
-        for i in range(q.shape[1]):
-            end = start + i + 1
-            begin = max(0, end - s.sliding_window) if s.sliding_window else 0
-            rows.append(self.attend(q[:, i : i + 1], keys[:, begin:end], values[:, begin:end], None))
-        return torch.cat(rows, dim=1)
+        group = s.num_heads // s.num_kv_heads
+        queries = F.pad(q, (0, 0, 0, QUERY_ROWS - q.shape[1])).reshape(s.num_kv_heads, group * QUERY_ROWS, s.head_dim)
+        scores = torch.baddbmm(piece.bias, queries, keys[:, : piece.span].transpose(1, 2), alpha=s.head_dim**-0.5)
+        weights = scores.softmax(-1)
+        out = torch.bmm(weights[:, :, :KEY_CHUNK], values[:, :KEY_CHUNK])
+        for c in range(KEY_CHUNK, piece.span, KEY_CHUNK):
+            out = out + torch.bmm(weights[:, :, c : c + KEY_CHUNK], values[:, c : c + KEY_CHUNK])
+        return out.view(s.num_heads, QUERY_ROWS, s.head_dim)[:, : q.shape[1]]
 
     def attend(self, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
         """Scaled dot-product attention of q [heads, t, d] over keys/values [kv heads, n, d] (grouped-query aware)."""
@@ -365,8 +436,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(tensors(f"{prefix}.post_attention_layernorm.weight"), spec.rms_norm_eps)
         self.mlp = MLP(tensors, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, segments: Segments, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer, mask)
+    def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -442,28 +513,34 @@ class Decoder(nn.Module):
 
     @torch.inference_mode()
     def forward_blocks(
-        self, blocks: Sequence[torch.Tensor], caches: Sequence[KVCache], skip_layers: frozenset[int] = frozenset()
+        self,
+        blocks: Sequence[torch.Tensor],
+        caches: Sequence[KVCache],
+        skip_layers: frozenset[int] = frozenset(),
+        last_only: Sequence[bool] = (),
     ) -> torch.Tensor:
-        """Appends ``blocks[i]`` to ``caches[i]`` for every i in one pass; their logits stacked [sum of lengths, vocab].
+        """Appends ``blocks[i]`` to ``caches[i]`` for every i in one pass; their logits stacked [rows, vocab]: every
+        row's, or only the last one of a block whose ``last_only[i]`` is true (a prefill needs no more).
 
-        Several sequences' verify blocks share every linear, norm and the lm_head (the rows
-        stacked: the weights are read once per step, not once per sequence); rotary positions
-        and attention are each sequence's own. A prefill (an empty cache) runs alone.
+        Several sequences' blocks (verify blocks and prefills alike) share every linear, norm and
+        the lm_head (the rows stacked: the weights are read once per step, not once per
+        sequence); rotary positions and attention are each sequence's own.
         """
         sizes = [block.shape[0] for block in blocks]
-        starts = [cache.length for cache in caches]
-        if len(blocks) > 1 and 0 in starts:
-            raise ValueError("a prefill runs alone: prefill each sequence before verifying blocks together")
         for cache, t in zip(caches, sizes):
             cache.reserve(t)
-        ropes = [rotary(self.inv_freq, start, t, self.dtype) for start, t in zip(starts, sizes)]
+        device = blocks[0].device
+        segments = [segment(self.spec, cache, t, device) for cache, t in zip(caches, sizes)]
+        ropes = [rotary(self.inv_freq, seg.start, seg.rows, self.dtype) for seg in segments]
         cos, sin = (torch.cat(parts) for parts in zip(*ropes)) if len(ropes) > 1 else ropes[0]
-        mask = prefill_mask(self.spec, sizes[0], blocks[0].device) if starts[0] == 0 else None
         x = self.embed(torch.cat(list(blocks)) if len(blocks) > 1 else blocks[0])
-        segments = list(zip(caches, sizes))
         for i, layer in enumerate(self.model.layers):
             if i not in skip_layers:
-                x = layer(x, cos, sin, segments, i, mask)
-        for cache, start, t in zip(caches, starts, sizes):
-            cache.length = start + t
+                x = layer(x, cos, sin, segments, i)
+        for seg in segments:
+            seg.cache.length = seg.start + seg.rows
+        if any(last_only):
+            ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+            rows = [r for end, t, last in zip(ends, sizes, last_only) for r in ([end - 1] if last else range(end - t, end))]
+            x = x[torch.tensor(rows, device=device)]
         return self.lm_head(self.model.norm(x)).float()

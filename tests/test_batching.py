@@ -63,16 +63,9 @@ def test_a_batched_verify_equals_each_sequence_verified_alone(engine):
     assert [s.length for s in sequences] == [len(ids) + len(block) for ids, block in zip(prompts, blocks)]
 
 
-def test_a_prefill_does_not_join_a_batch(engine):
-    sequences = [engine.lm.new_sequence() for _ in range(2)]
-    sequences[0].prefill([1, 2, 3])
-    with pytest.raises(ValueError, match="prefill runs alone"):
-        engine.lm.verify_batch(sequences, [[4], [5]])
-
-
-def serve(engine: Engine, requests: list[Request]) -> list:
+def serve(engine: Engine, requests: list[Request], metrics: Metrics | None = None, prefill_tokens: int = 256) -> list:
     """Each request's last event (Done or Failed), all submitted at once to one scheduler."""
-    scheduler = Scheduler(engine, Metrics(), max_sequences=len(requests))
+    scheduler = Scheduler(engine, metrics or Metrics(), max_sequences=len(requests), prefill_tokens=prefill_tokens)
     inboxes = [queue.Queue() for _ in requests]
     tickets = [Ticket(r, inbox.put) for r, inbox in zip(requests, inboxes)]
     for ticket in tickets:  # all waiting before the worker starts: every one is admitted into the first round
@@ -97,18 +90,47 @@ def request(prompt: str, max_tokens: int = 24, **options) -> Request:
 @pytest.mark.parametrize("draft", ["ngram", "layerskip", "none"])
 def test_eight_greedy_requests_served_together_equal_each_alone(engine, draft, monkeypatch):
     alone = [engine.generate(p, max_new_tokens=24, draft=draft).tokens for p in PROMPTS]
-    decoder = engine.lm.decoder
-    batch_sizes = []
-    forward_blocks = decoder.forward_blocks
-
-    def counting(blocks, caches, skip_layers=frozenset()):
-        batch_sizes.append(len(blocks))
-        return forward_blocks(blocks, caches, skip_layers)
-
-    monkeypatch.setattr(decoder, "forward_blocks", counting)
+    forwards = count_forwards(engine, monkeypatch)
     finals = serve(engine, [request(p, draft=draft) for p in PROMPTS])
     assert [f.result.tokens for f in finals] == alone
-    assert max(batch_sizes) == len(PROMPTS)  # the steps really ran all eight in one forward
+    assert forwards[0] == [True] * len(PROMPTS)  # the eight prompts prefilled in one forward
+    assert max(len(f) for f in forwards[1:]) == len(PROMPTS)  # the steps really ran all eight in one forward
+
+
+def count_forwards(engine: Engine, monkeypatch) -> list[list[bool]]:
+    """Records each batched forward of ``engine``'s decoder from now on: which of its blocks are prefills."""
+    forward_blocks = engine.lm.decoder.forward_blocks
+    forwards = []
+
+    def counting(blocks, caches, skip_layers=frozenset(), last_only=()):
+        if not skip_layers:  # layerskip's drafts are not the scheduler's forwards
+            forwards.append(list(last_only) or [False] * len(blocks))
+        return forward_blocks(blocks, caches, skip_layers, last_only)
+
+    monkeypatch.setattr(engine.lm.decoder, "forward_blocks", counting)
+    return forwards
+
+
+def test_a_burst_of_requests_prefills_over_rounds_within_the_token_budget(engine, monkeypatch):
+    alone = [engine.generate(p, max_new_tokens=16).tokens for p in PROMPTS]
+    lengths = [len(engine.encode(p)) for p in PROMPTS]
+    budget = max(lengths) + 1
+    forwards, prompts = count_forwards(engine, monkeypatch), iter(lengths)
+    finals = serve(engine, [request(p, 16) for p in PROMPTS], prefill_tokens=budget)
+    assert [f.result.tokens for f in finals] == alone
+    prefilled = [[next(prompts) for _ in range(sum(f))] for f in forwards if any(f)]
+    assert len(prefilled) > 1 and all(sum(rows) <= budget for rows in prefilled)
+    assert not all(forwards[1])  # the first sequences verified while later ones prefilled
+
+
+def test_the_verify_step_histogram_observes_each_batched_forward_once(engine, monkeypatch):
+    forwards = count_forwards(engine, monkeypatch)
+    metrics = Metrics()
+    finals = serve(engine, [request(p, 12) for p in PROMPTS[:4]], metrics)
+    verifying = [f for f in forwards if not all(f)]
+    steps = sum(f.result.stats.verify_steps for f in finals)
+    observed = next(s.value for s in metrics.verify_step.collect()[0].samples if s.name.endswith("_count"))
+    assert observed == len(verifying) < steps
 
 
 def test_seeded_sampled_requests_served_together_equal_each_alone(engine):
@@ -128,10 +150,10 @@ def test_a_backend_that_cannot_batch_is_served_round_robin_with_the_same_outputs
 def test_a_failing_batched_forward_fails_its_requests_and_not_the_scheduler(engine, monkeypatch):
     forward_blocks = engine.lm.decoder.forward_blocks
 
-    def broken(blocks, caches, skip_layers=frozenset()):
+    def broken(blocks, caches, skip_layers=frozenset(), last_only=()):
         if len(blocks) > 1:
             raise RuntimeError("out of memory")
-        return forward_blocks(blocks, caches, skip_layers)
+        return forward_blocks(blocks, caches, skip_layers, last_only)
 
     monkeypatch.setattr(engine.lm.decoder, "forward_blocks", broken)
     finals = serve(engine, [request(p, 8) for p in PROMPTS[:3]])

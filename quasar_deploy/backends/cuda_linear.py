@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import float_linear
-from ..model import KernelFactory, LinearFn
+from ..model import KernelFactory, LinearFn, round_up
 from ..scheme import per_token_scale, quantize_activation
 
 # (x [M, K], static scale [1, 1] or None, rows, cols) -> (int8 [rows, cols] zero-padded, activation scale [M, 1] or [1, 1])
@@ -53,10 +53,6 @@ class IntMMRules:
 
 CUDA_RULES = IntMMRules(min_rows=17, multiple=8)  # aten/src/ATen/native/cuda/Blas.cpp, _int_mm_out_cuda's checks
 CPU_RULES = IntMMRules(min_rows=1, multiple=1)
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def pad2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

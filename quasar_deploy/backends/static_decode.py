@@ -1,7 +1,7 @@
 """The decoder's forward over fixed KV buffers with positions as device data: what a CUDA graph can capture and replay.
 
 ``Decoder.forward`` slices its cache by the Python integer ``cache.length``, grows it by
-reallocation and attends row by row over exactly the visible keys, so each step would bake
+reallocation and builds its attention masks from that position, so each step would bake
 its position into a graph. Here, instead:
 
 - the keys and values live in a ``KVCache`` whose buffers only grow between steps
@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..decoder_spec import DecoderSpec
-from ..model import Decoder, KVCache, rotary_at
-from .cuda_linear import round_up
+from ..model import Decoder, KVCache, rotary_at, round_up, visible
 
 SPAN = 256  # keys attended are rounded up to this many positions: one graph per span, little attention wasted
 BLOCK_ROWS = 16  # decode and verify blocks up to this long run as this many rows (k < 16)
@@ -51,15 +50,6 @@ class StaticCache(KVCache):
             return False
         self._grow(min(max(2 * self.capacity, round_up(end, SPAN)), self.max_length + BLOCK_ROWS))
         return True
-
-
-def visible(spec: DecoderSpec, positions: torch.Tensor, span: int) -> torch.Tensor:
-    """[t, span] bool: which cached positions each query position attends to."""
-    keys = torch.arange(span, device=positions.device)[None, :]
-    allowed = keys <= positions[:, None]
-    if spec.sliding_window is not None:
-        allowed &= keys > positions[:, None] - spec.sliding_window
-    return allowed
 
 
 @torch.inference_mode()

@@ -44,7 +44,7 @@ class TorchCausalLM:
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         self.cache.truncate(0)
-        return self.decoder(self._ids(ids), self.cache)[-1]
+        return self.decoder.forward_blocks([self._ids(ids)], [self.cache], last_only=[True])[0]
 
     def verify(self, ids: Sequence[int]) -> torch.Tensor:
         return self.decoder(self._ids(ids), self.cache)
@@ -70,14 +70,21 @@ class TorchCausalLM:
 
 class BatchingTorchCausalLM(TorchCausalLM):
     """A ``TorchCausalLM`` whose kernels are row-invariant (cpu: int8 FBGEMM or reference, float oneDNN), so it also
-    serves ``BatchVerifyingLM``: many sequences' verify blocks in one ``Decoder.forward_blocks`` pass."""
+    serves ``BatchVerifyingLM``: many sequences' verify blocks and prefills in one ``Decoder.forward_blocks`` pass."""
 
-    def verify_batch(self, sequences: Sequence[TorchCausalLM], blocks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def verify_batch(
+        self, sequences: Sequence[TorchCausalLM], blocks: Sequence[Sequence[int]], prefills: Sequence[bool] = ()
+    ) -> list[torch.Tensor]:
         if any(sequence.decoder is not self.decoder for sequence in sequences):
             raise ValueError("verify_batch takes sequences opened over this model's weights (new_sequence)")
+        prefills = list(prefills) or [False] * len(blocks)
+        for sequence, prefill in zip(sequences, prefills):
+            if prefill:
+                sequence.cache.truncate(0)
         ids = [sequence._ids(block) for sequence, block in zip(sequences, blocks)]
-        logits = self.decoder.forward_blocks(ids, [sequence.cache for sequence in sequences])
-        return list(logits.split([len(block) for block in blocks]))
+        logits = self.decoder.forward_blocks(ids, [sequence.cache for sequence in sequences], last_only=prefills)
+        parts = logits.split([1 if prefill else len(block) for block, prefill in zip(blocks, prefills)])
+        return [part[0] if prefill else part for part, prefill in zip(parts, prefills)]
 
 
 def load_cpu(

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..artifact import HEAD, ArtifactWriter, ModelFiles
 from ..decoder_spec import DecoderSpec, rope_inv_freq
 from ..errors import QuasarError
-from ..model import DecoderLayer, KVCache, Linear, check_finite, prefill_mask, rotary, tensor_loader
+from ..model import DecoderLayer, KVCache, Linear, check_finite, rotary, segment, tensor_loader
 from . import stats
 from .fold import Folded, search_and_fold
 from .head import write_int8_head
@@ -53,7 +53,7 @@ def run_layer(layer: DecoderLayer, spec: DecoderSpec, hidden: list[torch.Tensor]
         length = x.shape[0]
         cos, sin = rotary(inv_freq, 0, length, torch.float32)
         cache = KVCache(one_layer, torch.float32, x.device, length)
-        hidden[s] = layer(x, cos, sin, [(cache, length)], 0, prefill_mask(spec, length, x.device))
+        hidden[s] = layer(x, cos, sin, [segment(spec, cache, length, x.device)], 0)
 
 
 def calibrate_layers(

@@ -23,7 +23,10 @@ class Metrics:
             "quasar_acceptance_length", "Tokens emitted per verify step", buckets=ACCEPTANCE_BUCKETS, registry=r
         )
         self.verify_step = Histogram(
-            "quasar_verify_step_seconds", "Time of one verify forward (draft excluded)", buckets=LATENCY_BUCKETS, registry=r
+            "quasar_verify_step_seconds",
+            "Time of one verify forward: one per batched forward, however many sequences it verified (draft excluded)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.time_to_first_token = Histogram(
             "quasar_time_to_first_token_seconds", "From admission to the queue to the first token", buckets=TTFT_BUCKETS, registry=r

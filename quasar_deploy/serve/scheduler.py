@@ -1,17 +1,18 @@
 """One worker thread runs every admitted request's generation, each on its own sequence, one verify step per round.
 
 Each round admits waiting requests into free slots, drops cancelled sequences, then
-takes one step of every running sequence (``_step_all``): the ones just admitted
-prefill, alone; every other one drafts its block (pending token plus k_i drafts, with
-its own drafter, so layerskip drafts on its own cache), and the blocks are verified
-together. On a backend that batches (``BatchVerifyingLM``: cpu with row-invariant
-kernels) that is one forward over M = sum of k_i + 1 stacked rows, the weights read
-once for all sequences; elsewhere (onnxruntime, npu, wrappers) one ``verify`` per
-sequence, round-robin. Each sequence then accepts and rolls back on its own
-(``Generation.settle``, its own seeded sampler). No request waits for another to finish,
-a new one starts at the next round, and every sequence's output is what it would be
-alone: its own KV cache and sampler, and kernels whose rows do not depend on their
-neighbours (docs/architecture.md, "Serving").
+takes one step of every running sequence (``_step_all``): admitted ones not yet prefilled
+prefill, up to ``PREFILL_TOKENS`` prompt tokens a round (at least one prompt); every
+other one drafts its block (pending token plus k_i drafts, with its own drafter, so
+layerskip drafts on its own cache). On a backend that batches (``BatchVerifyingLM``: cpu
+with row-invariant kernels) the prompts and the blocks run in one forward over their
+stacked rows, the weights read once for all sequences; elsewhere (onnxruntime, npu,
+wrappers) one ``prefill`` or ``verify`` per sequence, round-robin. Each sequence then
+accepts and rolls back on its own (``Generation.settle``, its own seeded sampler). No
+request waits for another to finish, a new one starts within a round or a few (a burst of
+arrivals is spread over rounds), and every sequence's output is what it would be alone:
+its own KV cache and sampler, and kernels whose rows do not depend on their neighbours
+(docs/architecture.md, "Serving").
 
 The scheduler knows nothing of HTTP or asyncio: each ticket carries a ``deliver``
 callable that the server points at the request's event queue.
@@ -60,6 +61,11 @@ class Failed:
 Event = Started | Text | Done | Failed
 T = TypeVar("T")
 
+# Prompt tokens prefilled per round (at least one prompt). Measured on the Qwen3-0.6B shape, 2 cores: a prefill's
+# cost per prompt is flat up to ~300 rows in one forward and 1.6x at 600-1200 (activations outgrow the caches), and
+# every running sequence waits for the round's prefills: a burst of arrivals is spread over rounds instead.
+PREFILL_TOKENS = 256
+
 
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is at its bound."""
@@ -78,7 +84,7 @@ class Ticket:
 @dataclass(eq=False)
 class Running:
     """A sequence being generated (``done`` once finished or failed), with the loop counters last seen (to turn totals
-    into per-step metrics)."""
+    into per-step acceptance lengths)."""
 
     ticket: Ticket
     generation: Generation
@@ -86,15 +92,14 @@ class Running:
     first_step_done: bool = False
     verify_steps: int = 0
     accepted: int = 0
-    verify_s: float = 0.0
 
 
 class Scheduler:
     """Admission (``max_sequences`` running, ``max_queue`` waiting), cancellation and the worker that steps every sequence."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_sequences: int = 8, max_queue: int = 32):
+    def __init__(self, engine: Engine, metrics: Metrics, max_sequences: int = 8, max_queue: int = 32, prefill_tokens: int = PREFILL_TOKENS):
         self.engine, self.metrics = engine, metrics
-        self.max_sequences, self.max_queue = max_sequences, max_queue
+        self.max_sequences, self.max_queue, self.prefill_tokens = max_sequences, max_queue, prefill_tokens
         self._waiting: deque[Ticket] = deque()
         self._running: list[Running] = []
         self._wake = threading.Condition()
@@ -172,28 +177,53 @@ class Scheduler:
         self.metrics.running.set(len(self._running))
 
     def _step_all(self) -> None:
-        """One round: each sequence just admitted prefills, every other one takes one verify step (one forward for all
-        where the backend batches); finished and failed ones leave."""
+        """One round: sequences admitted and not yet prefilled prefill (within the round's prompt-token budget),
+        every other one takes one verify step (all in one forward where the backend batches); finished and failed
+        ones leave."""
+        fresh = self._prefill_turn()
         ready = [r for r in self._running if r.first_step_done]
-        for running in self._running:
-            if not running.first_step_done:
-                self._advance(running, running.generation.prefill)
         drafted = [(r, block) for r in ready if (block := self._attempt(r, r.generation.draft)) is not None]
-        if self._batcher is not None and drafted:
-            began = time.perf_counter()
-            try:
-                logits = self._batcher.verify_batch([r.generation.lm for r, _ in drafted], [block for _, block in drafted])
-            except Exception as exc:  # one forward for all: its failure is every one of theirs
-                for running, _ in drafted:
-                    self._fail(running, exc)
-            else:
-                for (running, _), rows in zip(drafted, logits):
-                    self._advance(running, lambda g=running.generation, rows=rows: g.settle(rows, began))
+        if self._batcher is not None and (fresh or drafted):
+            self._step_batched(fresh, drafted)
         else:
+            for running in fresh:
+                self._advance(running, running.generation.prefill)
             for running, block in drafted:
-                self._advance(running, lambda g=running.generation, block=block: _verify_alone(g, block))
+                self._advance(running, lambda g=running.generation, block=block: self._verify_alone(g, block))
         self._running = [r for r in self._running if not r.done]
         self.metrics.running.set(len(self._running))
+
+    def _prefill_turn(self) -> list[Running]:
+        """The sequences that prefill this round: in admission order, up to ``prefill_tokens`` prompt tokens in all,
+        and at least one (a longer prompt runs alone in its round)."""
+        turn, tokens = [], 0
+        for running in self._running:
+            if running.first_step_done:
+                continue
+            tokens += len(running.generation.prompt)
+            if turn and tokens > self.prefill_tokens:
+                break
+            turn.append(running)
+        return turn
+
+    def _step_batched(self, fresh: list[Running], drafted: list[tuple[Running, list[int]]]) -> None:
+        """The prompts of ``fresh`` and the blocks of ``drafted`` in one forward; each sequence then settles on its own."""
+        members = [(r, r.generation.prompt, True) for r in fresh] + [(r, block, False) for r, block in drafted]
+        sequences = [running.generation.lm for running, _, _ in members]
+        blocks = [block for _, block, _ in members]
+        prefills = [prefill for _, _, prefill in members]
+        began = time.perf_counter()
+        try:
+            logits = self._batcher.verify_batch(sequences, blocks, prefills)
+        except Exception as exc:  # one forward for all: its failure is every one of theirs
+            for running, _, _ in members:
+                self._fail(running, exc)
+            return
+        if drafted:  # one observation per forward, however many sequences it verified
+            self.metrics.verify_step.observe(time.perf_counter() - began)
+        for (running, _, prefill), rows in zip(members, logits):
+            settle = running.generation.settle_prefill if prefill else running.generation.settle
+            self._advance(running, lambda settle=settle, rows=rows: settle(rows, began))
 
     def _attempt(self, running: Running, call: Callable[[], T]) -> T | None:
         """``call()``; if it raises, the sequence fails alone (None) and the others, and the worker, go on."""
@@ -230,10 +260,10 @@ class Scheduler:
             self.metrics.time_to_first_token.observe(time.monotonic() - running.ticket.submitted)
         if stats.verify_steps > running.verify_steps:
             self.metrics.acceptance_length.observe(1 + stats.accepted - running.accepted)
-            self.metrics.verify_step.observe(stats.verify_s - running.verify_s)
-            running.verify_steps, running.accepted, running.verify_s = stats.verify_steps, stats.accepted, stats.verify_s
+            running.verify_steps, running.accepted = stats.verify_steps, stats.accepted
 
-
-def _verify_alone(generation: Generation, block: list[int]) -> list[str]:
-    began = time.perf_counter()
-    return generation.settle(generation.lm.verify(block), began)
+    def _verify_alone(self, generation: Generation, block: list[int]) -> list[str]:
+        began = time.perf_counter()
+        logits = generation.lm.verify(block)
+        self.metrics.verify_step.observe(time.perf_counter() - began)
+        return generation.settle(logits, began)

@@ -64,13 +64,16 @@ class LayerSkippingLM(CausalLM, Protocol):
 
 @runtime_checkable
 class BatchVerifyingLM(ForkingLM, Protocol):
-    """A verifier whose sequences can verify their blocks together in one forward: what a batched serving step needs.
+    """A verifier whose sequences can run their blocks together in one forward: what a batched serving step needs.
 
-    Each block's logits must equal, bit for bit, what ``verify`` on that sequence alone
-    gives (row-invariant kernels), so a request's output does not depend on its neighbours.
-    Backends that cannot promise that (or cannot stack rows) leave this out and are served
-    round-robin, one ``verify`` per sequence.
+    Each block's logits must equal, bit for bit, what ``verify`` (or ``prefill``) on that
+    sequence alone gives (row-invariant kernels), so a request's output does not depend on
+    its neighbours. Backends that cannot promise that (or cannot stack rows) leave this out
+    and are served round-robin, one ``prefill`` or ``verify`` per sequence.
     """
 
-    def verify_batch(self, sequences: Sequence[BatchVerifyingLM], blocks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """``verify(blocks[i])`` on ``sequences[i]`` (sequences opened from this one's weights) for every i, in one forward."""
+    def verify_batch(
+        self, sequences: Sequence[BatchVerifyingLM], blocks: Sequence[Sequence[int]], prefills: Sequence[bool] = ()
+    ) -> list[torch.Tensor]:
+        """For every i, in one forward, on ``sequences[i]`` (opened from this one's weights): ``prefill(blocks[i])`` (its
+        logits [vocab]) where ``prefills[i]``, else ``verify(blocks[i])`` ([len, vocab])."""

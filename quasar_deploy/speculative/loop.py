@@ -103,8 +103,13 @@ class Speculation:
     def prefill(self) -> list[int]:
         """Cache the prompt; the first new token(s)."""
         began = time.perf_counter()
-        verdict = accept(self.lm.prefill(self.tokens)[None], [], None, self.sampler)
-        self.stats.prefill_s += time.perf_counter() - began
+        return self.settle_prefill(self.lm.prefill(self.tokens), began)
+
+    def settle_prefill(self, logits: torch.Tensor, prefill_began: float) -> list[int]:
+        """The first new token(s) from the prompt's last ``logits`` [vocab] (``lm.prefill`` here, or a batched forward
+        that began at ``time.perf_counter()`` ``prefill_began``)."""
+        verdict = accept(logits[None], [], None, self.sampler)
+        self.stats.prefill_s += time.perf_counter() - prefill_began
         return self._emit(verdict.tokens)
 
     def draft(self) -> list[int]:

@@ -120,13 +120,24 @@ def test_conversion_without_a_converter_is_a_reason(no_anchor_variables, tiny_qw
         anchors.gguf_for(python, tiny_qwen3, tmp_path / "cache")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama_cpp is installed in this environment")
 def test_a_failed_conversion_leaves_nothing(monkeypatch, tiny_qwen3, tmp_path):
-    converter = tmp_path / "convert_hf_to_gguf.py"
-    converter.write_text("raise SystemExit('NotImplementedError: BPE pre-tokenizer was not recognized')\n")
+    """The conversion runs in the runner under the anchor's python: ours lacks llama_cpp, so it fails, writing nothing."""
+    converter = tmp_path / "convert" / "convert_hf_to_gguf.py"
+    converter.parent.mkdir()
+    converter.write_text("")
     monkeypatch.setenv(anchors.CONVERTER_VARIABLE, str(converter))
-    with pytest.raises(anchors.AnchorSkipped, match="GGUF conversion failed: NotImplementedError: BPE pre-tokenizer"):
+    with pytest.raises(anchors.AnchorSkipped, match=f"GGUF conversion failed: llama_cpp is not importable by {sys.executable}"):
         anchors.gguf_for(Path(sys.executable), tiny_qwen3, tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_only_a_gpt2_byte_level_tokenizer_is_declared_gpt2(tmp_path):
+    """The converter's fallback for tokenizers it does not know by hash (anchor_runner._convert)."""
+    for pre, expected in [({"type": "ByteLevel", "use_regex": True}, True), ({"type": "Metaspace"}, False), (None, False)]:
+        (tmp_path / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": pre}))
+        assert anchor_runner._byte_level_gpt2(str(tmp_path)) is expected
+    assert anchor_runner._byte_level_gpt2(str(tmp_path / "missing")) is False
 
 
 def test_bench_reports_why_each_anchor_was_skipped(no_anchor_variables, tiny_qwen3, tiny_artifact, tmp_path):

@@ -14,7 +14,9 @@ Protocol: one JSON request on stdin::
 
 (``model``: a GGUF file for llama.cpp, a Hugging Face or compressed-tensors directory for vLLM),
 and one JSON response on stdout: ``{"engine", "version", "runs": [{"tokens", "wall_s"}],
-"details"}`` or ``{"error": ONE_LINE}``. The engines' own logs, C-level prints included, go to
+"details"}`` or ``{"error": ONE_LINE}``. A request ``{"engine": "llamacpp", "convert": {"converter",
+"checkpoint", "outfile", "outtype"}}`` instead runs llama.cpp's ``convert_hf_to_gguf.py`` (see
+``_convert``) and replies ``{"converted": OUTFILE, "pre_tokenizer": NAME}``. The engines' own logs, C-level prints included, go to
 stderr: file descriptor 1 is pointed at stderr before any engine loads.
 """
 
@@ -104,6 +106,47 @@ def _vllm(request: dict) -> dict:
     return _timed(request, generate, "vLLM (CPU build)", vllm.__version__, details)
 
 
+def _byte_level_gpt2(checkpoint: str) -> bool:
+    """Whether the checkpoint's tokenizer pre-tokenizes as GPT-2 does: one ByteLevel step with its regex, nothing else."""
+    try:
+        with open(os.path.join(checkpoint, "tokenizer.json"), encoding="utf-8") as handle:
+            pre = json.load(handle).get("pre_tokenizer") or {}
+    except (OSError, ValueError):
+        return False
+    return pre.get("type") == "ByteLevel" and pre.get("use_regex", True) is True
+
+
+def _convert(job: dict) -> dict:
+    """llama.cpp's converter on ``job["checkpoint"]``, in this process.
+
+    The converter names a BPE tokenizer's pre-tokenizer by hashing how it splits a test text, and refuses
+    hashes it does not list: any checkpoint with its own vocabulary (the demo model) is refused even when
+    its pre-tokenizer is exactly GPT-2's. Then, and only when tokenizer.json says so (``_byte_level_gpt2``),
+    the pre-tokenizer is declared as ``gpt-2``; the benchmark hands llama.cpp token ids, never text.
+    """
+    import runpy
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(job["converter"])))
+    from conversion import base
+
+    recognized = base.TextModel.get_vocab_base_pre
+    declared: list[str] = []
+
+    def get_vocab_base_pre(model, tokenizer) -> str:
+        try:
+            return recognized(model, tokenizer)
+        except NotImplementedError:
+            if not _byte_level_gpt2(job["checkpoint"]):
+                raise
+            declared.append("gpt-2")
+            return "gpt-2"
+
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    sys.argv = [job["converter"], job["checkpoint"], "--outtype", job["outtype"], "--outfile", job["outfile"]]
+    runpy.run_path(job["converter"], run_name="__main__")
+    return {"converted": job["outfile"], "pre_tokenizer": declared[0] if declared else "recognized by the converter"}
+
+
 def _timed(request: dict, generate, engine: str, version: str, details: dict) -> dict:
     """Warm the engine on the first prompt, then one timed greedy generation per prompt (batch 1), in order."""
     generate(request["prompts"][0], request["warmup_tokens"])
@@ -129,7 +172,9 @@ def respond(request: dict) -> dict:
     except ImportError as exc:
         return {"error": f"{module} is not importable by {sys.executable}: {_first_line(exc)}"}
     try:
-        return run(request)
+        return _convert(request["convert"]) if "convert" in request else run(request)
+    except SystemExit as exc:  # the converter's argument errors
+        return {"error": f"{name} conversion exited: {exc.code}"}
     except Exception as exc:  # the engine's own failure is the finding: report it, one line
         return {"error": f"{name} failed: {type(exc).__name__}: {_first_line(exc)}"}
 

@@ -15,7 +15,6 @@ import ctypes.util
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,14 +133,20 @@ def request(
     }
 
 
-def parse_response(text: str, prompt_count: int) -> AnchorResult:
-    """The runner's stdout as an AnchorResult; its ``error``, or a malformed reply, as AnchorSkipped."""
+def _json_object(text: str) -> dict:
+    """The runner's stdout as a JSON object, or AnchorSkipped saying it is none."""
     try:
         reply = json.loads(text)
     except json.JSONDecodeError:
         raise AnchorSkipped(f"the runner's reply is not JSON: {text.strip()[:200]!r}") from None
     if not isinstance(reply, dict):
         raise AnchorSkipped("the runner's reply is not a JSON object")
+    return reply
+
+
+def parse_response(text: str, prompt_count: int) -> AnchorResult:
+    """The runner's stdout as an AnchorResult; its ``error``, or a malformed reply, as AnchorSkipped."""
+    reply = _json_object(text)
     if "error" in reply:
         raise AnchorSkipped(str(reply["error"]))
     try:
@@ -156,6 +161,10 @@ def parse_response(text: str, prompt_count: int) -> AnchorResult:
 
 def run(python: Path, anchor_request: dict, timeout_s: float = TIMEOUT_S) -> AnchorResult:
     """``anchor_request`` through the runner under ``python``; the engine's log goes to our stderr."""
+    return parse_response(_reply_text(python, anchor_request, timeout_s), len(anchor_request["prompts"]))
+
+
+def _reply_text(python: Path, anchor_request: dict, timeout_s: float) -> str:
     try:
         done = subprocess.run(
             [str(python), str(RUNNER)],
@@ -173,7 +182,7 @@ def run(python: Path, anchor_request: dict, timeout_s: float = TIMEOUT_S) -> Anc
         raise AnchorSkipped(f"{python}: {first_line(exc)}") from None
     if not done.stdout.strip():
         raise AnchorSkipped(f"{anchor_request['engine']} runner exited with status {done.returncode} and no reply (its log is above)")
-    return parse_response(done.stdout, len(anchor_request["prompts"]))
+    return done.stdout
 
 
 def converter_for(python: Path) -> Path:
@@ -186,10 +195,8 @@ def converter_for(python: Path) -> Path:
 
 
 def gguf_for(python: Path, checkpoint: Path, cache: Path) -> Path:
-    """The float checkpoint converted to GGUF q8_0, once: cached under ``cache`` by the checkpoint's and the converter's bytes.
-
-    The conversion writes into a temporary directory renamed into place, never into the model directory.
-    """
+    """The float checkpoint converted to GGUF q8_0 by the runner, once: cached under ``cache`` by the checkpoint's and the
+    converter's bytes, written into a temporary directory renamed into place, never into the model directory."""
     converter = converter_for(python)
     weights = sorted(checkpoint.glob("*.safetensors"))
     if not weights:
@@ -199,20 +206,12 @@ def gguf_for(python: Path, checkpoint: Path, cache: Path) -> Path:
     name = f"model-{GGUF_TYPE}.gguf"
     if (target / name).is_file():
         return target / name
-    command = [str(python), str(converter), str(checkpoint), "--outtype", GGUF_TYPE]
     with atomic_directory(target) as tmp:
-        done = subprocess.run(
-            [*command, "--outfile", str(tmp / name)],
-            stdout=2,  # the converter's progress to our stderr, leaving our stdout to the report
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_clean_environment(),
-            check=False,
-        )
-        if done.returncode != 0:
-            lines = [line for line in done.stderr.splitlines() if line.strip()]
-            sys.stderr.write(done.stderr)
-            raise AnchorSkipped(f"llamacpp: GGUF conversion failed: {lines[-1].strip() if lines else f'status {done.returncode}'}")
+        job = {"converter": str(converter), "checkpoint": str(checkpoint), "outfile": str(tmp / name), "outtype": GGUF_TYPE}
+        reply = _json_object(_reply_text(python, {"engine": "llamacpp", "convert": job}, TIMEOUT_S))
+        if "error" in reply or not (tmp / name).is_file():
+            raise AnchorSkipped(f"llamacpp: GGUF conversion failed: {reply.get('error', 'no file written')}")
+        (tmp / "conversion.json").write_text(json.dumps({"source": str(checkpoint), **reply}))
     return target / name
 
 

@@ -41,7 +41,10 @@ class AnchorMode:
     numerics: str  # what the engine computes, for the report
 
 
-_Q8_0 = "llama.cpp q8_0: weights int8 in blocks of 32 with one fp16 scale each, activations float (weight-only)"
+_Q8_0 = (
+    "llama.cpp q8_0: weights int8 in blocks of 32 with one fp16 scale each, lm_head included; its CPU matmul quantizes "
+    "activations to the same blocks (integer dot products)"
+)
 _VLLM_W8A8 = "vLLM CPU, our compressed-tensors artifact: int8 weights per channel, int8 activations per token (its W8A8 kernels)"
 ANCHOR_MODES: dict[str, AnchorMode] = {
     "llamacpp-q8_0": AnchorMode("llamacpp", "float", False, _Q8_0),

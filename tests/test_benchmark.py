@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from quasar_deploy.artifact import open_model_files
+from quasar_deploy.bench.anchors import ANCHOR_MODES, PYTHON_VARIABLES
 from quasar_deploy.bench.contenders import _hf_twin
 from quasar_deploy.bench.modes import MODES
 from quasar_deploy.cli import main
@@ -21,7 +22,9 @@ def pair(tiny_qwen3, tiny_artifact):
 
 
 @pytest.mark.slow
-def test_every_mode_reports_and_lossless_holds(pair, tmp_path):
+def test_every_mode_reports_and_lossless_holds(pair, tmp_path, monkeypatch):
+    for variable in PYTHON_VARIABLES.values():  # the anchors are skipped, each with its reason (tests/test_anchors.py)
+        monkeypatch.delenv(variable, raising=False)
     model, artifact = pair
     out = tmp_path / "report"
     args = ["bench", "e2e", str(artifact), "--reference", str(model), "--limit", "2", "--max-new-tokens", "8"]
@@ -29,7 +32,7 @@ def test_every_mode_reports_and_lossless_holds(pair, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert set(report) >= {"settings", "environment", "modes", "lossless", "sweep_k"}
-    assert list(report["modes"]) == list(MODES)
+    assert list(report["modes"]) == list(MODES) and list(report["skipped"]) == list(ANCHOR_MODES)
     for mode, figures in report["modes"].items():
         assert figures["tokens_per_s"] > 0 and figures["new_tokens"] > 0, mode
         assert figures["speedup_vs_ngram-float"] > 0 and figures["speedup_vs_ar-float"] > 0, mode

@@ -4,7 +4,8 @@ Machines drift (thermal, neighbours), so modes take turns on each prompt and
 speed-ups are medians of per-prompt ratios measured seconds apart, never ratios
 of runs made minutes apart. The one exception is transformers' prompt lookup: its model
 would be a second float copy beside our engines, so it runs in a phase of its own first
-(the report lists it under ``timed_in_own_phase``).
+(the report lists it under ``timed_in_own_phase``). So do the anchors, other engines in their
+own processes (``anchors``), before everything else.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,8 +26,9 @@ from ..backends.torch_backend import TorchCausalLM
 from ..engine import GenerationStats
 from ..errors import QuasarError
 from ..memory import return_freed_memory
+from . import anchors
 from .contenders import Contenders
-from .modes import LOSSLESS_PAIRS, MODES, ORT_MODES, drafter_and_precision
+from .modes import ALL_MODES, LOSSLESS_PAIRS, ORT_MODES, drafter_and_precision
 
 
 @dataclass
@@ -44,8 +46,9 @@ class BenchSettings:
     skip_fraction: float = 0.5
     prune_fraction: float = 0.25
     seed: int = 0
-    modes: Sequence[str] = MODES
+    modes: Sequence[str] = ALL_MODES
     sweep_k: Sequence[int] = ()
+    anchor_pythons: Mapping[str, str] = field(default_factory=dict)  # engine -> python of its venv (``anchors.pythons``)
 
 
 @dataclass
@@ -210,17 +213,21 @@ def environment() -> dict:
 
 def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = True) -> dict:
     """Run every mode on every prompt (interleaved); return the report (JSON-ready)."""
-    unknown = [m for m in settings.modes if m not in MODES]
+    unknown = [m for m in settings.modes if m not in ALL_MODES]
     if unknown:
-        raise QuasarError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+        raise QuasarError(f"unknown mode {unknown[0]!r}; choose from {', '.join(ALL_MODES)}")
     modes = [m for m in settings.modes if m != "hf-prompt-lookup" or contenders.load_hf is not None]
     modes = [m for m in modes if m not in ORT_MODES or m.split("-")[1] in contenders.ort_engines]
     prompts = read_prompts(settings.prompts, settings.limit)
     encoded = [list(contenders.tokenizer.encode(p)) for p in prompts]
+    anchor_results, skipped = _anchor_phase([m for m in modes if m in anchors.ANCHOR_MODES], settings, contenders, encoded)
+    modes = [m for m in modes if m not in skipped]
     runs: dict[str, list[Run]] = {m: [] for m in modes}
+    for mode, result in anchor_results.items():
+        runs[mode] = [Run(r.tokens, len(r.tokens) / r.wall_s, r.wall_s) for r in result.runs]
     if "hf-prompt-lookup" in runs:
         runs["hf-prompt-lookup"] = hf_phase(contenders, encoded, settings, progress)
-    interleaved = [m for m in modes if m != "hf-prompt-lookup"]
+    interleaved = [m for m in modes if m != "hf-prompt-lookup" and m not in anchors.ANCHOR_MODES]
     if "pruned-verify" in interleaved and not contenders.pruned_layers:
         contenders.pruned_layers = contenders.float_engine.choose_skip_layers(settings.prune_fraction)
     warm = BenchSettings(**{**asdict(settings), "max_new_tokens": 4})
@@ -231,7 +238,8 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
         for mode in order:
             runs[mode].append(run_mode(mode, contenders, ids, settings))
     baselines = {m: runs[m] for m in ("ngram-float", "ar-float") if m in runs}
-    float_modes = [m for m in runs if "w8a8" not in m and m != "pruned-verify"]
+    ours = [m for m in runs if m not in anchors.ANCHOR_MODES]
+    float_modes = [m for m in ours if "w8a8" not in m and m != "pruned-verify"]
     if float_modes:  # the fastest float path on each prompt, whichever engine it is
         baselines["best-float"] = [max((runs[m][i] for m in float_modes), key=lambda r: r.tokens_per_s) for i in range(len(encoded))]
     report = {
@@ -245,6 +253,10 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
         "environment": environment(),
         "modes": {m: _summary(r, baselines) for m, r in runs.items()},
     }
+    if anchor_results:
+        report["anchors"] = _anchor_report(anchor_results, runs, [m for m in ours if "w8a8" in m])
+    if skipped:
+        report["skipped"] = skipped
     if contenders.pruned_layers:
         report["settings"]["pruned_layers"] = sorted(contenders.pruned_layers)
     if settings.temperature == 0:
@@ -257,6 +269,60 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
     if settings.sweep_k:
         report["sweep_k"] = sweep_k(settings, contenders, encoded, progress)
     return report
+
+
+def _anchor_phase(
+    modes: list[str], settings: BenchSettings, contenders: Contenders, encoded: list[list[int]]
+) -> tuple[dict[str, anchors.AnchorResult], dict[str, str]]:
+    """The anchor modes, each in its own engine's process, before our engines load; the same greedy settings, batch 1."""
+    from ..demo import cache_dir
+
+    if not modes:
+        return {}, {}
+    if settings.temperature > 0:
+        return {}, {m: f"{m}: anchors run greedy only (temperature 0)" for m in modes}
+    paths = (Path(settings.model), Path(settings.artifact)) if settings.model and settings.artifact else None
+    options = dict(
+        max_new_tokens=settings.max_new_tokens,
+        threads=torch.get_num_threads(),
+        num_draft=settings.num_draft,
+        ngram=(settings.ngram_min, settings.ngram_max),
+    )
+    configured = anchors.pythons(settings.anchor_pythons)
+    return anchors.anchor_phase(modes, paths, encoded, sorted(contenders.stop_ids), configured, options, cache_dir() / "anchors")
+
+
+def _anchor_report(results: dict[str, anchors.AnchorResult], runs: dict[str, list[Run]], w8a8_modes: list[str]) -> dict:
+    """Per anchor: its engine and version, what it computes, our best W8A8 mode's speed over its own (median of per-prompt
+    ratios, the best of ``w8a8_modes`` on each prompt), and how far its greedy tokens follow our float and W8A8 ones."""
+    references = {name: next((m for m in candidates if m in runs), None) for name, candidates in _REFERENCES.items()}
+    report = {}
+    for mode, result in results.items():
+        mine = runs[mode]
+        entry = {
+            "engine": result.engine,
+            "version": result.version,
+            "numerics": anchors.ANCHOR_MODES[mode].numerics,
+            "details": result.details,
+            "best_w8a8_modes": w8a8_modes,
+            "best_w8a8_vs_it": _median(
+                [max(runs[m][i].tokens_per_s for m in w8a8_modes) / run.tokens_per_s for i, run in enumerate(mine) if run.tokens_per_s > 0]
+            )
+            if w8a8_modes
+            else None,
+        }
+        for name, reference in references.items():
+            if reference is not None:
+                entry[f"tokens_matching_{name}"] = {
+                    "reference": reference,
+                    **anchors.token_match([r.tokens for r in mine], [r.tokens for r in runs[reference]]),
+                }
+        report[mode] = entry
+    return report
+
+
+# our greedy outputs an anchor's tokens are compared with: the first of each list that ran (drafting is lossless)
+_REFERENCES = {"float": ("ar-float", "ngram-float"), "w8a8": ("ar-w8a8", "ngram-w8a8")}
 
 
 def sweep_k(settings: BenchSettings, contenders: Contenders, encoded: list[list[int]], progress: bool) -> list[dict]:

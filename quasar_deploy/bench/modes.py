@@ -3,11 +3,13 @@
 A mode is ``<drafter>-<precision>`` on the cpu backend (drafter "none" reads "ar", for
 autoregressive), the same with ``-ort`` on exported ONNX graphs, or one of the two
 comparisons that are not a drafter on our engine (transformers' prompt lookup, a pruned verifier).
+``ANCHOR_MODES`` are other engines in their own environments (``anchors``): llama.cpp and vLLM's CPU build.
 """
 
 from __future__ import annotations
 
 from ..speculative.registry import DRAFTERS
+from .anchors import ANCHOR_MODES
 
 PRECISIONS = ("float", "w8a8")
 # a draft model is a second checkpoint, which the benchmark does not take
@@ -21,6 +23,7 @@ MODES = (
     "pruned-verify",
     *ORT_MODES,
 )
+ALL_MODES = (*MODES, *ANCHOR_MODES)
 LOSSLESS_PAIRS = (
     ("ngram-float", "ar-float"),
     ("layerskip-float", "ar-float"),

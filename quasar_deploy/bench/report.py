@@ -47,11 +47,36 @@ def markdown(report: dict) -> str:
                 f"| {row['k']} | {row['ngram_float_tokens_per_s']:.1f} | {row['ngram_w8a8_tokens_per_s']:.1f} | "
                 f"{row['speedup']:.2f}x | {row['acceptance_length_w8a8']:.2f} |"
             )
+    lines += _anchor_lines(report)
     if s.get("timed_in_own_phase"):
         lines += ["", f"Timed in a phase of their own before the others (not interleaved): {', '.join(s['timed_in_own_phase'])}."]
     if s.get("synthetic"):
         lines += ["", "Synthetic weights: timing only. Random models loop, so n-gram acceptance here says nothing about real text."]
     return "\n".join(lines) + "\n"
+
+
+def _anchor_lines(report: dict) -> list[str]:
+    """The anchors' table (other engines, greedy, batch 1, same prompts) and why any anchor was skipped."""
+    lines = []
+    if report.get("anchors"):
+        lines += [
+            "",
+            "Anchors (other CPU engines, each in its own process; greedy token matches are informational: different numerics):",
+            "",
+            "| mode | engine | tokens/s median | our best W8A8 / it | tokens matching our float (share, mean prefix) "
+            "| matching our W8A8 | what it computes |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for mode, a in report["anchors"].items():
+            match = [a.get(f"tokens_matching_{name}") for name in ("float", "w8a8")]
+            cells = ["-" if m is None else f"{100 * m['share']:.0f}%, {m['mean_common_prefix']:.1f}" for m in match]
+            lines.append(
+                f"| {mode} | {a['engine']} {a['version']} | {report['modes'][mode]['tokens_per_s']:.1f} | "
+                f"{_fmt(a['best_w8a8_vs_it'], '.2f', 'x')} | {cells[0]} | {cells[1]} | {a['numerics']} |"
+            )
+    if report.get("skipped"):
+        lines += ["", "Skipped:", ""] + [f"- {reason}" for reason in report["skipped"].values()]
+    return lines
 
 
 def plots(report: dict, out: Path) -> list[Path]:

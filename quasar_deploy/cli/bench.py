@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..bench.gpu_settings import DEFAULT_ROWS, DEFAULT_SHAPES, GpuSettings
-from ..bench.modes import MODES, ORT_MODES
+from ..bench.modes import ALL_MODES, ORT_MODES
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
 from .options import INT_LIST
@@ -43,8 +43,16 @@ def bench() -> None:
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-min", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1))
-@click.option("--modes", help="Comma-separated subset of: " + ", ".join(MODES) + " (default: all).")
+@click.option("--modes", help="Comma-separated subset of: " + ", ".join(ALL_MODES) + " (default: all).")
 @click.option("--sweep-k", type=INT_LIST, help="Comma-separated draft lengths: also measure ngram-w8a8 vs ngram-float per k.")
+@click.option(
+    "--anchor-python",
+    "anchor_pythons",
+    multiple=True,
+    metavar="ENGINE=PYTHON",
+    help="The python of the venv holding an anchor engine (llamacpp, vllm); default $QUASAR_LLAMACPP_PYTHON, "
+    "$QUASAR_VLLM_PYTHON. Unset: that engine's modes are skipped with the reason (docs/anchors.md).",
+)
 @click.option("-o", "--output", default="bench-out", show_default=True, type=click.Path(file_okay=False), help="Report directory.")
 @json_option
 def e2e(
@@ -60,6 +68,7 @@ def e2e(
     ngram_max,
     modes,
     sweep_k,
+    anchor_pythons,
     output,
     as_json,
 ):
@@ -90,8 +99,9 @@ def e2e(
         num_draft=num_draft,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
-        modes=tuple(m.strip() for m in modes.split(",")) if modes else MODES,
+        modes=tuple(m.strip() for m in modes.split(",")) if modes else ALL_MODES,
         sweep_k=sweep_k or (),
+        anchor_pythons=_engine_paths(anchor_pythons),
     )
     with_hf = "hf-prompt-lookup" in settings.modes
     with tempfile.TemporaryDirectory() as work:
@@ -99,6 +109,19 @@ def e2e(
         contenders = synthetic_contenders(synthetic, with_hf) if synthetic else trained_contenders(reference, artifact, with_hf, with_ort)
         result = benchmark(settings, contenders, progress=not as_json)
     _show(result, report_writer.write(result, output), report_writer.markdown, as_json)
+
+
+def _engine_paths(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``("vllm=/v/bin/python",)`` -> each engine's python, the environment's where not given; bad pairs refused in one line."""
+    from ..bench.anchors import pythons
+
+    paths = {}
+    for pair in pairs:
+        engine, sep, path = pair.partition("=")
+        if not sep or not engine.strip() or not path:
+            raise QuasarError(f"--anchor-python takes ENGINE=PYTHON, not {pair!r}")
+        paths[engine.strip()] = path
+    return pythons(paths)
 
 
 def _show(report: dict, written: list[Path], markdown: Callable[[dict], str], as_json: bool) -> None:

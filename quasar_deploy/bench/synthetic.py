@@ -170,7 +170,8 @@ def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False) -> int:
     return 4 * sum(linears) + embedding + head + int8 + LIBRARIES_BYTES
 
 
-def synthetic_w8a8_decoder(name: str, seed: int = 0) -> Decoder:
+def synthetic_w8a8_decoder(name: str, seed: int = 0, int8_lm_head: bool = False) -> Decoder:
     """The W8A8 decoder of ``synthetic_decoders`` alone, quantized tensor by tensor (no float copy held meanwhile)."""
     spec = synthetic_spec(name)
-    return Decoder(spec, RandomTensors(spec, seed, quantized=True))
+    quant_spec = dataclasses.replace(spec, tie_word_embeddings=False) if int8_lm_head else spec
+    return Decoder(quant_spec, RandomTensors(spec, seed, quantized=True, int8_lm_head=int8_lm_head))

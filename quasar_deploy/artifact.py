@@ -37,13 +37,12 @@ from .checkpoint import Checkpoint
 from .decoder_spec import DecoderSpec, check_tensor_shapes, decoder_spec
 from .errors import QuasarError
 from .files import atomic_directory, copy_files
-from .integrity import EXPORT_MANIFEST, read_manifest, write_manifest
+from .integrity import EXPORT_MANIFEST, MANIFEST, read_manifest, write_manifest
 from .model import Decoder, check_finite
 from .scheme import W8A8Scheme
 from .shards import MAX_SHARD_SIZE, TORCH_DTYPES, ShardWriter
 
 FORMAT_VERSION = 2  # 2: ``files`` (per-file sha256) replaced ``weights_sha256``
-MANIFEST = "quasar.json"
 # what loading reads from a manifest, checked at open so a damaged one is one line, not a KeyError
 RECORD_FIELDS = {"recipe": dict, "quantized_layers": list}
 QUANTIZED_DTYPES = ("I8", "U8", "F8_E4M3", "F8_E5M2")

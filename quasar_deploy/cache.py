@@ -4,8 +4,8 @@ the onnxruntime backend runs when it is handed an artifact or a checkpoint inste
 An export is keyed by what its graph is made of, so a changed model gets a new export and an unchanged one is never
 exported twice. An artifact's ``quasar.json`` lists the sha256 of every file it holds, so its bytes name the artifact's
 content. A float checkpoint has no such record, and hashing 16 GB on every load would cost more than the backend saves,
-so it is keyed by its config and its weight files' sizes and modification times. Writers of one key take a lock, so two
-processes started together export once; the export itself is atomic (``files.atomic_directory``), and the loader
+so it is keyed by its config and its weight files' sizes and modification times. Writers take a lock on the cache directory,
+so two processes started together export once; the export itself is atomic (``files.atomic_directory``), and the loader
 checks every file against the export's manifest before it runs.
 """
 
@@ -23,9 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import QuasarError
-from .integrity import EXPORT_FORMAT_VERSION
-
-MANIFEST = "quasar.json"  # the artifact's record (artifact.MANIFEST, named here so that importing this loads no torch)
+from .integrity import EXPORT_FORMAT_VERSION, MANIFEST
 
 
 def cache_dir() -> Path:
@@ -58,12 +56,16 @@ def onnx_export_path(model: Path) -> Path:
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Held while one process checks for, and writes, ``path``: a second process waits, then finds it written."""
+def locked(path: Path) -> Iterator[None]:
+    """Held while one process checks for, and writes, ``path``: a second process waits, then finds it written. The lock
+    is on the parent directory itself, so no lock file is left beside what the cache holds."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    descriptor = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(descriptor)
 
 
 def cached_onnx_export(model: str | Path, replace: bool = False, progress: bool = True) -> Path:
@@ -73,7 +75,7 @@ def cached_onnx_export(model: str | Path, replace: bool = False, progress: bool 
 
     model = Path(model)
     path = onnx_export_path(model)
-    with _locked(path):
+    with locked(path):
         if replace and path.exists():
             shutil.rmtree(path)
         if not path.exists():

@@ -18,6 +18,7 @@ from .files import UNFINISHED, sha256_files
 
 # documentation and git metadata that hubs add and nothing here reads
 UNCHECKED = frozenset({"README.md", "LICENSE", ".gitattributes"})
+MANIFEST = "quasar.json"  # an artifact's record
 EXPORT_MANIFEST = "quasar-export.json"
 EXPORT_FORMAT_VERSION = 1
 

@@ -51,6 +51,18 @@ def allow_spinning(environ=os.environ) -> str:
     return "0" if environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else "1"
 
 
+def session_options(threads: int | None = None):
+    """The options every ORT session of ours gets: ``threads`` intra-op threads (default: the CPUs this process may use;
+    ORT's own default counts the host's cores), the exact u8 path, and the spinning policy of ``allow_spinning``."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or default_threads()
+    options.add_session_config_entry(*EXACT_QUANT_OPTION)
+    options.add_session_config_entry(SPINNING_OPTION, allow_spinning())
+    return options
+
+
 def unavailable() -> str | None:
     try:
         import onnxruntime  # noqa: F401
@@ -271,10 +283,7 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     else:
         path, config, linear_format = cached_export(path)
     providers = choose_providers(provider, ort.get_available_providers())
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or default_threads()  # ORT's own default counts the host's cores
-    options.add_session_config_entry(*EXACT_QUANT_OPTION)
-    options.add_session_config_entry(SPINNING_OPTION, allow_spinning())
+    options = session_options(threads)
     try:
         with_options = [(name, tensorrt_options(config) if name == "TensorrtExecutionProvider" else {}) for name in providers]
         session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=with_options)

@@ -83,7 +83,11 @@ def options_of(name: str) -> list[str]:
 def candidates(needs: Collection[str] = (), options: Collection[str] = ()) -> list[str]:
     """The backends of ``AUTO_ORDER`` that can run here, provide ``needs`` and take ``options``, best first."""
     wanted = _check_needs(needs)
-    return [n for n in AUTO_ORDER if wanted <= BACKENDS[n].provides and unavailable(n) is None and not set(options) - set(options_of(n))]
+    return [
+        n
+        for n in AUTO_ORDER
+        if wanted <= BACKENDS[n].provides and unavailable(n) is None and (not options or set(options) <= set(options_of(n)))
+    ]
 
 
 def default_backend(needs: Collection[str] = ()) -> str:

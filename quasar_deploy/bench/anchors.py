@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache import locked
 from ..errors import QuasarError
 from ..files import atomic_directory, first_line, sha256_files
 
@@ -207,14 +208,15 @@ def gguf_for(python: Path, checkpoint: Path, cache: Path) -> Path:
     key = sha256_files(checkpoint / "config.json", *weights, converter)[:12]
     target = cache / f"gguf-{key}"
     name = f"model-{GGUF_TYPE}.gguf"
-    if (target / name).is_file():
-        return target / name
-    with atomic_directory(target) as tmp:
-        job = {"converter": str(converter), "checkpoint": str(checkpoint), "outfile": str(tmp / name), "outtype": GGUF_TYPE}
-        reply = _json_object(_reply_text(python, {"engine": "llamacpp", "convert": job}, TIMEOUT_S))
-        if "error" in reply or not (tmp / name).is_file():
-            raise AnchorSkipped(f"llamacpp: GGUF conversion failed: {reply.get('error', 'no file written')}")
-        (tmp / "conversion.json").write_text(json.dumps({"source": str(checkpoint), **reply}))
+    with locked(target):  # two benchmarks started together convert once
+        if (target / name).is_file():
+            return target / name
+        with atomic_directory(target) as tmp:
+            job = {"converter": str(converter), "checkpoint": str(checkpoint), "outfile": str(tmp / name), "outtype": GGUF_TYPE}
+            reply = _json_object(_reply_text(python, {"engine": "llamacpp", "convert": job}, TIMEOUT_S))
+            if "error" in reply or not (tmp / name).is_file():
+                raise AnchorSkipped(f"llamacpp: GGUF conversion failed: {reply.get('error', 'no file written')}")
+            (tmp / "conversion.json").write_text(json.dumps({"source": str(checkpoint), **reply}))
     return target / name
 
 

@@ -275,7 +275,7 @@ def _anchor_phase(
     modes: list[str], settings: BenchSettings, contenders: Contenders, encoded: list[list[int]]
 ) -> tuple[dict[str, anchors.AnchorResult], dict[str, str]]:
     """The anchor modes, each in its own engine's process, before our engines load; the same greedy settings, batch 1."""
-    from ..demo import cache_dir
+    from ..cache import cache_dir
 
     if not modes:
         return {}, {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -52,7 +53,8 @@ class VerifyStepResult:
         return asdict(self)
 
 
-def _time_step(decoder: Decoder, cache, context: int, ids: torch.Tensor) -> float:
+def time_step(decoder: Decoder, cache, context: int, ids: torch.Tensor) -> float:
+    """Seconds of one forward of ``ids`` on ``cache`` cut back to ``context`` tokens (a verify step, repeatable)."""
     cache.truncate(context)
     start = time.perf_counter()
     decoder(ids, cache)
@@ -82,12 +84,12 @@ def verify_step(
     for model in (float_model, quant_model):
         cache = model.new_cache(context + tokens)
         model(prompt, cache)
-        _time_step(model, cache, context, ids)  # warm-up
+        time_step(model, cache, context, ids)  # warm-up
         caches.append(cache)
     float_times, quant_times = [], []
     for _ in tqdm(range(repeats), desc=f"verify step {shape}", disable=not progress):
-        float_times.append(_time_step(float_model, caches[0], context, ids))
-        quant_times.append(_time_step(quant_model, caches[1], context, ids))
+        float_times.append(time_step(float_model, caches[0], context, ids))
+        quant_times.append(time_step(quant_model, caches[1], context, ids))
     ratios = [f / q for f, q in zip(float_times, quant_times)]
     ideal = weight_bytes(float_model) / weight_bytes(quant_model)
     ratio = statistics.median(ratios)
@@ -128,11 +130,11 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     src = torch.ones(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    best = min(timed(lambda: dst.copy_(src)) for _ in range(repeats))
     return 2 * src.numel() * 4 / best
 
 
-def _timed(fn) -> float:
+def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

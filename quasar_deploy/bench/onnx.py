@@ -35,7 +35,7 @@ try:
 except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
-from ..backends.onnxruntime import EXACT_QUANT_OPTION, SPINNING_OPTION, allow_spinning
+from ..backends.onnxruntime import EXACT_QUANT_OPTION, session_options
 from ..decoder_spec import expected_shapes
 from ..exporters.onnx import save_graph
 from ..exporters.onnx_graph import LINEAR_FORMATS, OPSET, GraphBuilder, decoder_graph
@@ -44,7 +44,7 @@ from ..memory import return_freed_memory
 from ..model import Decoder
 from ..scheme import QMAX, quantize_weight, reference_linear
 from .memory import check_fits
-from .micro import weight_bytes
+from .micro import time_step, timed, weight_bytes
 from .synthetic import (
     LIBRARIES_BYTES,
     RandomTensors,
@@ -163,12 +163,8 @@ def step_peak_bytes(spec, with_torch: bool, int8_lm_head: bool = False) -> int:
 
 
 def _ort_session(directory: Path, threads: int):
-    """A session of the graph in ``directory``, built like the onnxruntime backend's (exact u8 path, its spinning policy)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry(*EXACT_QUANT_OPTION)
-    options.add_session_config_entry(SPINNING_OPTION, allow_spinning())
-    session = ort.InferenceSession(str(directory / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    """A session of the graph in ``directory``, with the onnxruntime backend's options."""
+    session = ort.InferenceSession(str(directory / "model.onnx"), session_options(threads), providers=["CPUExecutionProvider"])
     return_freed_memory()
     return session
 
@@ -207,7 +203,7 @@ def step(
             save_graph(decoder_graph(decoder, label), directory)
             del decoder
             return_freed_memory()
-            steps[label] = partial(_timed, _ort_session(directory, threads).run, None, _ort_feed(spec, ids, context, rng))
+            steps[label] = partial(timed, partial(_ort_session(directory, threads).run, None, _ort_feed(spec, ids, context, rng)))
     ideal = bytes_read["ORT fp32"] / bytes_read["ORT W8A8 integer"]
     if with_torch:
         kernels = default_float_kernel(), default_int8_kernel()
@@ -215,7 +211,7 @@ def step(
         for label, decoder in zip((f"torch float {kernels[0]}", f"torch W8A8 {kernels[1]}"), decoders):
             cache = decoder.new_cache(context + tokens)
             decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), cache)
-            steps[label] = partial(_torch_step, decoder, cache, context, torch.from_numpy(ids))
+            steps[label] = partial(time_step, decoder, cache, context, torch.from_numpy(ids))
     for run in steps.values():
         run()  # warm-up
     times: dict[str, list[float]] = {label: [] for label in steps}
@@ -235,17 +231,6 @@ def step(
         speedup = "" if label in floats else f"   {statistics.median(b / t for b, t in zip(best_float, series)):.2f}x the best float"
         yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
     yield f"  ideal W8A8 speed-up by weight bytes read: {ideal:.2f}x"
-
-
-def _timed(call: Callable[..., object], *args: object) -> float:
-    start = time.perf_counter()
-    call(*args)
-    return time.perf_counter() - start
-
-
-def _torch_step(decoder, cache, context: int, ids: torch.Tensor) -> float:
-    cache.truncate(context)
-    return _timed(decoder, ids, cache)
 
 
 def _greedy(lm, prompt: list[int], steps: int) -> list[int]:

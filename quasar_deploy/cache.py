@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import QuasarError
+from .exporters import ONNX_GRAPH_REVISION
 from .integrity import EXPORT_FORMAT_VERSION, MANIFEST
 
 
@@ -36,7 +37,7 @@ def content_key(model: Path) -> str:
     """sha256 naming what ``model`` holds: its artifact record, or a checkpoint's config and weight files' sizes and times."""
     from ._version import __version__
 
-    digest = hashlib.sha256(json.dumps([__version__, EXPORT_FORMAT_VERSION]).encode())
+    digest = hashlib.sha256(json.dumps([__version__, EXPORT_FORMAT_VERSION, ONNX_GRAPH_REVISION]).encode())
     if (model / MANIFEST).is_file():
         digest.update((model / MANIFEST).read_bytes())
         return digest.hexdigest()

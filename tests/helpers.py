@@ -37,11 +37,9 @@ def ort_session(model_or_path, optimized: Path | None = None):
     import onnx
     import onnxruntime as ort
 
-    from quasar_deploy.backends.onnxruntime import EXACT_QUANT_OPTION
+    from quasar_deploy.backends.onnxruntime import session_options
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.add_session_config_entry(*EXACT_QUANT_OPTION)  # as the backend: exact u8 x s8 on x64 CPUs without VNNI
+    options = session_options(1)  # as the backend's: exact u8 x s8 on every x64 CPU
     if optimized:
         options.optimized_model_filepath = str(optimized)
     source = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)

@@ -168,3 +168,31 @@ def test_ort_threads_spin_unless_openmp_waits_are_passive(tiny_onnx, monkeypatch
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     lm = load_onnx(tiny_onnx)
     assert lm.session.get_session_options().get_session_config_entry(SPINNING_OPTION) == spinning
+
+
+def test_int8_options_are_the_fastest_exact_ones(monkeypatch):
+    """No option where u8 x s8 is exact as is (VNNI); the u8 x u8 re-encoding where only it is; an error where neither."""
+    from quasar_deploy.backends import onnxruntime as backend
+
+    def probe_with(exact_under):
+        backend.exact_int8_entries.cache_clear()
+        monkeypatch.setattr(backend, "_int8_matmul_exact", lambda entries: entries in exact_under)
+        return backend.exact_int8_entries()
+
+    try:
+        assert probe_with([(), (backend.PRECISE_INT8_OPTION,)]) == ()
+        assert probe_with([(backend.PRECISE_INT8_OPTION,)]) == (backend.PRECISE_INT8_OPTION,)
+        with pytest.raises(QuasarError, match="not exact on this CPU"):
+            probe_with([])
+    finally:
+        backend.exact_int8_entries.cache_clear()
+
+
+def test_int8_probe_agrees_with_this_cpu():
+    """The precise option always gives exact sums; without it the probe's verdict matches whether this CPU has VNNI."""
+    from quasar_deploy.backends import onnxruntime as backend
+    from quasar_deploy.cpuinfo import cpu_flags
+
+    assert backend._int8_matmul_exact((backend.PRECISE_INT8_OPTION,))
+    if "avx512_vnni" in cpu_flags():
+        assert backend._int8_matmul_exact(())

@@ -20,7 +20,7 @@ from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
 from quasar_deploy.exporters import export  # noqa: E402
 from quasar_deploy.exporters import onnx as onnx_export  # noqa: E402
-from quasar_deploy.exporters.onnx_graph import OPSET, GraphBuilder, w8a8_linear  # noqa: E402
+from quasar_deploy.exporters.onnx_graph import GraphBuilder, w8a8_linear  # noqa: E402
 from quasar_deploy.files import sha256_files  # noqa: E402
 from quasar_deploy.scheme import quantize_weight, reference_linear  # noqa: E402
 
@@ -52,7 +52,7 @@ def test_linear_is_bit_exact_to_the_scheme(static):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
         g.initializers,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)])
     onnx.checker.check_model(model)
     got = session(model).run(None, {"x": x.numpy()})[0]
     expected = reference_linear(x, wq, w_scale, input_scale=input_scale)
@@ -82,11 +82,12 @@ def test_graph_is_checker_clean_and_matches_torch(exported, kind, tmp_path):
     assert (got - expected).abs().max().item() < LOGIT_ATOL
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     ops = collections.Counter(node.op_type for node in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
-    linears = 7 * files.spec.num_layers
+    products = 4 * files.spec.num_layers  # q/k/v and gate/up read one input, quantized alike: one product each
     if kind == "float":
         assert "MatMulInteger" not in ops
+        assert ops["MatMul"] + ops["FusedMatMul"] == products + 2 * files.spec.num_layers + 1  # + attention's two, the head
     else:  # every quantized linear stays an integer kernel after ORT's optimizations
-        assert ops["MatMulInteger"] == linears
+        assert ops["MatMulInteger"] == products
         assert "DequantizeLinear" not in ops
 
 

@@ -18,7 +18,7 @@ from quasar_deploy.backends.onnxruntime import load_onnx, mismatch_note  # noqa:
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
 from quasar_deploy.exporters import ONNX_FORMATS, export  # noqa: E402
-from quasar_deploy.exporters.onnx_graph import LINEAR_FORMATS, OPSET, GraphBuilder, qdq_linear  # noqa: E402
+from quasar_deploy.exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder, qdq_linear  # noqa: E402
 from quasar_deploy.integrity import EXPORT_MANIFEST  # noqa: E402
 from quasar_deploy.scheme import quantize_weight, reference_linear  # noqa: E402
 
@@ -54,7 +54,7 @@ def test_linear_fuses_to_an_integer_kernel_and_matches_the_scheme(tmp_path):
     g.op("Identity", qdq_linear(g, "x", wq.numpy(), w_scale.numpy(), float(input_scale), "test"), outputs=["y"])
     io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["m", size]) for name, size in (("x", k), ("y", n))]
     model = helper.make_model(
-        helper.make_graph(g.nodes, "linear", io[:1], io[1:], g.initializers), opset_imports=[helper.make_opsetid("", OPSET)]
+        helper.make_graph(g.nodes, "linear", io[:1], io[1:], g.initializers), opset_imports=[helper.make_opsetid("", g.opset)]
     )
     onnx.checker.check_model(model, full_check=True)
     got = torch.from_numpy(session(model, optimized=tmp_path / "optimized.onnx").run(None, {"x": x.numpy()})[0])

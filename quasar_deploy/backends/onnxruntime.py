@@ -6,7 +6,7 @@ next step's ``past`` inputs through IOBinding, so on a GPU provider they never l
 device. Truncation after a rejected draft slices the cached values (one copy per rollback,
 never per accepted token).
 
-Which graph suits which provider (docs/onnx.md): the ``integer`` export's u8 x u8 ``MatMulInteger`` has
+Which graph suits which provider (docs/onnx.md): the ``integer`` export's u8 x s8 ``MatMulInteger`` has
 kernels on the CPU only (ORT's CUDA kernel takes int8 x int8, TensorRT none), so on a GPU provider
 those nodes fall back to the CPU; the ``qdq`` export is the one TensorRT fuses into int8 GEMMs.
 """
@@ -14,6 +14,7 @@ those nodes fall back to the CPU; the ``qdq`` export is the one TensorRT fuses i
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
@@ -38,9 +39,9 @@ PROVIDERS = {
     "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
 }
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
-# x64 CPUs without VNNI sum u8 x s8 product pairs in saturating 16-bit lanes; this makes ORT's QDQ fusions use u8 x u8
-# there (exact). No effect on VNNI CPUs or on the integer graph, which is u8 x u8 already.
-EXACT_QUANT_OPTION = ("session.x64quantprecision", "1")
+# x64 CPUs without VNNI sum u8 x s8 product pairs in saturating 16-bit lanes; this option makes ORT re-encode int8
+# weights as uint8 at load and run its exact u8 x u8 kernel (on every x64 CPU, VNNI ones included: 2.4x slower there)
+PRECISE_INT8_OPTION = ("session.x64quantprecision", "1")
 SPINNING_OPTION = "session.intra_op.allow_spinning"
 
 
@@ -58,9 +59,55 @@ def session_options(threads: int | None = None):
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or default_threads()
-    options.add_session_config_entry(*EXACT_QUANT_OPTION)
+    for entry in exact_int8_entries():
+        options.add_session_config_entry(*entry)
     options.add_session_config_entry(SPINNING_OPTION, allow_spinning())
     return options
+
+
+@functools.cache
+def exact_int8_entries() -> tuple[tuple[str, str], ...]:
+    """The session config under which ORT's CPU ``MatMulInteger`` (u8 x s8) is exact on this CPU, found by running it.
+
+    Without options where it multiplies with VNNI; with ``PRECISE_INT8_OPTION`` where its u8 x s8 kernel would saturate.
+    Asked of the kernel rather than of CPU flags, because which kernel MLAS dispatches to is its own decision."""
+    for entries in ((), (PRECISE_INT8_OPTION,)):
+        if _int8_matmul_exact(entries):
+            return entries
+    raise QuasarError(
+        "ONNX Runtime's int8 MatMulInteger is not exact on this CPU, even with session.x64quantprecision=1; "
+        "run W8A8 on the cpu backend (--backend cpu)"
+    )
+
+
+def _int8_matmul_exact(entries: tuple[tuple[str, str], ...]) -> bool:
+    """Whether u8 x s8 products at the codes' extremes (255 x +-127, whose pair sums overflow 16 bits) sum exactly."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    depth, width = 256, 32
+    weight = np.random.default_rng(0).integers(-127, 128, (depth, width)).astype(np.int8)
+    weight[:, :8], weight[:, 8:16] = 127, -127
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["x", "w", "zero"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, [None, depth])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [None, width])],
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.array(128, np.uint8), "zero")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    for entry in entries:
+        options.add_session_config_entry(*entry)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    codes = np.random.default_rng(1).integers(0, 256, (6, depth)).astype(np.uint8)
+    codes[0], codes[1] = 255, 0
+    for rows in (codes[:1], codes):
+        expected = (rows.astype(np.int64) - 128) @ weight.astype(np.int64)
+        if not np.array_equal(session.run(None, {"x": rows})[0], expected):
+            return False
+    return True
 
 
 def unavailable() -> str | None:
@@ -118,7 +165,7 @@ def mismatch_note(provider: str, linear_format: str | None) -> str | None:
         return None
     if linear_format == "integer":
         return (
-            f"the integer graph's u8 x u8 MatMulInteger has no {provider} kernel (ORT's CUDA kernel takes int8 x int8, "
+            f"the integer graph's u8 x s8 MatMulInteger has no {provider} kernel (ORT's CUDA kernel takes int8 x int8, "
             "TensorRT none): ONNX Runtime runs those nodes on the CPU; export --format qdq for TensorRT"
         )
     if provider == "CUDAExecutionProvider":

@@ -268,7 +268,8 @@ def onnx() -> None:
 @threads_option
 @onnx_repeats_option
 def onnx_layers(size, depth, rows, threads, repeats):
-    """The exported W8A8 linear, integer and qdq forms, vs a float32 MatMul of the same shape, and how exact each is."""
+    """The exported W8A8 linear, integer (as the backend runs it, and re-encoded u8 x u8) and qdq forms, vs a float32
+    MatMul of the same shape, and how exact each is."""
     from ..bench.onnx import layers
 
     for line in layers(size, depth, rows, threads, repeats):

@@ -16,7 +16,7 @@ from ..exporters import ONNX_FORMATS, TARGETS
     "--format",
     "linear_format",
     type=click.Choice(ONNX_FORMATS),
-    help="onnx only: integer (default; exact u8xu8 MatMulInteger, for CPUs) or qdq (int8 Q/DQ for TensorRT; static artifacts).",
+    help="onnx only: integer (default; exact u8xs8 MatMulInteger, for CPUs) or qdq (int8 Q/DQ for TensorRT; static artifacts).",
 )
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), help="npu only: the model dtype (default: the source's half type).")
 def export_command(artifact, target, output, precision, linear_format, dtype):

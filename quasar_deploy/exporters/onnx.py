@@ -30,7 +30,7 @@ from ..decoder_spec import rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
 from ..model import DecoderLayer, Linear, RMSNorm, load_linear, tensor_loader
-from .onnx_graph import LINEAR_FORMATS, OPSET, ExternalData, Fill, GraphBuilder, build_graph
+from .onnx_graph import LINEAR_FORMATS, OPSETS, ExternalData, Fill, GraphBuilder, build_graph
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -39,7 +39,7 @@ SIDECAR_FORMAT = 1
 # protobuf refuses messages of 2 GiB; stay clear of it (graph structure adds a little on top of the weights)
 EXTERNAL_DATA_THRESHOLD = 1_900_000_000
 LINEAR_DESCRIPTIONS = {
-    "integer": "u8xu8 MatMulInteger, exact int32 accumulation",
+    "integer": "u8xs8 MatMulInteger, exact int32 accumulation",
     "qdq": "int8 QuantizeLinear/DequantizeLinear around MatMul: static per-tensor activations, per-channel weights",
 }
 
@@ -79,7 +79,7 @@ def genai_config(files: ModelFiles, precision: str, linear_format: str | None) -
             "precision": precision,
             "activation": scheme.activation if precision == "w8a8" else None,
             "linear": LINEAR_DESCRIPTIONS[linear_format] if linear_format else "float32 MatMul",
-            "opset": OPSET,
+            "opset": OPSETS[linear_format or "integer"],
             # the artifact's manifest checksums every file it has (one weights file or many shards): its own hash names it
             "source_manifest_sha256": sha256_files(files.path / MANIFEST) if files.manifest else None,
         },
@@ -176,7 +176,7 @@ def export(
 ) -> Path:
     """Write the ONNX decoder for ``files`` to the new directory ``output`` (temp dir, then rename), one layer at a time.
 
-    ``linear_format``: ``integer`` (exact u8 x u8 ``MatMulInteger``, for CPUs) or ``qdq`` (int8 Q/DQ pairs that
+    ``linear_format``: ``integer`` (exact u8 x s8 ``MatMulInteger``, for CPUs) or ``qdq`` (int8 Q/DQ pairs that
     TensorRT fuses; static-activation artifacts only). The manifest records it, so the loader knows its graph.
     ``external``: weights in ``model.onnx.data`` (written as the graph is built) rather than inside ``model.onnx``;
     by default when they would pass protobuf's 2 GB limit.

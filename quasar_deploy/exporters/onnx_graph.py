@@ -10,12 +10,15 @@ W8A8 linears come in two forms (``LINEAR_FORMATS``; docs/onnx.md has the measure
 - ``integer`` (the default): the one form that is both fast on ORT's CPU kernels and exact to
   ``scheme.py``. The activation is quantized in the graph (per token: ``Abs -> ReduceMax -> /127``;
   static: the calibrated constant), shifted to uint8 with zero point 128, and multiplied by the
-  weight re-encoded as uint8 with zero point 128 in ``MatMulInteger`` (int32 accumulation), then
-  scaled by ``acc * act_scale * weight_scale`` in the reference's order. u8 x u8 is used instead
-  of u8 x s8 because MLAS's AVX2 u8 x s8 kernel sums product pairs in saturating 16-bit registers
-  and loses exactness on full-range activations; the u8 x u8 kernel widens to 16 bits first and is
-  exact on every x86 CPU. Per-row activation scales cannot go through ``DequantizeLinear`` fused
-  kernels (ORT does not fuse a run-time per-row scale), hence the explicit integer form.
+  int8 weight in ``MatMulInteger`` (int32 accumulation), then scaled by
+  ``acc * act_scale * weight_scale`` in the reference's order. This u8 x s8 product is exact where
+  MLAS multiplies with VNNI (``vpdpbusd`` sums into 32-bit lanes) and 2.4x faster there than
+  u8 x u8; MLAS's AVX2 u8 x s8 kernel sums product pairs in saturating 16-bit lanes, so on x64 CPUs
+  without VNNI the backend sets ``session.x64quantprecision``, under which ORT re-encodes these
+  weights as uint8 at load and runs its exact u8 x u8 kernel (``backends/onnxruntime``'s probe
+  picks the option by running both). Per-row activation scales cannot go through
+  ``DequantizeLinear`` fused kernels (ORT does not fuse a run-time per-row scale), hence the
+  explicit integer form.
 - ``qdq``: the standard Q/DQ form that TensorRT and ORT's QDQ-aware execution providers fuse into
   int8 GEMMs: ``QuantizeLinear``/``DequantizeLinear`` with an int8 activation, zero point 0 and a
   constant per-tensor scale (static artifacts only: TensorRT needs build-time constant scales),
@@ -38,7 +41,9 @@ from ..decoder_spec import DecoderSpec
 from ..model import MLP, Attention, Decoder, DecoderLayer, Linear, RMSNorm
 from ..scheme import QMAX
 
-OPSET = 18
+# the integer form quantizes per row with QuantizeLinear's block_size (opset 21); the qdq form stays at 18, which every
+# TensorRT 10 parser reads
+OPSETS = {"integer": 21, "qdq": 18}
 ZERO_POINT = 128
 MASKED = float(np.finfo(np.float32).min)
 BATCH, SEQUENCE, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
@@ -109,6 +114,11 @@ class GraphBuilder:
         self.external = external
         self._count = 0
         self._scalars: dict[tuple[str, float], str] = {}
+        self._row_zero_point: str | None = None
+
+    @property
+    def opset(self) -> int:
+        return OPSETS[self.linear_format]
 
     def _name(self, hint: str) -> str:
         self._count += 1
@@ -153,19 +163,36 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, list(inputs), names, **attrs))
         return names[0] if len(names) == 1 else names
 
+    def row_zero_point(self, x: str) -> str:
+        """uint8 128 shaped [..., 1] like ``x``'s per-row scales: a blocked ``QuantizeLinear`` wants its zero point in
+        its scale's shape. Made once per graph from the first activation it is asked for, since every quantized
+        activation of a decoder graph has the same leading [batch, sequence] axes."""
+        if self._row_zero_point is None:
+            rows = self.op("Slice", self.op("Shape", x), self.ints([0]), self.ints([-1]))
+            shape = self.op("Concat", rows, self.ints([1]), axis=0)
+            self._row_zero_point = self.op("Expand", self.scalar(ZERO_POINT, np.uint8), shape)
+        return self._row_zero_point
 
-def w8a8_linear(g: GraphBuilder, x: str, wq: np.ndarray, w_scale: np.ndarray, input_scale: float | None, prefix: str) -> str:
-    """``scheme.reference_linear`` on the last axis of ``x``, bit for bit (exact int32 accumulation)."""
+
+def activation_codes(g: GraphBuilder, x: str, depth: int, input_scale: float | None) -> tuple[str, str]:
+    """``scheme``'s int8 codes of ``x`` (last axis ``depth``), as uint8 with zero point 128, and the scale they were
+    taken with: per row (``row_max / 127``, floored at 1e-12) or the calibrated constant. ``QuantizeLinear`` rounds
+    half to even like the reference and saturates at -128; per-row codes never reach it, a static scale's are clipped
+    first (the scheme saturates at -127)."""
     if input_scale is None:
         row_max = g.op("ReduceMax", g.op("Abs", x), g.ints([-1]), keepdims=1)
         scale = g.op("Max", g.op("Div", row_max, g.scalar(QMAX)), g.scalar(1e-12))
-    else:
-        scale = g.scalar(input_scale)
-    q = g.op("Clip", g.op("Round", g.op("Div", x, scale)), g.scalar(-QMAX), g.scalar(QMAX))
-    qu = g.op("Cast", g.op("Add", q, g.scalar(ZERO_POINT)), to=TensorProto.UINT8)
-    weight = g.const((wq.astype(np.int16) + ZERO_POINT).astype(np.uint8).T, f"{prefix}.weight_u8")
-    zero = g.scalar(ZERO_POINT, np.uint8)
-    acc = g.op("Cast", g.op("MatMulInteger", qu, weight, zero, zero), to=TensorProto.FLOAT)
+        return g.op("QuantizeLinear", x, scale, g.row_zero_point(x), axis=-1, block_size=depth), scale
+    scale = g.scalar(input_scale)
+    clipped = g.op("Clip", x, g.scalar(-QMAX * input_scale), g.scalar(QMAX * input_scale))
+    return g.op("QuantizeLinear", clipped, scale, g.scalar(ZERO_POINT, np.uint8)), scale
+
+
+def w8a8_linear(g: GraphBuilder, x: str, wq: np.ndarray, w_scale: np.ndarray, input_scale: float | None, prefix: str) -> str:
+    """``scheme.reference_linear`` on the last axis of ``x``, bit for bit (exact int32 accumulation)."""
+    codes, scale = activation_codes(g, x, wq.shape[1], input_scale)
+    weight = g.const(np.ascontiguousarray(wq.astype(np.int8).T), f"{prefix}.weight_int8")
+    acc = g.op("Cast", g.op("MatMulInteger", codes, weight, g.scalar(ZERO_POINT, np.uint8)), to=TensorProto.FLOAT)
     return g.op("Mul", g.op("Mul", acc, scale), g.const(w_scale.reshape(-1).astype(np.float32), f"{prefix}.weight_scale"))
 
 
@@ -200,6 +227,29 @@ def linear(g: GraphBuilder, x: str, layer: Linear, prefix: str) -> str:
     if layer.bias is not None:
         y = g.op("Add", y, g.const(layer.bias.float().numpy(), f"{prefix}.bias"))
     return y
+
+
+def shared_input_linears(g: GraphBuilder, x: str, layers: Sequence[Linear], prefixes: Sequence[str], fused: str) -> list[str]:
+    """Linears reading the same ``x`` (q/k/v, gate/up) as one product whose output is split, where that changes no
+    number: W8A8 ones of the integer form that quantize ``x`` alike (every output column is its own exact sum), or
+    float ones. One wide product instead of three small ones, and one epilogue, is what a verify step's few rows need:
+    on a CPU their time goes to per-node overhead as much as to the weights. Other groups stay separate."""
+    scales = {None if layer.input_scale is None else float(layer.input_scale.item()) for layer in layers}
+    quantized = {layer.quantized for layer in layers}
+    if quantized == {True} and g.linear_format == "integer" and len(scales) == 1:
+        wq = np.concatenate([layer.weight.numpy() for layer in layers])
+        w_scale = np.concatenate([layer.weight_scale.numpy().reshape(-1) for layer in layers])
+        y = w8a8_linear(g, x, wq, w_scale, scales.pop(), fused)
+    elif quantized == {False}:
+        weight_t = np.concatenate([layer.weight.float().numpy() for layer in layers]).T
+        y = g.op("MatMul", x, g.const(weight_t, f"{fused}.weight_t"))
+    else:
+        return [linear(g, x, layer, prefix) for layer, prefix in zip(layers, prefixes)]
+    biases = [layer.bias for layer in layers]
+    if any(bias is not None for bias in biases):
+        full = [torch.zeros(layer.out_features) if bias is None else bias.float() for layer, bias in zip(layers, biases)]
+        y = g.op("Add", y, g.const(torch.cat(full).numpy(), f"{fused}.bias"))
+    return g.op("Split", y, g.ints([layer.out_features for layer in layers]), axis=-1, outputs=len(layers))
 
 
 def rms_norm(g: GraphBuilder, x: str, norm: RMSNorm, name: str) -> str:
@@ -242,9 +292,12 @@ def attention(g: GraphBuilder, spec: DecoderSpec, x: str, attn: Attention, i: in
     """Grouped-query attention without copying K/V: queries are grouped as [batch, kv, group, seq, dim]."""
     prefix = f"{spec.layer_prefix(i)}.self_attn"
     heads, kv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q = g.op("Reshape", linear(g, x, attn.q_proj, f"{prefix}.q_proj"), g.ints([0, 0, heads, dim]))
-    k = g.op("Reshape", linear(g, x, attn.k_proj, f"{prefix}.k_proj"), g.ints([0, 0, kv, dim]))
-    v = g.op("Reshape", linear(g, x, attn.v_proj, f"{prefix}.v_proj"), g.ints([0, 0, kv, dim]))
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    names = [f"{prefix}.{name}" for name in ("q_proj", "k_proj", "v_proj")]
+    q, k, v = shared_input_linears(g, x, projections, names, f"{prefix}.qkv_proj")
+    q = g.op("Reshape", q, g.ints([0, 0, heads, dim]))
+    k = g.op("Reshape", k, g.ints([0, 0, kv, dim]))
+    v = g.op("Reshape", v, g.ints([0, 0, kv, dim]))
     if spec.qk_norm:
         q = rms_norm(g, q, attn.q_norm, f"{prefix}.q_norm.weight")
         k = rms_norm(g, k, attn.k_norm, f"{prefix}.k_norm.weight")
@@ -264,8 +317,8 @@ def attention(g: GraphBuilder, spec: DecoderSpec, x: str, attn: Attention, i: in
 
 
 def mlp(g: GraphBuilder, x: str, block: MLP, prefix: str) -> str:
-    gate = linear(g, x, block.gate_proj, f"{prefix}.gate_proj")
-    up = linear(g, x, block.up_proj, f"{prefix}.up_proj")
+    names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+    gate, up = shared_input_linears(g, x, (block.gate_proj, block.up_proj), names, f"{prefix}.gate_up_proj")
     return linear(g, g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up), block.down_proj, f"{prefix}.down_proj")
 
 
@@ -350,4 +403,4 @@ def build_graph(
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_shape) for n in past_names(i)]
         outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, present_shape) for n in present_names(i)]
     graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="quasar-deploy")
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)], producer_name="quasar-deploy")

@@ -201,7 +201,7 @@ def test_the_ideal_ratio_counts_the_bytes_the_decoders_read(small_shape, int8_lm
 
 def test_the_step_estimate_lets_a_streamed_1_7b_run_fit_24_gb_and_refuses_what_cannot():
     """The graphs are streamed (the build holds about one table, not the model), so Qwen3-1.7B without the torch
-    contenders fits a 24 GB machine (10.6 GB measured); the torch engines add theirs; an 8B shape is refused in one
+    contenders fits a 24 GB machine (12.5 GB measured); the torch engines add theirs; an 8B shape is refused in one
     line that says why."""
     pytest.importorskip("onnxruntime")
     from quasar_deploy.bench import onnx as bench_onnx

@@ -42,10 +42,6 @@ GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 # there (exact). No effect on VNNI CPUs or on the integer graph, which is u8 x u8 already.
 EXACT_QUANT_OPTION = ("session.x64quantprecision", "1")
 SPINNING_OPTION = "session.intra_op.allow_spinning"
-# A tied lm_head is the embedding table transposed in the graph, which ORT folds into a constant at load unless the
-# result passes this limit (default 1 GiB): Qwen3-1.7B's 1.24 GB table then stayed a Transpose run at every step. 4 GiB
-# covers every tied table we export (Qwen3-4B: 1.56 GB).
-FOLDING_OPTION = ("optimization.constant_folding_max_output_size_in_bytes", str(4 << 30))
 
 
 def allow_spinning(environ=os.environ) -> str:
@@ -57,14 +53,12 @@ def allow_spinning(environ=os.environ) -> str:
 
 def session_options(threads: int | None = None):
     """The options every ORT session of ours gets: ``threads`` intra-op threads (default: the CPUs this process may use;
-    ORT's own default counts the host's cores), the exact u8 path, a tied head folded at load (``FOLDING_OPTION``), and the
-    spinning policy of ``allow_spinning``."""
+    ORT's own default counts the host's cores), the exact u8 path, and the spinning policy of ``allow_spinning``."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or default_threads()
     options.add_session_config_entry(*EXACT_QUANT_OPTION)
-    options.add_session_config_entry(*FOLDING_OPTION)
     options.add_session_config_entry(SPINNING_OPTION, allow_spinning())
     return options
 

@@ -153,3 +153,63 @@ def test_int8_lm_head_twin_quantizes_the_float_twins_head(small_shape):
     )
     result = verify_step(small_shape, tokens=3, context=8, repeats=2, progress=False, int8_lm_head=True)
     assert result.int8_lm_head and result.ideal_ratio > 1
+
+
+@pytest.mark.parametrize("int8_lm_head", [False, True], ids=["float-head", "int8-head"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_step_bench_streams_the_graphs_an_in_memory_build_would_make(small_shape, monkeypatch, tmp_path, tied, int8_lm_head):
+    """``bench onnx step`` writes its graphs layer by layer into ``model.onnx.data``: the very nodes and initializers of
+    ``decoder_graph`` on the whole decoder, float and W8A8, from the same random draws."""
+    pytest.importorskip("onnxruntime")
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from quasar_deploy.bench import onnx as bench_onnx
+    from quasar_deploy.exporters.onnx_graph import decoder_graph
+    from quasar_deploy.model import Decoder
+
+    monkeypatch.setitem(synthetic.SHAPES, small_shape, (*synthetic.SHAPES[small_shape][:-1], tied))
+    spec = synthetic.synthetic_spec(small_shape)
+    twins = {
+        "float": ((spec, synthetic.RandomTensors(spec)), Decoder(spec, synthetic.RandomTensors(spec))),
+        "w8a8": (
+            synthetic.w8a8_source(small_shape, int8_lm_head=int8_lm_head),
+            synthetic.synthetic_w8a8_decoder(small_shape, 0, int8_lm_head),
+        ),
+    }
+    for label, (source, decoder) in twins.items():
+        (tmp_path / label).mkdir()
+        bench_onnx.write_synthetic_graph(tmp_path / label, *source, label)
+        assert (tmp_path / label / "model.onnx.data").stat().st_size > 0
+        streamed, in_memory = onnx.load(str(tmp_path / label / "model.onnx")), decoder_graph(decoder, label)
+        assert [n.op_type for n in streamed.graph.node] == [n.op_type for n in in_memory.graph.node]
+        expected = {t.name: numpy_helper.to_array(t) for t in in_memory.graph.initializer}
+        got = {t.name: numpy_helper.to_array(t) for t in streamed.graph.initializer}
+        assert got.keys() == expected.keys()
+        for name, array in expected.items():
+            np.testing.assert_array_equal(got[name], array, err_msg=f"{label}: {name}")
+
+
+@pytest.mark.parametrize("int8_lm_head", [False, True], ids=["float-head", "int8-head"])
+def test_the_ideal_ratio_counts_the_bytes_the_decoders_read(small_shape, int8_lm_head):
+    spec = synthetic.synthetic_spec(small_shape)
+    float_model, w8a8 = synthetic.synthetic_decoders(small_shape, int8_lm_head=int8_lm_head)
+    assert synthetic.step_read_bytes(spec, quantized=False) == weight_bytes(float_model)
+    assert synthetic.step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head) == weight_bytes(w8a8)
+
+
+def test_the_step_estimate_lets_a_streamed_1_7b_run_fit_24_gb_and_refuses_what_cannot():
+    """The graphs are streamed (the build holds about one table, not the model), so Qwen3-1.7B without the torch
+    contenders fits a 24 GB machine (12.5 GB measured); the torch engines add theirs; an 8B shape is refused in one
+    line that says why."""
+    pytest.importorskip("onnxruntime")
+    from quasar_deploy.bench import onnx as bench_onnx
+
+    spec = synthetic.synthetic_spec("qwen3-1.7b")
+    assert bench_onnx.step_peak_bytes(spec, with_torch=False) < 20 * GB
+    assert bench_onnx.step_peak_bytes(spec, with_torch=True) > bench_onnx.step_peak_bytes(spec, with_torch=False) + 5 * GB
+    assert bench_onnx.step_peak_bytes(spec, with_torch=False, int8_lm_head=True) < 20 * GB
+    needed = bench_onnx.step_peak_bytes(synthetic.synthetic_spec("qwen3-8b"), with_torch=False)
+    with pytest.raises(QuasarError, match=rf"needs ~{needed / GB:.1f} GB, this machine has 24\.0 GB available$"):
+        memory.check_fits(needed, "bench onnx step --synthetic qwen3-8b", available=24 * GB)

@@ -91,7 +91,18 @@ def test_modes_keep_their_names_and_order():
 
 
 @pytest.mark.parametrize(
-    "command", [["e2e"], ["verify-step"], ["kernels"], ["roofline"], ["onnx"], ["onnx", "layers"], ["onnx", "step"], ["onnx", "fidelity"]]
+    "command",
+    [
+        ["e2e"],
+        ["first-call"],
+        ["verify-step"],
+        ["kernels"],
+        ["roofline"],
+        ["onnx"],
+        ["onnx", "layers"],
+        ["onnx", "step"],
+        ["onnx", "fidelity"],
+    ],
 )
 def test_every_bench_subcommand_has_help(command):
     result = CliRunner().invoke(main, ["bench", *command, "--help"])
@@ -126,3 +137,22 @@ def test_roofline_sets_a_generation_against_the_bandwidth_bound(tiny_artifact):
     assert r["bytes_per_step"] > weight_bytes(load(tiny_artifact.path, backend="cpu").lm.decoder)  # weights plus the KV cache
     assert r["bound_step_ms"] == pytest.approx(r["bytes_per_step"] / (r["bandwidth_gb_s"] * 1e9) * 1e3)
     assert 0 < r["fraction_of_bound"] == pytest.approx(r["bound_step_ms"] / r["verify_step_ms"])
+
+
+def test_first_call_times_each_generation_after_one_load(tiny_artifact, tmp_path):
+    """``bench first-call``: one load, then CALLS generations of the same prompts, each call's decode speed and the first
+    against the median of the others (the figures themselves are machine-dependent: not asserted)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["def f(x):"]}\n{"turns": ["class A:"]}\n{"turns": ["unused"]}\n')
+    args = ["bench", "first-call", str(tiny_artifact.path), "--backend", "cpu", "--max-new-tokens", "6", "--calls", "4"]
+    result = CliRunner().invoke(main, [*args, "--prompts", str(prompts), "--limit", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    assert r["backend"] == "cpu" and r["prompts"] == 2 and r["load_s"] > 0 and len(r["decode_tokens_per_s"]) == 4
+    assert all(rate > 0 for rate in r["decode_tokens_per_s"]) and all(0 < n <= 12 for n in r["new_tokens"])
+    rest = sorted(r["decode_tokens_per_s"][1:])[1]
+    assert r["first_vs_rest"] == pytest.approx(r["decode_tokens_per_s"][0] / rest)
+    text = CliRunner().invoke(main, [*args[:-1], "2"]).output
+    assert "call 2:" in text and "call 3:" not in text and "first call at" in text and "load (warm-up included)" in text
+    missing = CliRunner().invoke(main, [*args, "--prompts", str(tmp_path / "none.jsonl")])
+    assert missing.exit_code == 1 and missing.output.strip() == f"error: {tmp_path / 'none.jsonl'}: no such prompt file"

@@ -7,10 +7,10 @@ weights in cache), plus a check of each form against ``scheme.reference_linear``
 ``fidelity``: an exported directory on the onnxruntime backend against the torch decoder with the
 exact reference int8 kernel (or float), teacher-forced logits and greedy continuations.
 ``step``: a k+1-token verify on a warm cache of a published shape with synthetic weights, on ONNX
-Runtime's float and W8A8 graphs and the torch cpu backend's float and W8A8 decoders, timed round
-robin; speed-ups against the best float contender of each round. docs/onnx.md records what they
-gave here. Each yields its report line by
-line, since a run takes minutes.
+Runtime's float and W8A8 graphs (streamed to disk layer by layer, as an export is) and the torch
+cpu backend's float and W8A8 decoders, timed round robin; speed-ups against the best float
+contender of each round. docs/onnx.md records what they gave here. Each yields its report line
+by line, since a run takes minutes.
 """
 
 from __future__ import annotations
@@ -36,23 +36,23 @@ except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
 from ..backends.onnxruntime import PRECISE_INT8_OPTION, exact_int8_entries, session_options
-from ..decoder_spec import expected_shapes
-from ..exporters.onnx import save_graph
-from ..exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder, decoder_graph
+from ..decoder_spec import DecoderSpec, expected_shapes
+from ..exporters.onnx import source_graph, write_graph
+from ..exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder
 from ..kernels import default_float_kernel, default_int8_kernel
 from ..memory import return_freed_memory
-from ..model import Decoder
 from ..scheme import QMAX, quantize_weight, reference_linear
 from .memory import check_fits
-from .micro import time_step, timed, weight_bytes
+from .micro import time_step, timed
 from .synthetic import (
     LIBRARIES_BYTES,
     RandomTensors,
     engines_peak_bytes,
     is_layer_linear,
+    step_read_bytes,
     synthetic_decoders,
     synthetic_spec,
-    synthetic_w8a8_decoder,
+    w8a8_source,
 )
 
 
@@ -153,17 +153,31 @@ def _graph_bytes(spec) -> tuple[int, int]:
     return 4 * linears + table, linears + table
 
 
-# Building a graph in memory (``decoder_graph``, then ``save_graph``) holds several copies of its weights: the decoder's,
-# the initializers', the serialized bytes. A Qwen3-1.7B float graph (6.9 GB of weights) was killed at 24 GB, twice.
-GRAPH_BUILD_FACTOR = 4
+# Measured (resident set per phase; Qwen3-0.6B and 1.7B, docs/onnx.md): a streamed graph build peaks at 2.8x its largest
+# tensor, the embedding table (drawn, scaled, and mapped into the weights file), whatever the layer count; an ORT
+# session then holds 1.2x (float) to 1.5x (W8A8) its graph's weights, the pages it maps from the weights file included,
+# and its build peaks at up to 1.6x them.
+GRAPH_BUILD_FACTOR = 3
+SESSION_FACTOR = 1.2
+SESSION_BUILD_FACTOR = 1.6
 
 
-def step_peak_bytes(spec, with_torch: bool, int8_lm_head: bool = False) -> int:
-    """The graphs are built one at a time (``GRAPH_BUILD_FACTOR`` times each graph's weights while it is built) beside
-    the sessions already built; then the torch engines, when they run too, beside both sessions."""
+def step_peak_bytes(spec: DecoderSpec, with_torch: bool, int8_lm_head: bool = False) -> int:
+    """The float graph is built, then its session; then the W8A8 graph and its session beside the float session (a graph
+    build holds ``GRAPH_BUILD_FACTOR`` times the embedding table); then the torch engines, when they run too, beside
+    both sessions."""
     float_graph, w8a8_graph = _graph_bytes(spec)
-    graphs = max(GRAPH_BUILD_FACTOR * float_graph, float_graph + GRAPH_BUILD_FACTOR * w8a8_graph) + LIBRARIES_BYTES
-    return max(graphs, float_graph + w8a8_graph + engines_peak_bytes(spec, int8_lm_head)) if with_torch else graphs
+    build = GRAPH_BUILD_FACTOR * 4 * spec.vocab_size * spec.hidden_size
+    float_session = SESSION_FACTOR * float_graph
+    sessions = float_session + SESSION_BUILD_FACTOR * w8a8_graph  # the W8A8 session's build, or what it then holds
+    graphs = int(max(build, SESSION_BUILD_FACTOR * float_graph, float_session + build, sessions)) + LIBRARIES_BYTES
+    return max(graphs, int(sessions) + engines_peak_bytes(spec, int8_lm_head)) if with_torch else graphs
+
+
+def write_synthetic_graph(directory: Path, spec: DecoderSpec, source: RandomTensors, name: str) -> None:
+    """The graph of ``source``'s random weights in ``directory``, streamed as an export is: one layer at a time, each
+    initializer in ``model.onnx.data`` as it is made, so the build holds about the embedding table, not the model."""
+    write_graph(directory, lambda data: source_graph(spec, source, name, data)[0], external=True)
 
 
 def _ort_session(directory: Path, threads: int):
@@ -193,22 +207,15 @@ def step(
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, tokens)
     steps: dict[str, Callable[[], float]] = {}
-    builders = {
-        "ORT fp32": lambda: Decoder(spec, RandomTensors(spec)),
-        "ORT W8A8 integer": lambda: synthetic_w8a8_decoder(shape, int8_lm_head=int8_lm_head),
-    }
-    bytes_read = {}
+    sources = {"ORT fp32": (spec, RandomTensors(spec)), "ORT W8A8 integer": w8a8_source(shape, int8_lm_head=int8_lm_head)}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, build in builders.items():  # one at a time: a decoder and its graph never sit beside the other's
+        for label, source in sources.items():  # one at a time, each beside the sessions already built
             directory = Path(tmp) / label.replace(" ", "-")
             directory.mkdir()
-            decoder = build()
-            bytes_read[label] = weight_bytes(decoder)
-            save_graph(decoder_graph(decoder, label), directory)
-            del decoder
+            write_synthetic_graph(directory, *source, label)
             return_freed_memory()
             steps[label] = partial(timed, partial(_ort_session(directory, threads).run, None, _ort_feed(spec, ids, context, rng)))
-    ideal = bytes_read["ORT fp32"] / bytes_read["ORT W8A8 integer"]
+    ideal = step_read_bytes(spec, quantized=False) / step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head)
     if with_torch:
         kernels = default_float_kernel(), default_int8_kernel()
         decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -116,6 +116,10 @@ class RandomTensors:
             return weight
         return self._draw(name)
 
+    def row_blocks(self, name: str) -> Iterator[torch.Tensor]:
+        """The tensor as one block (a draw cannot be split into rows and stay the same draw); for ``source_graph``."""
+        yield self.tensor(name)
+
 
 def synthetic_decoders(
     name: str,
@@ -156,22 +160,43 @@ def synthetic_decoders(
 LIBRARIES_BYTES = 10**9  # the libraries (torch + transformers imported: 0.35 GB resident here), kernel scratch, allocator slack
 
 
+def _linear_bytes(spec: DecoderSpec) -> tuple[int, int]:
+    """The layers' linears: float32 bytes, and int8 bytes with their float32 per-channel scales."""
+    shapes = expected_shapes(spec)
+    elements = sum(math.prod(shape) for name, shape in shapes.items() if is_layer_linear(name))
+    scales = sum(shapes[n.removesuffix(".weight") + ".weight_scale"][0] for n in shapes if is_layer_linear(n))
+    return 4 * elements, elements + 4 * scales
+
+
+def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = False) -> int:
+    """Bytes of weights one step of the float (or the W8A8) twin reads: its linears and lm_head, as
+    ``micro.weight_bytes`` counts them on a decoder, from the shape alone (no decoder built)."""
+    float_linears, int8_linears = _linear_bytes(spec)
+    head = spec.vocab_size * spec.hidden_size
+    if not quantized:
+        return float_linears + 4 * head
+    return int8_linears + (head + 4 * spec.vocab_size if int8_lm_head else 4 * head)
+
+
 def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False) -> int:
     """Peak resident bytes of ``synthetic_decoders(kernels=...)``: float linears (packed), embedding, one packed lm_head,
     int8 linears; an untied head, or the float rows an int8 head is quantized from, is drawn once more while the W8A8
     decoder is built, and an int8 head adds its bytes and scales. Plus the libraries."""
-    shapes = expected_shapes(spec)
-    linears = [math.prod(shape) for name, shape in shapes.items() if is_layer_linear(name)]
+    float_linears, int8_linears = _linear_bytes(spec)
     embedding = 4 * spec.vocab_size * spec.hidden_size
     head = embedding if spec.tie_word_embeddings and not int8_lm_head else 2 * embedding
     if int8_lm_head:
         head += spec.vocab_size * (spec.hidden_size + 4)
-    int8 = sum(linears) + 4 * sum(shapes[n.removesuffix(".weight") + ".weight_scale"][0] for n in shapes if is_layer_linear(n))
-    return 4 * sum(linears) + embedding + head + int8 + LIBRARIES_BYTES
+    return float_linears + embedding + head + int8_linears + LIBRARIES_BYTES
+
+
+def w8a8_source(name: str, seed: int = 0, int8_lm_head: bool = False) -> tuple[DecoderSpec, RandomTensors]:
+    """The W8A8 twin's spec (untied when it has its own int8 head) and its tensors, quantized one at a time as asked for."""
+    spec = synthetic_spec(name)
+    quant_spec = dataclasses.replace(spec, tie_word_embeddings=False) if int8_lm_head else spec
+    return quant_spec, RandomTensors(spec, seed, quantized=True, int8_lm_head=int8_lm_head)
 
 
 def synthetic_w8a8_decoder(name: str, seed: int = 0, int8_lm_head: bool = False) -> Decoder:
     """The W8A8 decoder of ``synthetic_decoders`` alone, quantized tensor by tensor (no float copy held meanwhile)."""
-    spec = synthetic_spec(name)
-    quant_spec = dataclasses.replace(spec, tie_word_embeddings=False) if int8_lm_head else spec
-    return Decoder(quant_spec, RandomTensors(spec, seed, quantized=True, int8_lm_head=int8_lm_head))
+    return Decoder(*w8a8_source(name, seed, int8_lm_head))

@@ -1,4 +1,4 @@
-"""``quasar-deploy bench e2e|serve|verify-step|roofline|kernels|onnx|gpu``: every speed figure the docs quote, one
+"""``quasar-deploy bench e2e|serve|first-call|verify-step|roofline|kernels|onnx|gpu``: every speed figure the docs quote, one
 subcommand per measurement; ``write-checkpoint``: a real-size random checkpoint to measure calibration and loading on."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from ..backends.registry import BACKENDS
 from ..bench.gpu_settings import DEFAULT_ROWS, DEFAULT_SHAPES, GpuSettings
 from ..bench.modes import ALL_MODES, ORT_MODES
 from ..errors import QuasarError
@@ -147,6 +148,31 @@ def roofline_command(path, prompt, max_new_tokens, draft, num_draft, as_json):
 
     result = roofline(path, prompt, max_new_tokens, draft, num_draft)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else describe_roofline(result))
+
+
+@bench.command("first-call")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", *BACKENDS]))
+@click.option(
+    "--draft",
+    default="ngram",
+    show_default=True,
+    type=click.Choice([d for d in DRAFTERS if d != "model"]),
+    help="Drafter (see generate --draft).",
+)
+@click.option("--num-draft", "-k", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--calls", default=3, show_default=True, type=click.IntRange(min=2), help="Generations of the same prompt(s) after one load.")
+@click.option("--prompts", type=click.Path(dir_okay=False), help="Spec-Bench JSONL (turns[0] is the prompt); default: built-in.")
+@click.option("--limit", default=1, show_default=True, type=click.IntRange(min=1), help="Prompts per call.")
+@json_option
+def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, prompts, limit, as_json):
+    """PATH loaded once (warm-up included in the load time), then generated CALLS times on the same prompt(s): each call's
+    decode tok/s and the first call as a share of the median of the rest (load's warm-up should make it the steady state)."""
+    from ..bench.first_call import describe_first_call, first_call
+
+    result = first_call(path, backend, draft, num_draft, max_new_tokens, calls, prompts, limit)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else describe_first_call(result))
 
 
 @bench.command("serve")

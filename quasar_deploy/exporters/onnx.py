@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,10 +27,10 @@ except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
 from ..artifact import HEAD, MANIFEST, ModelFiles, checked_row_blocks
-from ..decoder_spec import rope_inv_freq
+from ..decoder_spec import DecoderSpec, rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
-from ..model import DecoderLayer, Linear, RMSNorm, load_linear, tensor_loader
+from ..model import DecoderLayer, Linear, RMSNorm, TensorSource, load_linear, tensor_loader
 from .onnx_graph import LINEAR_FORMATS, OPSETS, ExternalData, Fill, GraphBuilder, build_graph
 
 MODEL_FILE = "model.onnx"
@@ -124,13 +125,24 @@ def graph_weight_bytes(files: ModelFiles) -> int:
     return sum(math.prod(shape) * (1 if ckpt.dtypes[name] == "I8" else 4) for name, shape in ckpt.shapes.items())
 
 
-def streamed_graph(
-    files: ModelFiles, name: str, external: ExternalData | None, progress: bool, linear_format: str = "integer"
-) -> onnx.ModelProto:
-    """The graph built one decoder layer at a time from the checkpoint; with ``external``, each layer's weights are in that
-    file before the next layer is read, and the embedding table and lm_head go there block by block."""
-    spec, ckpt = files.spec, files.checkpoint
-    load = tensor_loader(ckpt, torch.float32)
+class BlockSource(TensorSource, Protocol):
+    """A ``TensorSource`` that also hands out a 2-D tensor as row blocks (a checkpoint, or bench's random tensors)."""
+
+    def row_blocks(self, name: str) -> Iterator[torch.Tensor]: ...
+
+
+def source_graph(
+    spec: DecoderSpec,
+    source: BlockSource,
+    name: str,
+    external: ExternalData | None,
+    progress: bool = False,
+    linear_format: str = "integer",
+) -> tuple[onnx.ModelProto, set[str]]:
+    """The graph built one decoder layer at a time from ``source``, and the names of its quantized linears; with
+    ``external``, each layer's weights are in that file before the next layer is read, and the embedding table and
+    lm_head go there block by block. An 8B graph never holds its weights twice, or whole."""
+    load = tensor_loader(source, torch.float32)
     quantized: set[str] = set()
 
     def layers() -> Iterator[DecoderLayer]:
@@ -141,7 +153,7 @@ def streamed_graph(
 
     def rows(tensor: str) -> Iterator[tuple[int, np.ndarray]]:
         start = 0
-        for block in checked_row_blocks(ckpt, tensor):
+        for block in checked_row_blocks(source, tensor):
             yield start, block.float().numpy()
             start += block.shape[0]
 
@@ -156,14 +168,33 @@ def streamed_graph(
     g = GraphBuilder(linear_format, external)
     norm = RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)
     head: Linear | Fill | None = None if spec.tie_word_embeddings else head_t
-    if ckpt.dtypes.get("lm_head.weight") == "I8":  # an int8 head (``--int8-lm-head``), exported as the layers' linears are
+    if f"{HEAD}.weight_scale" in source.names:  # an int8 head (``--int8-lm-head``), exported as the layers' linears are
         head = load_linear(load, HEAD)
         quantized.add(HEAD)
-    model = build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, head)
+    return build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, head), quantized
+
+
+def streamed_graph(
+    files: ModelFiles, name: str, external: ExternalData | None, progress: bool, linear_format: str = "integer"
+) -> onnx.ModelProto:
+    """``source_graph`` of an artifact or checkpoint, its quantized linears checked against the manifest."""
+    model, quantized = source_graph(files.spec, files.checkpoint, name, external, progress, linear_format)
     if files.manifest and quantized != set(files.manifest["quantized_layers"]):
         odd = sorted(quantized ^ set(files.manifest["quantized_layers"]))[0]
         raise QuasarError(f"{files.path}: layer {odd!r} does not match the manifest (corrupted artifact)")
     return model
+
+
+def write_graph(directory: Path, build: Callable[[ExternalData | None], onnx.ModelProto], external: bool) -> None:
+    """``build(weights file or None)``'s graph saved in ``directory``; with ``external``, its weights were written to
+    ``model.onnx.data`` while it was built."""
+    data = ExternalData(directory / DATA_FILE) if external else None
+    try:
+        model = build(data)
+    finally:
+        if data is not None:
+            data.close()
+    save_graph(model, directory)
 
 
 def export(
@@ -186,14 +217,8 @@ def export(
     if external is None:
         external = graph_weight_bytes(files) > EXTERNAL_DATA_THRESHOLD
     with atomic_directory(output) as tmp:
-        data = ExternalData(tmp / DATA_FILE) if external else None
-        try:
-            model = streamed_graph(files, f"{files.spec.architecture}-{precision}", data, progress, linear or "integer")
-        finally:
-            if data is not None:
-                data.close()
-        save_graph(model, tmp)
-        del model
+        name = f"{files.spec.architecture}-{precision}"
+        write_graph(tmp, lambda data: streamed_graph(files, name, data, progress, linear or "integer"), external)
         (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision, linear), indent=2))
         copy_files(files.path, tmp, ("config.json", *TOKENIZER_FILES))
         write_export_manifest(tmp, "onnx", files.path, {"precision": precision, "linear_format": linear})

@@ -40,7 +40,7 @@ PROVIDERS = {
 }
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 # x64 CPUs without VNNI sum u8 x s8 product pairs in saturating 16-bit lanes; this option makes ORT re-encode int8
-# weights as uint8 at load and run its exact u8 x u8 kernel (on every x64 CPU, VNNI ones included: 2.4x slower there)
+# weights as uint8 at load and run its exact u8 x u8 kernel (on every x64 CPU, VNNI ones included: 2.1-2.4x slower there)
 PRECISE_INT8_OPTION = ("session.x64quantprecision", "1")
 SPINNING_OPTION = "session.intra_op.allow_spinning"
 

@@ -21,6 +21,14 @@ accumulation; they differ only in speed and in where they run):
   FBGEMM's kernel accumulates u8*s8 products straight into 32 bits and cannot overflow:
   the full-range int8 rows plus pinning rows -127 and 128 (scale 1, zero point 127), M+2
   rows of compute; the accumulation is recovered as above (exact while |acc| < 2^23).
+  Tested bit-identical to the reference there.
+- ``onednn-vnni``: oneDNN's u8 x s8 int8 linear (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86
+  int8 path uses), fed the int8 codes shifted to uint8 (zero point 128) with unit scales, so its float32 output is
+  the int32 accumulation converted once, as the reference's ``.float()`` converts its exact sum; the scheme's
+  scaling follows in the reference's order. Exact at any K where oneDNN multiplies with VNNI (32-bit lanes);
+  without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only with AVX-512 VNNI.
+  No pinning rows and no float64 recovery: faster than fbgemm-vnni from M = 4 rows up (a verify step, a batched
+  serving step), slower at M = 1 (``bench kernels --int8-kernels onednn-vnni,fbgemm-vnni``; docs/architecture.md).
   Chosen by default where the CPU has VNNI; tested bit-identical to the reference there.
 - ``cuda`` / ``npu`` kernels live with their backends.
 
@@ -42,7 +50,8 @@ from .cpuinfo import cpu_flags
 from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activation
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
-INT8_KERNELS = ("reference", "fbgemm", "fbgemm-vnni")
+ZERO_POINT = 128  # int8 codes shifted to uint8 for oneDNN's u8 x s8 kernel
+INT8_KERNELS = ("reference", "fbgemm", "fbgemm-vnni", "onednn-vnni")
 FLOAT_KERNELS = ("torch", "onednn")
 
 
@@ -54,13 +63,21 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_int8_available() -> bool:
+    return hasattr(torch.ops.onednn, "qlinear_pointwise") and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
 def vnni_available() -> bool:
     """FBGEMM runs its VNNI kernel (u8*s8 summed straight into 32 bits: no overflow) on CPUs with AVX-512 VNNI."""
     return "avx512_vnni" in cpu_flags()
 
 
 def default_int8_kernel(device: str = "cpu") -> str:
-    if device != "cpu" or not fbgemm_available():
+    if device != "cpu":
+        return "reference"
+    if vnni_available() and onednn_int8_available():
+        return "onednn-vnni"
+    if not fbgemm_available():
         return "reference"
     return "fbgemm-vnni" if vnni_available() else "fbgemm"
 
@@ -76,7 +93,7 @@ def _onednn_packs(weight: torch.Tensor) -> bool:
 def packs_weight(weight: torch.Tensor, float_kernel: str, int8_kernel: str) -> bool:
     """Whether the kernel chosen for ``weight`` keeps its own packed copy, so the caller may release the original."""
     if weight.dtype == torch.int8:
-        return int8_kernel.startswith("fbgemm")
+        return int8_kernel != "reference"
     return float_kernel == "onednn" and _onednn_packs(weight)
 
 
@@ -164,6 +181,24 @@ def _fbgemm(wq, w_scale, bias, input_scale, split: bool) -> LinearFn:
     return run
 
 
+def _onednn_int8(wq, w_scale, bias, input_scale) -> LinearFn:
+    """oneDNN's int8 linear with unit scales: its output is the exact accumulation as float32 (see the module doc)."""
+    packed = torch.ops.onednn.qlinear_prepack(wq.cpu(), None)
+    unit_scales, zero_points = torch.ones(wq.shape[0]), torch.zeros(wq.shape[0], dtype=torch.long)
+    w_row = w_scale.float().reshape(1, -1)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        scale = _activation_scale(x, input_scale)
+        codes = (quantize_activation(x, scale) + ZERO_POINT).to(torch.uint8)
+        acc = torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, ZERO_POINT, packed, unit_scales, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        y = acc * scale * w_row
+        return y + bias if bias is not None else y
+
+    return run
+
+
 def int8_linear(
     wq: torch.Tensor,
     w_scale: torch.Tensor,
@@ -180,6 +215,10 @@ def int8_linear(
         if kernel == "fbgemm-vnni" and not vnni_available():
             raise ValueError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
         return _fbgemm(wq, w_scale, bias, input_scale, split=kernel == "fbgemm")
+    if kernel == "onednn-vnni":
+        if not (vnni_available() and onednn_int8_available()):
+            raise ValueError("the onednn-vnni kernel needs a CPU with AVX-512 VNNI and a PyTorch build with oneDNN's int8 ops")
+        return _onednn_int8(wq, w_scale, bias, input_scale)
     raise ValueError(f"unknown int8 kernel {kernel!r}; choose from {INT8_KERNELS}")
 
 
@@ -194,5 +233,6 @@ __all__ = [
     "float_linear",
     "int8_linear",
     "onednn_available",
+    "onednn_int8_available",
     "packs_weight",
 ]

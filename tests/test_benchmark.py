@@ -156,3 +156,17 @@ def test_first_call_times_each_generation_after_one_load(tiny_artifact, tmp_path
     assert "call 2:" in text and "call 3:" not in text and "first call at" in text and "load (warm-up included)" in text
     missing = CliRunner().invoke(main, [*args, "--prompts", str(tmp_path / "none.jsonl")])
     assert missing.exit_code == 1 and missing.output.strip() == f"error: {tmp_path / 'none.jsonl'}: no such prompt file"
+
+
+def test_bench_kernels_names_its_kernels():
+    """Unknown int8 kernels are refused in one line; other kernels' times print beside the first's."""
+    from quasar_deploy.bench.micro import describe_linear_kernels
+
+    from .helpers import assert_one_line_error
+
+    assert_one_line_error(CliRunner().invoke(main, ["bench", "kernels", "--int8-kernels", "onednn-vnni,fast"]), "unknown kernel 'fast'")
+    row = {"out_features": 8, "in_features": 4, "m": 6, "float_ms": 2.0, "w8a8_ms": 1.0, "speedup": 2.0}
+    row |= {"float_fraction_of_bound": 0.5, "w8a8_fraction_of_bound": 0.4, "other_int8_ms": {"fbgemm-vnni": 1.25}}
+    result = {"shape": "s", "float_kernel": "onednn", "int8_kernel": "onednn-vnni", "other_int8_kernels": ["fbgemm-vnni"]}
+    text = describe_linear_kernels(result | {"threads": 2, "bandwidth_gb_s": 20.0, "rows": [row]})
+    assert "fbgemm-vnni ms" in text.splitlines()[1] and text.splitlines()[2].endswith("1.250")

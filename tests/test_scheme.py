@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quasar_deploy.cpuinfo import cpu_flags
-from quasar_deploy.kernels import default_int8_kernel, fbgemm_available, int8_linear, vnni_available
+from quasar_deploy.kernels import default_int8_kernel, fbgemm_available, int8_linear, onednn_int8_available, vnni_available
 from quasar_deploy.scheme import int8_matmul_exact, per_token_scale, quantize_activation, quantize_weight, reference_linear
 
 
@@ -44,6 +44,7 @@ def test_reference_is_batch_invariant():
 FBGEMM_KERNELS = [
     pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")),
     pytest.param("fbgemm-vnni", marks=pytest.mark.skipif(not (fbgemm_available() and vnni_available()), reason="needs AVX-512 VNNI")),
+    pytest.param("onednn-vnni", marks=pytest.mark.skipif(not (onednn_int8_available() and vnni_available()), reason="needs AVX-512 VNNI")),
 ]
 
 
@@ -62,8 +63,24 @@ def test_fbgemm_kernels_equal_reference(kernel, static, in_features):
     assert torch.equal(one_row[0], got[2])
 
 
+@pytest.mark.skipif(not (onednn_int8_available() and vnni_available()), reason="needs AVX-512 VNNI")
+def test_onednn_kernel_is_exact_past_float32s_integer_range():
+    """Accumulators past 2^24 (full-range codes, K = 8192) round as the reference's ``.float()`` rounds them."""
+    k = 8192
+    weight = torch.ones(4, k)
+    weight[1], weight[2, ::2], weight[3] = -1, -1, torch.linspace(-1, 1, k)
+    x = torch.ones(3, k)
+    x[1, ::3], x[2] = -1, torch.linspace(-1, 1, k) + 1e-3
+    wq, scale = quantize_weight(weight)
+    expected = int8_linear(wq, scale, None, None, "reference")(x)
+    assert expected.abs().max() > 0 and torch.equal(int8_linear(wq, scale, None, None, "onednn-vnni")(x), expected)
+
+
 def test_the_default_int8_kernel_follows_the_cpu():
-    expected = "reference" if not fbgemm_available() else "fbgemm-vnni" if vnni_available() else "fbgemm"
+    if vnni_available() and onednn_int8_available():
+        expected = "onednn-vnni"
+    else:
+        expected = "reference" if not fbgemm_available() else "fbgemm-vnni" if vnni_available() else "fbgemm"
     assert default_int8_kernel("cpu") == expected and default_int8_kernel("cuda") == "reference"
 
 

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from ..decoder_spec import DecoderSpec
+from ..errors import QuasarError
 from ..kernels import default_float_kernel, default_int8_kernel
 from ..model import Decoder
 from .memory import check_fits
@@ -166,18 +167,26 @@ def kernels_peak_bytes(sizes: list[tuple[int, int]]) -> int:
     return 9 * largest + 2 * 512 * 2**20 + LIBRARIES_BYTES
 
 
-def linear_kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 6, 8, 16), repeats: int = 5, progress: bool = True) -> dict:
+def linear_kernels(
+    shape: str = "qwen3-0.6b",
+    rows: tuple[int, ...] = (1, 2, 4, 6, 8, 16),
+    repeats: int = 5,
+    progress: bool = True,
+    int8_kernels: tuple[str, ...] = (),
+) -> dict:
     """Each distinct linear size of ``shape``: float vs W8A8 kernel time per M, and both as a fraction of the bandwidth bound.
 
     Enough distinct weight copies are cycled (>= 256 MB of float weights) that every call
-    streams its weights from memory, as in a real decode step.
+    streams its weights from memory, as in a real decode step. ``int8_kernels``: the W8A8 kernels to time, the first
+    one reported in full, the others' times beside it (default: this CPU's default kernel).
     """
     from ..kernels import float_linear, int8_linear
     from ..scheme import quantize_weight
 
     sizes = linear_sizes(synthetic_spec(shape))
     check_fits(kernels_peak_bytes(sizes), f"kernels --synthetic {shape}")
-    float_kernel, int8_kernel = default_float_kernel(), default_int8_kernel()
+    float_kernel = default_float_kernel()
+    int8_kernel, *others = int8_kernels or (default_int8_kernel(),)
     bandwidth = memory_bandwidth()
     results = []
     generator = torch.Generator().manual_seed(0)
@@ -185,12 +194,17 @@ def linear_kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 
         copies = _copies(out_features, in_features)
         weights = [torch.randn(out_features, in_features, generator=generator) * 0.02 for _ in range(copies)]
         float_fns = [float_linear(w, None, float_kernel) for w in weights]
-        int8_fns = [int8_linear(*quantize_weight(w), None, None, int8_kernel) for w in weights]
+        quantized = [quantize_weight(w) for w in weights]
         del weights
+        try:
+            int8_fns = {k: [int8_linear(*q, None, None, k) for q in quantized] for k in (int8_kernel, *others)}
+        except ValueError as exc:  # a kernel this CPU or build lacks
+            raise QuasarError(str(exc)) from None
+        del quantized
         for m in rows:
             x = torch.randn(m, in_features, generator=generator)
             timings = {}
-            for name, fns in (("float", float_fns), ("w8a8", int8_fns)):
+            for name, fns in (("float", float_fns), *int8_fns.items()):
                 for fn in fns[:2]:
                     fn(x)
                 timings[name] = min(_time_all(fns, x) for _ in range(repeats)) / copies
@@ -202,10 +216,11 @@ def linear_kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 
                     "in_features": in_features,
                     "m": m,
                     "float_ms": 1000 * timings["float"],
-                    "w8a8_ms": 1000 * timings["w8a8"],
-                    "speedup": timings["float"] / timings["w8a8"],
+                    "w8a8_ms": 1000 * timings[int8_kernel],
+                    "speedup": timings["float"] / timings[int8_kernel],
                     "float_fraction_of_bound": float_bound / timings["float"],
-                    "w8a8_fraction_of_bound": int8_bound / timings["w8a8"],
+                    "w8a8_fraction_of_bound": int8_bound / timings[int8_kernel],
+                    "other_int8_ms": {k: 1000 * timings[k] for k in others},
                 }
             )
         del float_fns, int8_fns
@@ -213,6 +228,7 @@ def linear_kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 
         "shape": shape,
         "float_kernel": float_kernel,
         "int8_kernel": int8_kernel,
+        "other_int8_kernels": others,
         "threads": torch.get_num_threads(),
         "bandwidth_gb_s": bandwidth / 1e9,
         "rows": results,
@@ -220,14 +236,17 @@ def linear_kernels(shape: str = "qwen3-0.6b", rows: tuple[int, ...] = (1, 2, 4, 
 
 
 def describe_linear_kernels(result: dict) -> str:
+    others = result["other_int8_kernels"]
     lines = [
         f"linear kernels at {result['shape']} sizes; float {result['float_kernel']}, int8 {result['int8_kernel']}, "
         f"{result['threads']} threads; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s",
-        f"{'out x in':>13} {'M':>3} {'float ms':>9} {'W8A8 ms':>8} {'speed-up':>8} {'float %bw':>9} {'W8A8 %bw':>8}",
+        f"{'out x in':>13} {'M':>3} {'float ms':>9} {'W8A8 ms':>8} {'speed-up':>8} {'float %bw':>9} {'W8A8 %bw':>8}"
+        + "".join(f" {k + ' ms':>15}" for k in others),
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['out_features']:>6}x{r['in_features']:<6} {r['m']:>3} {r['float_ms']:>9.3f} {r['w8a8_ms']:>8.3f} {r['speedup']:>7.2f}x "
             f"{100 * r['float_fraction_of_bound']:>8.0f}% {100 * r['w8a8_fraction_of_bound']:>7.0f}%"
+            + "".join(f" {r['other_int8_ms'][k]:>15.3f}" for k in others)
         )
     return "\n".join(lines)

@@ -209,7 +209,7 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
 @click.option("--tokens", default=6, show_default=True, type=click.IntRange(min=1), help="Tokens per step (k+1).")
 @click.option("--context", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens in the cache.")
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1), help="Timed pairs.")
-@click.option("--int8-kernel", help="reference, fbgemm or fbgemm-vnni (default: the fastest exact one this CPU has).")
+@click.option("--int8-kernel", help="reference, fbgemm, fbgemm-vnni or onednn-vnni (default: the fastest exact one this CPU has).")
 @click.option("--int8-lm-head", is_flag=True, help="The W8A8 twin's lm_head in int8 too (as `calibrate --int8-lm-head` makes it).")
 @json_option
 def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, as_json):
@@ -226,12 +226,22 @@ def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, as_j
 @bench.command("kernels")
 @shape_option
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1), help="Timed repeats (the best counts).")
+@click.option(
+    "--int8-kernels",
+    default="",
+    help="Comma-separated int8 kernels to time side by side, the first reported in full (default: this CPU's default).",
+)
 @json_option
-def kernels(shape, repeats, as_json):
+def kernels(shape, repeats, int8_kernels, as_json):
     """Each linear size of the shape at decode/verify row counts: float vs int8 kernel, each against the memory-bandwidth bound."""
     from ..bench import micro
+    from ..kernels import INT8_KERNELS
 
-    result = micro.linear_kernels(shape, repeats=repeats, progress=not as_json)
+    chosen = tuple(k.strip() for k in int8_kernels.split(",") if k.strip())
+    unknown = [k for k in chosen if k not in INT8_KERNELS]
+    if unknown:
+        raise QuasarError(f"--int8-kernels: unknown kernel {unknown[0]!r}; choose from {', '.join(INT8_KERNELS)}")
+    result = micro.linear_kernels(shape, repeats=repeats, progress=not as_json, int8_kernels=chosen)
     click.echo(json.dumps(result, indent=2) if as_json else micro.describe_linear_kernels(result))
 
 

@@ -21,15 +21,15 @@ accumulation; they differ only in speed and in where they run):
   FBGEMM's kernel accumulates u8*s8 products straight into 32 bits and cannot overflow:
   the full-range int8 rows plus pinning rows -127 and 128 (scale 1, zero point 127), M+2
   rows of compute; the accumulation is recovered as above (exact while |acc| < 2^23).
-  Tested bit-identical to the reference there.
+  Chosen by default where the CPU has VNNI; tested bit-identical to the reference there.
 - ``onednn-vnni``: oneDNN's u8 x s8 int8 linear (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86
   int8 path uses), fed the int8 codes shifted to uint8 (zero point 128) with unit scales, so its float32 output is
   the int32 accumulation converted once, as the reference's ``.float()`` converts its exact sum; the scheme's
   scaling follows in the reference's order. Exact at any K where oneDNN multiplies with VNNI (32-bit lanes);
   without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only with AVX-512 VNNI.
-  No pinning rows and no float64 recovery: faster than fbgemm-vnni from M = 4 rows up (a verify step, a batched
-  serving step), slower at M = 1 (``bench kernels --int8-kernels onednn-vnni,fbgemm-vnni``; docs/architecture.md).
-  Chosen by default where the CPU has VNNI; tested bit-identical to the reference there.
+  No pinning rows and no float64 recovery: per linear faster than fbgemm-vnni from M = 4 rows up, slower at M = 1
+  (``bench kernels --int8-kernels onednn-vnni,fbgemm-vnni``), but whole verify steps were within run-to-run noise
+  of fbgemm-vnni's (docs/architecture.md), so it is offered, not the default. Tested bit-identical to the reference.
 - ``cuda`` / ``npu`` kernels live with their backends.
 
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
@@ -73,11 +73,7 @@ def vnni_available() -> bool:
 
 
 def default_int8_kernel(device: str = "cpu") -> str:
-    if device != "cpu":
-        return "reference"
-    if vnni_available() and onednn_int8_available():
-        return "onednn-vnni"
-    if not fbgemm_available():
+    if device != "cpu" or not fbgemm_available():
         return "reference"
     return "fbgemm-vnni" if vnni_available() else "fbgemm"
 

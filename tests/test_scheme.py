@@ -77,10 +77,7 @@ def test_onednn_kernel_is_exact_past_float32s_integer_range():
 
 
 def test_the_default_int8_kernel_follows_the_cpu():
-    if vnni_available() and onednn_int8_available():
-        expected = "onednn-vnni"
-    else:
-        expected = "reference" if not fbgemm_available() else "fbgemm-vnni" if vnni_available() else "fbgemm"
+    expected = "reference" if not fbgemm_available() else "fbgemm-vnni" if vnni_available() else "fbgemm"
     assert default_int8_kernel("cpu") == expected and default_int8_kernel("cuda") == "reference"
 
 

@@ -96,6 +96,14 @@ def test_verify_step_runs_on_the_lean_twins(small_shape):
     assert result.float_ms > 0 and result.w8a8_ms > 0 and result.ideal_ratio > 1
 
 
+def test_a_kernel_this_cpu_lacks_is_one_line(small_shape, monkeypatch):
+    from quasar_deploy import kernels
+
+    monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+    with pytest.raises(QuasarError, match="needs a CPU with AVX-512 VNNI"):
+        verify_step(small_shape, tokens=3, context=8, repeats=1, int8_kernel="fbgemm-vnni", progress=False)
+
+
 def test_transformers_model_is_freed_before_the_engines_load(tiny_qwen3, tiny_artifact, tmp_path):
     contenders = trained_contenders(tiny_qwen3, tiny_artifact.path)
     loaded, build, contenders_load_hf = [], contenders.build_engines, contenders.load_hf

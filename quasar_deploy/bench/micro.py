@@ -77,7 +77,10 @@ def verify_step(
     float_kernel = float_kernel or default_float_kernel()
     int8_kernel = int8_kernel or default_int8_kernel()
     check_fits(engines_peak_bytes(synthetic_spec(shape), int8_lm_head), f"verify-step --synthetic {shape}")
-    float_model, quant_model = synthetic_decoders(shape, kernels=(float_kernel, int8_kernel), int8_lm_head=int8_lm_head)
+    try:
+        float_model, quant_model = synthetic_decoders(shape, kernels=(float_kernel, int8_kernel), int8_lm_head=int8_lm_head)
+    except ValueError as exc:  # a kernel this CPU or build lacks
+        raise QuasarError(str(exc)) from None
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, float_model.spec.vocab_size, (context,), generator=generator)
     ids = torch.randint(0, float_model.spec.vocab_size, (tokens,), generator=generator)

@@ -385,7 +385,7 @@ def build_graph(
     if isinstance(head, Linear):
         g.op("Identity", linear(g, normed, head, "lm_head"), outputs=["logits"])
     else:
-        if head is None:  # tied: one copy on disk; ORT folds the transpose once at load
+        if head is None:  # tied: one copy on disk; ORT folds the transpose at load, or above 1 GiB fuses it into the MatMul
             weight_t = g.op("Transpose", table, perm=[1, 0])
         else:
             weight_t = g.const_filled("lm_head.weight_t", np.float32, (spec.hidden_size, spec.vocab_size), head)

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpuinfo import cpu_flags
+from .errors import QuasarError
 from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activation
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
@@ -123,13 +124,19 @@ def _activation_scale(x: torch.Tensor, input_scale: torch.Tensor | None) -> torc
     return per_token_scale(x) if input_scale is None else input_scale.float().reshape(1, 1)
 
 
+def _scaled(acc: torch.Tensor, scale: torch.Tensor, w_row: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The scheme's epilogue, in the reference's order: float32(acc) * activation scale * weight scale (+ bias); every
+    kernel ends here, so all of them round as the reference does."""
+    y = acc.float() * scale * w_row
+    return y + bias if bias is not None else y
+
+
 def _reference(wq, w_scale, bias, input_scale) -> LinearFn:
     w_row = w_scale.float().reshape(1, -1)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         scale = _activation_scale(x, input_scale)
-        y = int8_matmul_exact(quantize_activation(x, scale), wq).float() * scale * w_row
-        return y + bias if bias is not None else y
+        return _scaled(int8_matmul_exact(quantize_activation(x, scale), wq), scale, w_row, bias)
 
     return run
 
@@ -171,8 +178,7 @@ def _fbgemm(wq, w_scale, bias, input_scale, split: bool) -> LinearFn:
 
     def run(x: torch.Tensor) -> torch.Tensor:
         scale = _activation_scale(x, input_scale)
-        y = accumulate(quantize_activation(x, scale)).float() * scale * w_row
-        return y + bias if bias is not None else y
+        return _scaled(accumulate(quantize_activation(x, scale)), scale, w_row, bias)
 
     return run
 
@@ -189,8 +195,7 @@ def _onednn_int8(wq, w_scale, bias, input_scale) -> LinearFn:
         acc = torch.ops.onednn.qlinear_pointwise(
             codes, 1.0, ZERO_POINT, packed, unit_scales, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
         )
-        y = acc * scale * w_row
-        return y + bias if bias is not None else y
+        return _scaled(acc, scale, w_row, bias)
 
     return run
 
@@ -203,23 +208,29 @@ def int8_linear(
     kernel: str,
 ) -> LinearFn:
     """A function computing the scheme's W8A8 linear on 2-D float input, with the chosen kernel."""
+    check_int8_kernel(kernel)
     if kernel == "reference":
         return _reference(wq, w_scale, bias, input_scale)
-    if kernel in ("fbgemm", "fbgemm-vnni"):
-        if not fbgemm_available():
-            raise ValueError(f"the {kernel} kernel needs a PyTorch build with FBGEMM (x86 CPUs)")
-        if kernel == "fbgemm-vnni" and not vnni_available():
-            raise ValueError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
-        return _fbgemm(wq, w_scale, bias, input_scale, split=kernel == "fbgemm")
     if kernel == "onednn-vnni":
-        if not (vnni_available() and onednn_int8_available()):
-            raise ValueError("the onednn-vnni kernel needs a CPU with AVX-512 VNNI and a PyTorch build with oneDNN's int8 ops")
         return _onednn_int8(wq, w_scale, bias, input_scale)
-    raise ValueError(f"unknown int8 kernel {kernel!r}; choose from {INT8_KERNELS}")
+    return _fbgemm(wq, w_scale, bias, input_scale, split=kernel == "fbgemm")
+
+
+def check_int8_kernel(kernel: str) -> None:
+    """Refuse in one line an int8 kernel that does not exist, or that this CPU or PyTorch build cannot run exactly."""
+    if kernel not in INT8_KERNELS:
+        raise QuasarError(f"unknown kernel {kernel!r}: the int8 kernels are {', '.join(INT8_KERNELS)}")
+    if kernel.startswith("fbgemm") and not fbgemm_available():
+        raise QuasarError(f"the {kernel} kernel needs a PyTorch build with FBGEMM (x86 CPUs)")
+    if kernel == "fbgemm-vnni" and not vnni_available():
+        raise QuasarError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
+    if kernel == "onednn-vnni" and not (vnni_available() and onednn_int8_available()):
+        raise QuasarError("the onednn-vnni kernel needs a CPU with AVX-512 VNNI and a PyTorch build with oneDNN's int8 ops")
 
 
 __all__ = [
     "FLOAT_KERNELS",
+    "check_int8_kernel",
     "INT8_KERNELS",
     "QMAX",
     "default_float_kernel",

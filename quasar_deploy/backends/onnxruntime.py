@@ -54,7 +54,7 @@ def allow_spinning(environ=os.environ) -> str:
 
 def session_options(threads: int | None = None):
     """The options every ORT session of ours gets: ``threads`` intra-op threads (default: the CPUs this process may use;
-    ORT's own default counts the host's cores), the exact u8 path, and the spinning policy of ``allow_spinning``."""
+    ORT's own default counts the host's cores), ``exact_int8_entries``, and the spinning policy of ``allow_spinning``."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()

@@ -37,6 +37,12 @@ class BackendEntry:
 CAPABILITIES = ("layer_skip",)
 TORCH_DECODER = frozenset({"layer_skip"})
 
+
+def draft_needs(draft: str) -> tuple[str, ...]:
+    """What decoding with the drafter named ``draft`` needs of a backend (``load(path, needs=...)``)."""
+    return ("layer_skip",) if draft == "layerskip" else ()
+
+
 BACKENDS: dict[str, BackendEntry] = {
     "cuda": BackendEntry("quasar_deploy.backends.cuda:load_cuda", "quasar_deploy.backends.cuda:unavailable", TORCH_DECODER),
     "cpu": BackendEntry("quasar_deploy.backends.torch_backend:load_cpu", "quasar_deploy.backends.torch_backend:unavailable", TORCH_DECODER),

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..backends.registry import draft_needs
 from ..calibration.data import BUILTIN
 from ..engine import GenerationResult, load
 from ..errors import QuasarError
@@ -64,7 +65,7 @@ def first_call(
     if calls < 2:
         raise QuasarError("--calls must be at least 2: the first call is compared with the later ones")
     texts = read_prompts(prompts or BUILTIN["prompts"], limit)
-    needs = ("layer_skip",) if draft == "layerskip" else ()
+    needs = draft_needs(draft)
     start = time.perf_counter()
     engine = load(path, backend=backend, needs=needs)
     load_s = time.perf_counter() - start

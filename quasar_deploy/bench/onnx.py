@@ -57,9 +57,10 @@ from .synthetic import (
 
 
 def _session(model_or_path: Path | onnx.ModelProto, threads: int, precise: bool = False) -> ort.InferenceSession:
-    """A CPU session with the backend's options; ``precise`` forces ORT's u8 x u8 re-encoding of int8 weights."""
+    """A CPU session with the backend's options; ``precise`` forces ORT's u8 x u8 re-encoding of int8 weights (where
+    the backend's options do not hold it already)."""
     options = session_options(threads)
-    if precise:
+    if precise and PRECISE_INT8_OPTION not in exact_int8_entries():
         options.add_session_config_entry(*PRECISE_INT8_OPTION)
     source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path.SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
@@ -180,9 +181,9 @@ def write_synthetic_graph(directory: Path, spec: DecoderSpec, source: RandomTens
     write_graph(directory, lambda data: source_graph(spec, source, name, data)[0], external=True)
 
 
-def _ort_session(directory: Path, threads: int):
-    """A session of the graph in ``directory``, with the onnxruntime backend's options."""
-    session = ort.InferenceSession(str(directory / "model.onnx"), session_options(threads), providers=["CPUExecutionProvider"])
+def _ort_session(directory: Path, threads: int) -> ort.InferenceSession:
+    """A session of the graph in ``directory``, the heap its build freed handed back (the next graph is built beside it)."""
+    session = _session(directory / "model.onnx", threads)
     return_freed_memory()
     return session
 

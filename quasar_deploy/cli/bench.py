@@ -215,10 +215,10 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
 def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, as_json):
     """One verify forward (k+1 tokens, warm cache), float vs W8A8, next to the ideal ratio of weight bytes read."""
     from ..bench import micro
-    from ..kernels import INT8_KERNELS
+    from ..kernels import check_int8_kernel
 
-    if int8_kernel is not None and int8_kernel not in INT8_KERNELS:
-        raise QuasarError(f"--int8-kernel must be one of {', '.join(INT8_KERNELS)}, not {int8_kernel!r}")
+    if int8_kernel is not None:
+        check_int8_kernel(int8_kernel)
     result = micro.verify_step(shape, tokens, context, repeats, int8_kernel=int8_kernel, progress=not as_json, int8_lm_head=int8_lm_head)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else micro.describe_verify_step(result))
 
@@ -235,12 +235,11 @@ def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, as_j
 def kernels(shape, repeats, int8_kernels, as_json):
     """Each linear size of the shape at decode/verify row counts: float vs int8 kernel, each against the memory-bandwidth bound."""
     from ..bench import micro
-    from ..kernels import INT8_KERNELS
+    from ..kernels import check_int8_kernel
 
     chosen = tuple(k.strip() for k in int8_kernels.split(",") if k.strip())
-    unknown = [k for k in chosen if k not in INT8_KERNELS]
-    if unknown:
-        raise QuasarError(f"--int8-kernels: unknown kernel {unknown[0]!r}; choose from {', '.join(INT8_KERNELS)}")
+    for kernel in chosen:
+        check_int8_kernel(kernel)
     result = micro.linear_kernels(shape, repeats=repeats, progress=not as_json, int8_kernels=chosen)
     click.echo(json.dumps(result, indent=2) if as_json else micro.describe_linear_kernels(result))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from ..backends.registry import BACKENDS
+from ..backends.registry import BACKENDS, draft_needs
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
 from .options import backend_options, provider_option
@@ -99,7 +99,7 @@ def generate(path, prompt, prompt_file, chat, backend, provider, show_stats, as_
     from ..engine import load
 
     text = _prompt(prompt, prompt_file, chat)
-    needs = ("layer_skip",) if options["draft"] == "layerskip" else ()
+    needs = draft_needs(options["draft"])
     engine = load(path, backend=backend, needs=needs, **backend_options(path, backend, provider, needs))
     stream = engine.stream(text, skip_layers=_layers(skip_layers), **options)
     if as_json:

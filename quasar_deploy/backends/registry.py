@@ -51,8 +51,9 @@ BACKENDS: dict[str, BackendEntry] = {
 }
 
 # "auto" takes the first of these that can run here, provides what the caller needs, and (ONNX Runtime) fits in memory.
-# On a CPU, ONNX Runtime's exact integer graph ran the W8A8 verify step 1.43x faster than the torch cpu backend
-# (docs/architecture.md, "Choosing the backend"); the artifact is exported to the cache on first use (``cache.py``).
+# On a CPU, ONNX Runtime's exact integer graph ran the W8A8 verify step faster than the torch cpu backend (`bench onnx
+# step`, Qwen3-0.6B shape: 71.4 against 95.5 ms; docs/onnx.md, "Whole decoder step"); the artifact is exported to the
+# cache on first use (``cache.py``).
 AUTO_ORDER = ("cuda", "onnxruntime", "cpu")
 # ONNX Runtime's session build peaks at about twice what it then holds (the graph's copy of the weights beside its own;
 # inflated demo W8A8: 1,069 MiB of anonymous memory at the peak, 553 after, the cpu backend 710): "auto" picks it only

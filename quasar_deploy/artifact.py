@@ -38,7 +38,7 @@ from .decoder_spec import DecoderSpec, check_tensor_shapes, decoder_spec
 from .errors import QuasarError
 from .files import atomic_directory, copy_files
 from .integrity import EXPORT_MANIFEST, MANIFEST, read_manifest, write_manifest
-from .model import Decoder, check_finite
+from .model import BlockSource, Decoder, check_finite
 from .scheme import W8A8Scheme
 from .shards import MAX_SHARD_SIZE, TORCH_DTYPES, ShardWriter
 
@@ -122,7 +122,7 @@ class ArtifactWriter:
         write_manifest(self.directory, MANIFEST, {"format_version": FORMAT_VERSION, **manifest})
 
 
-def checked_row_blocks(source: Checkpoint, name: str) -> Iterator[torch.Tensor]:
+def checked_row_blocks(source: BlockSource, name: str) -> Iterator[torch.Tensor]:
     """``source.row_blocks(name)``, each block refused if it holds NaN or infinity, as loading would refuse it."""
     for block in source.row_blocks(name):
         check_finite(name, block)

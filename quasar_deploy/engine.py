@@ -31,7 +31,7 @@ from .speculative.acceptance import Sampler, SamplingParams
 from .speculative.causal_lm import CausalLM, ForkingLM
 from .speculative.draft_model import check_same_vocabulary
 from .speculative.drafters import Drafter
-from .speculative.layerskip import check_can_skip, choose_skip_layers
+from .speculative.layerskip import check_can_skip, skip_order
 from .speculative.loop import LoopStats, Speculation
 from .speculative.registry import check_drafter_options, create_drafter, drafter_entry
 from .tokenizer import load_tokenizer
@@ -428,7 +428,7 @@ class Engine:
     stop_ids: frozenset[int] = frozenset()
     backend: str = "cpu"
     _draft_lms: dict[str, CausalLM] = field(default_factory=dict, repr=False)
-    _skip_choices: dict[tuple[int, str], frozenset[int]] = field(default_factory=dict, repr=False)
+    _skip_orders: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # greedy, by text
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _holder: int | None = field(default=None, repr=False)
 
@@ -512,19 +512,20 @@ class Engine:
     def choose_skip_layers(self, fraction: float, text: str = SKIP_CALIBRATION_TEXT) -> frozenset[int]:
         """Which ``fraction`` of the layers to skip when drafting: those that keep the most top-1 agreement on ``text``.
 
-        Measured once per (layer count, text) and remembered. It runs the verifier, so it
-        takes the engine's lock like a generation does.
+        The greedy order is measured once per text and remembered: a smaller fraction takes
+        its first layers, a larger one continues it (``skip_order``). It runs the verifier,
+        so it takes the engine's lock like a generation does.
         """
         if not (isinstance(fraction, int | float) and 0 < fraction < 1):
             raise QuasarError(f"skip_fraction must be in (0, 1), got {fraction!r}")
         num_layers = check_can_skip(self.lm).num_layers
         count = min(num_layers - 1, max(1, round(fraction * num_layers)))
-        key = (count, text)
-        if key not in self._skip_choices:
+        order = self._skip_orders.get(text, ())
+        if len(order) < count:
             ids = list(self.tokenizer.encode(text))[: self.lm.max_length]
             with self.exclusive():
-                self._skip_choices[key] = choose_skip_layers(self.lm, ids, count)
-        return self._skip_choices[key]
+                order = self._skip_orders[text] = skip_order(self.lm, ids, count, order)
+        return frozenset(order[:count])
 
     def draft_lm(self, path: str | Path) -> CausalLM:
         """The draft model at ``path`` on this engine's backend, loaded once; its tokenizer must match the verifier's."""

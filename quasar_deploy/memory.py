@@ -6,10 +6,13 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from .artifact import ModelFiles
 from .decoder_spec import DecoderSpec
 from .shards import TORCH_DTYPES
+
+if TYPE_CHECKING:  # model.py imports this module, and artifact.py imports model.py
+    from .artifact import ModelFiles
 
 MIB = 1 << 20
 MEMORY_REPORT_TOKENS = 4096  # the KV cache length that reports and the backend choice size a model's memory at
@@ -22,8 +25,8 @@ class MemoryEstimate:
     """Bytes by kind, as the cpu backend holds them: one packed copy of each weight (``Linear.release_weight``)."""
 
     int8_weights: int  # int8 weights and their scales
-    float_weights: int  # float linears, a float lm_head and norms, in float32
-    embeddings: int  # in their stored dtype (float32 when lm_head shares them)
+    float_weights: int  # float linears, a float lm_head (a tied one too: its packed copy) and norms, in float32
+    embeddings: int  # in their stored dtype
     kv_cache_per_1k_tokens: int
 
     def total(self, tokens: int) -> int:
@@ -48,9 +51,10 @@ def estimate(files: ModelFiles) -> MemoryEstimate:
     quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
     for name, shape in ckpt.shapes.items():
         count = math.prod(shape)
-        if name == EMBEDDINGS:
-            stored = TORCH_DTYPES[ckpt.dtypes[name]].itemsize
-            embeddings = count * (COMPUTE_ITEMSIZE if spec.tie_word_embeddings or stored > COMPUTE_ITEMSIZE else stored)
+        if name == EMBEDDINGS:  # kept as stored (``Decoder._narrow_table``); a tied head packs a float32 copy of it
+            embeddings = count * min(TORCH_DTYPES[ckpt.dtypes[name]].itemsize, COMPUTE_ITEMSIZE)
+            if spec.tie_word_embeddings:
+                floats += count * COMPUTE_ITEMSIZE
         elif name.rsplit(".", 1)[0] in quantized:
             int8 += count * TORCH_DTYPES[ckpt.dtypes[name]].itemsize
         else:

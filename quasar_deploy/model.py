@@ -9,7 +9,7 @@ artifacts load by name; tests check the logits against ``transformers``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +20,7 @@ from torch import nn
 from .decoder_spec import DecoderSpec, rope_inv_freq
 from .errors import QuasarError
 from .kernels import float_linear, int8_linear, packs_weight
+from .memory import EMBEDDINGS, return_freed_memory
 
 
 class TensorSource(Protocol):
@@ -28,6 +29,12 @@ class TensorSource(Protocol):
     names: set[str]
 
     def tensor(self, name: str) -> torch.Tensor: ...
+
+
+class BlockSource(TensorSource, Protocol):
+    """A ``TensorSource`` that also hands out a 2-D tensor as row blocks (a checkpoint, or bench's random tensors)."""
+
+    def row_blocks(self, name: str) -> Iterator[torch.Tensor]: ...
 
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
@@ -451,29 +458,34 @@ class Body(nn.Module):
         self.norm = RMSNorm(tensors("model.norm.weight"), spec.rms_norm_eps)
 
 
-def _embeddings(source: TensorSource, spec: DecoderSpec, dtype: torch.dtype) -> torch.Tensor:
-    """The table in its stored float dtype unless lm_head shares it: a lookup reads a few rows, converted exactly
-    (bf16 -> float32), so an 8B bf16 model keeps 1.2 GB instead of 2.5 GB of embeddings."""
-    name = "model.embed_tokens.weight"
-    table = source.tensor(name)
-    check_finite(name, table)
-    keep = not spec.tie_word_embeddings and table.dtype in (torch.bfloat16, torch.float16, torch.float32)
-    return table if keep else table.to(dtype)
+def _embeddings(source: TensorSource, dtype: torch.dtype, head_reads_it: bool) -> tuple[torch.dtype, torch.Tensor]:
+    """The table's stored dtype, and the table as kept: stored, unless this decoder's lm_head reads it. A lookup reads a
+    few rows, converted exactly (bf16 -> float32), so an 8B bf16 model keeps 1.2 GB instead of 2.5 GB of embeddings."""
+    table = source.tensor(EMBEDDINGS)
+    check_finite(EMBEDDINGS, table)
+    keep = not head_reads_it and table.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return table.dtype, table if keep else table.to(dtype)
 
 
 class Decoder(nn.Module):
     """Causal decoder: ``forward(ids, cache)`` appends ``ids`` to the cache and returns their logits;
     ``forward_blocks`` does that for several sequences (each its own cache) in one pass."""
 
-    def __init__(self, spec: DecoderSpec, source: TensorSource, dtype: torch.dtype = torch.float32):
+    def __init__(self, spec: DecoderSpec, source: TensorSource, dtype: torch.dtype = torch.float32, lm_head: Linear | None = None):
+        """``lm_head``: a twin's head over the same weights, to share rather than build (``bench.synthetic``: packed once);
+        the table then stays as stored even where the embeddings are tied, since no head of this decoder reads it."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
 
         load = tensor_loader(source, dtype)
-        self.model = Body(spec, load, _embeddings(source, spec, dtype))
-        # an int8 head (``--int8-lm-head``) is a W8A8 linear like the others, so every backend's kernels run it
-        self.lm_head = Linear(self.model.embed_tokens.weight.to(dtype)) if spec.tie_word_embeddings else load_linear(load, "lm_head")
+        tied = spec.tie_word_embeddings and lm_head is None
+        self.table_dtype, embeddings = _embeddings(source, dtype, head_reads_it=tied)
+        self.model = Body(spec, load, embeddings)
+        if lm_head is None:
+            # an int8 head (``--int8-lm-head``) is a W8A8 linear like the others, so every backend's kernels run it
+            lm_head = Linear(self.model.embed_tokens.weight.to(dtype)) if tied else load_linear(load, "lm_head")
+        self.lm_head = lm_head
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 
     def linears(self) -> Iterable[tuple[str, Linear]]:
@@ -483,12 +495,28 @@ class Decoder(nn.Module):
         """Bind kernels to every linear; ``fuse`` runs q/k/v and gate/up as one call each (for serving: fewer calls,
         same results). Calibration keeps them apart, since it hooks each linear's input. A linear whose kernel already
         holds its only copy keeps that kernel: a head shared with another prepared decoder of the same weights
-        (``bench.synthetic``) is packed once."""
-        if fuse:
-            self.fuse(cpu_kernels(float_kernel, int8_kernel))
-        for module in self.modules():
-            if isinstance(module, Linear) and module._fn is not _released and not (module._fn is not None and module.weight.is_meta):
-                module.prepare(float_kernel, int8_kernel)
+        (``bench.synthetic``) is packed once.
+
+        One layer at a time, each followed by ``return_freed_memory``: glibc keeps the originals that packing frees (a
+        few MB each) in its heap, which would otherwise grow by up to a copy of the int8 weights before the end.
+        """
+        kernels = cpu_kernels(float_kernel, int8_kernel)
+        for part in [*self.model.layers, self.lm_head]:
+            if fuse and isinstance(part, DecoderLayer):
+                part.self_attn.fuse(kernels)
+                part.mlp.fuse(kernels)
+            for module in part.modules():
+                if isinstance(module, Linear) and module._fn is not _released and not (module._fn is not None and module.weight.is_meta):
+                    module.prepare(float_kernel, int8_kernel)
+            return_freed_memory()
+        self._narrow_table()
+
+    def _narrow_table(self) -> None:
+        """Once a tied head's kernel holds its own copy, the table serves lookups alone: back to its stored dtype (exact,
+        the values came from it), so a bf16 Qwen3-1.7B keeps 0.6 GB of embeddings beside its packed head, not 1.2 GB."""
+        table = self.model.embed_tokens.weight
+        if self.lm_head.weight.is_meta and self.table_dtype.is_floating_point and self.table_dtype.itemsize < table.dtype.itemsize:
+            self.model.embed_tokens.weight = nn.Parameter(table.to(self.table_dtype), requires_grad=False)
 
     def fuse(self, kernels: KernelFactory) -> None:
         """q/k/v and gate/up of every layer as one ``kernels`` call each (where their kinds and input scales allow)."""

@@ -300,3 +300,17 @@ def test_cli_warns_when_the_context_window_ends_the_generation(short_context_mod
     warnings = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(warnings) == 1 and warnings[0].startswith("warning: the context window (30 tokens) ended the generation"), result.stderr
     assert f"after {len(out['tokens'])} of 50 new tokens" in warnings[0]
+
+
+def test_skip_fractions_share_one_greedy_order(tiny_qwen3, monkeypatch):
+    """A larger fraction continues the order a smaller one measured; a smaller one takes its prefix without a forward."""
+    from quasar_deploy import engine as engine_module
+
+    calls = []
+    order = engine_module.skip_order
+    monkeypatch.setattr(engine_module, "skip_order", lambda lm, ids, count, picked: calls.append(picked) or order(lm, ids, count, picked))
+    fresh = load(tiny_qwen3, backend="cpu")
+    one = fresh.choose_skip_layers(0.34)
+    two = fresh.choose_skip_layers(0.67)
+    assert len(one) == 1 and one < two and fresh.choose_skip_layers(0.34) == one
+    assert calls == [(), tuple(one)]

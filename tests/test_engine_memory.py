@@ -85,3 +85,29 @@ def test_estimate_counts_what_the_cpu_backend_holds(tmp_path):
         torch.Size(s).numel() for n, s in shapes.items() if n != "model.embed_tokens.weight"
     )
     assert needed.kv_cache_per_1k_tokens == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * 1000
+
+
+def test_a_tied_bf16_table_narrows_once_its_head_is_packed(tmp_path):
+    """The float32 table a tied head was packed from serves lookups alone afterwards: back to bf16, logits unchanged."""
+    import torch
+
+    from quasar_deploy.kernels import default_float_kernel, packs_weight
+    from quasar_deploy.model import Decoder
+
+    source = save_tiny(tmp_path / "tied", dtype=torch.bfloat16, tie_word_embeddings=True)
+    files = open_model_files(source)
+    decoder = Decoder(files.spec, files.checkpoint)
+    assert decoder.model.embed_tokens.weight.dtype == torch.float32  # the head reads it
+    ids = torch.arange(5, 17)
+    expected = decoder(ids, decoder.new_cache())
+    if not packs_weight(decoder.lm_head.weight, default_float_kernel(), "reference"):
+        pytest.skip(f"float kernel {default_float_kernel()!r} reads the table itself on this CPU")
+    decoder.prepare(default_float_kernel(), "reference")
+    assert decoder.lm_head.weight.is_meta and decoder.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(decoder(ids, decoder.new_cache()), expected, atol=1e-5, rtol=1e-5)
+    needed = estimate(files)
+    table = files.spec.vocab_size * files.spec.hidden_size
+    assert needed.embeddings == 2 * table  # as kept, and the packed head counted with the float weights
+    assert needed.float_weights == 4 * table + 4 * sum(
+        torch.Size(s).numel() for n, s in files.checkpoint.shapes.items() if n != "model.embed_tokens.weight"
+    )

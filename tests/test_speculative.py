@@ -18,7 +18,7 @@ from quasar_deploy.errors import QuasarError
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, accept
 from quasar_deploy.speculative.draft_model import ModelDrafter
 from quasar_deploy.speculative.drafters import Draft, NoDrafter
-from quasar_deploy.speculative.layerskip import LayerSkipDrafter, choose_skip_layers
+from quasar_deploy.speculative.layerskip import LayerSkipDrafter, choose_skip_layers, skip_order
 from quasar_deploy.speculative.loop import LoopStats, speculate
 from quasar_deploy.speculative.ngram import NgramDrafter
 
@@ -283,6 +283,19 @@ def test_choose_skip_layers_finds_the_best_single_layer(verifiers):
     assert len(choose_skip_layers(lm, ids, 2)) == 2
     with pytest.raises(QuasarError, match="between 1 and 2"):
         choose_skip_layers(lm, ids, 3)
+
+
+def test_a_longer_skip_choice_continues_a_shorter_one(verifiers, monkeypatch):
+    lm = verifiers["float"]
+    ids = list(range(200, 260))
+    first, second = skip_order(lm, ids, 2)
+    assert skip_order(lm, ids, 1) == (first,) and choose_skip_layers(lm, ids, 2) == {first, second}
+    forwards = []
+    run = lm.verify_skipping
+    monkeypatch.setattr(lm, "verify_skipping", lambda ids, skip: forwards.append(skip) or run(ids, skip))
+    assert skip_order(lm, ids, 2, picked=(first,)) == (first, second)
+    assert len(forwards) == 1 + 2  # the full model's targets, then the two layers left; from scratch: 1 + 3 + 2
+    assert skip_order(lm, ids, 1, picked=(first, second)) == (first,) and len(forwards) == 3  # a prefix costs nothing
 
 
 @pytest.mark.parametrize("layers,message", [([3], "layer 3 does not exist"), ([0, 1, 2], "between 1 and 2"), ([], "between 1 and 2")])

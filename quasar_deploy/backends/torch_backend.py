@@ -11,7 +11,6 @@ from ..artifact import ModelFiles, open_model_files
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..kernels import default_float_kernel, default_int8_kernel
-from ..memory import return_freed_memory
 from ..model import Decoder, KVCache
 
 
@@ -112,7 +111,6 @@ def cpu_causal_lm(
     float_kernel = float_kernel or default_float_kernel("cpu")
     int8_kernel = int8_kernel or default_int8_kernel("cpu")
     decoder.prepare(float_kernel, int8_kernel, fuse=True)
-    return_freed_memory()
     lm_class = BatchingTorchCausalLM if float_kernel == "onednn" else TorchCausalLM
     return lm_class(
         decoder, description=f"cpu {kind}, {torch.get_num_threads()} threads (float kernel {float_kernel}, int8 kernel {int8_kernel})"

@@ -125,8 +125,8 @@ def synthetic_contenders(shape: str, with_hf: bool = True) -> Contenders:
         return tuple(Engine(TorchCausalLM(d), tokenizer, frozenset(), "cpu") for d in decoders)
 
     def load_hf():
-        source = RandomTensors(spec)  # the same values the engines draw
-        return _hf_twin(spec, {name: source.tensor(name) for name in source.names})
+        source = RandomTensors(spec)  # the same values the engines draw, in the engines' float32
+        return _hf_twin(spec, {name: source.tensor(name).float() for name in source.names})
 
     return Contenders(
         build_engines, tokenizer, frozenset(), load_hf if with_hf and shape.startswith("qwen3") else None, "synthetic weights"

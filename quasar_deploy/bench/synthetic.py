@@ -16,7 +16,6 @@ import torch
 
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
-from ..memory import return_freed_memory
 from ..model import Decoder
 from ..scheme import quantize_weight
 
@@ -33,6 +32,7 @@ SHAPES = {
     "openpangu-7b-like": (4096, 12800, 34, 32, 8, 128, 153376, False),
 }
 HEAD_WEIGHT = "lm_head.weight"
+STORED_DTYPE = torch.bfloat16
 
 
 def synthetic_spec(name: str) -> DecoderSpec:
@@ -64,7 +64,8 @@ def is_layer_linear(name: str) -> bool:
 
 
 class RandomTensors:
-    """A ``TensorSource`` that invents each tensor on request, on ``device``: normal(0, 0.02) weights, unit norms.
+    """A ``TensorSource`` that invents each tensor on request, on ``device``: normal(0, 0.02) weights, unit norms, stored
+    as bfloat16 as published checkpoints are (so a decoder keeps what it keeps of a real one, such as a narrow table).
 
     Each tensor is drawn from its own generator, seeded by ``seed`` and its name, so any subset in
     any order holds the same values: the float decoder, its W8A8 twin and transformers' twin can be
@@ -101,10 +102,10 @@ class RandomTensors:
     def _draw(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
         if len(shape) == 1:
-            return torch.ones(shape, device=self.device)
+            return torch.ones(shape, dtype=STORED_DTYPE, device=self.device)
         digest = hashlib.sha256(f"{self.seed}:{self.head_from if name == HEAD_WEIGHT else name}".encode()).digest()
         generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little"))
-        return torch.randn(shape, generator=generator, device=self.device) * 0.02
+        return torch.randn(shape, generator=generator, device=self.device).mul_(0.02).to(STORED_DTYPE)
 
     def tensor(self, name: str) -> torch.Tensor:
         if name in self.shared:
@@ -144,16 +145,13 @@ def synthetic_decoders(
     float_model = Decoder(spec, RandomTensors(spec, seed, device), dtype)
     if kernels:
         float_model.prepare(*kernels, fuse=True)
-        return_freed_memory()
     own = {HEAD_WEIGHT} if int8_lm_head else set()
     shared = {n: t for n, t in float_model.state_dict().items() if not t.is_meta and not is_layer_linear(n) and n not in own}
     quant_spec = dataclasses.replace(spec, tie_word_embeddings=False) if int8_lm_head else spec
-    quant_model = Decoder(quant_spec, RandomTensors(spec, seed, device, quantized=True, shared=shared, int8_lm_head=int8_lm_head), dtype)
+    source = RandomTensors(spec, seed, device, quantized=True, shared=shared, int8_lm_head=int8_lm_head)
+    quant_model = Decoder(quant_spec, source, dtype, lm_head=None if int8_lm_head else float_model.lm_head)
     if kernels:
-        if not int8_lm_head:
-            quant_model.lm_head = float_model.lm_head
         quant_model.prepare(*kernels, fuse=True)
-        return_freed_memory()
     return float_model, quant_model
 
 
@@ -179,15 +177,21 @@ def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = Fal
 
 
 def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False) -> int:
-    """Peak resident bytes of ``synthetic_decoders(kernels=...)``: float linears (packed), embedding, one packed lm_head,
-    int8 linears; an untied head, or the float rows an int8 head is quantized from, is drawn once more while the W8A8
-    decoder is built, and an int8 head adds its bytes and scales. Plus the libraries."""
+    """Peak resident bytes of ``synthetic_decoders(kernels=...)``: the larger of its two phases, plus the libraries.
+
+    Building the float twin holds its float linears (packed one by one), the head in float32 beside its packed copy, and
+    the bf16 table (tied: the float32 table is the head, and its bf16 copy is made as it narrows). The W8A8 twin then
+    adds its int8 linears to the packed float linears and head and the one bf16 table; an int8 head is drawn (bf16) and
+    quantized through three float32 copies at once (``scheme.quantize_weight``), more than the int8 head it leaves.
+    """
     float_linears, int8_linears = _linear_bytes(spec)
-    embedding = 4 * spec.vocab_size * spec.hidden_size
-    head = embedding if spec.tie_word_embeddings and not int8_lm_head else 2 * embedding
+    table = spec.vocab_size * spec.hidden_size
+    stored = STORED_DTYPE.itemsize
+    float_phase = float_linears + (4 + 4 + stored) * table
+    engines = float_linears + (4 + stored) * table + int8_linears
     if int8_lm_head:
-        head += spec.vocab_size * (spec.hidden_size + 4)
-    return float_linears + embedding + head + int8_linears + LIBRARIES_BYTES
+        engines += (stored + 3 * 4) * table
+    return max(float_phase, engines) + LIBRARIES_BYTES
 
 
 def w8a8_source(name: str, seed: int = 0, int8_lm_head: bool = False) -> tuple[DecoderSpec, RandomTensors]:

@@ -13,7 +13,6 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,7 +29,7 @@ from ..artifact import HEAD, MANIFEST, ModelFiles, checked_row_blocks
 from ..decoder_spec import DecoderSpec, rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
-from ..model import DecoderLayer, Linear, RMSNorm, TensorSource, load_linear, tensor_loader
+from ..model import BlockSource, DecoderLayer, Linear, RMSNorm, load_linear, tensor_loader
 from .onnx_graph import LINEAR_FORMATS, OPSETS, ExternalData, Fill, GraphBuilder, build_graph
 
 MODEL_FILE = "model.onnx"
@@ -123,12 +122,6 @@ def graph_weight_bytes(files: ModelFiles) -> int:
     """What the graph's initializers will weigh: int8 weights as uint8, every float tensor as float32."""
     ckpt = files.checkpoint
     return sum(math.prod(shape) * (1 if ckpt.dtypes[name] == "I8" else 4) for name, shape in ckpt.shapes.items())
-
-
-class BlockSource(TensorSource, Protocol):
-    """A ``TensorSource`` that also hands out a 2-D tensor as row blocks (a checkpoint, or bench's random tensors)."""
-
-    def row_blocks(self, name: str) -> Iterator[torch.Tensor]: ...
 
 
 def source_graph(

@@ -79,12 +79,21 @@ def layerskip_drafter(context: DrafterContext, options: Mapping[str, Any]) -> La
 
 
 def choose_skip_layers(lm: CausalLM, ids: Sequence[int], count: int) -> frozenset[int]:
-    """The ``count`` layers whose skipping best keeps the full model's top-1 prediction on ``ids``.
+    """The ``count`` layers whose skipping best keeps the full model's top-1 prediction on ``ids`` (``skip_order``)."""
+    return frozenset(skip_order(lm, ids, count))
+
+
+def skip_order(lm: CausalLM, ids: Sequence[int], count: int, picked: Sequence[int] = ()) -> tuple[int, ...]:
+    """The first ``count`` layers of the greedy skipping order on ``ids``, continued from ``picked`` (its first layers).
 
     Greedy forward selection (add the layer that hurts least, repeat): count passes
     over at most num_layers candidates, against 2^num_layers for an exhaustive
     search. Ties in agreement go to the set that gives the full model's choice
-    the higher mean log-probability. Clobbers the cache: call between generations.
+    the higher mean log-probability. Each pick depends only on the picks before
+    it, so a shorter choice is a prefix of a longer one and a longer one continues
+    a shorter one (``Engine.choose_skip_layers`` keeps the order): a quarter and
+    then a half of a 28-layer model cost 301 forwards, not 476. Clobbers the
+    cache: call between generations.
     """
     lm = check_can_skip(lm)
     num_layers = lm.num_layers
@@ -92,23 +101,25 @@ def choose_skip_layers(lm: CausalLM, ids: Sequence[int], count: int) -> frozense
         raise QuasarError(f"can skip between 1 and {num_layers - 1} of {num_layers} layers, not {count}")
     if len(ids) < 2:
         raise QuasarError("the text to choose skipped layers on must be at least 2 tokens")
+    if len(picked) >= count:
+        return tuple(picked[:count])
 
     def forward(skip: frozenset[int]) -> torch.Tensor:
         lm.truncate(0)
         return lm.verify_skipping(ids, skip)
 
     target = forward(frozenset()).argmax(-1)
-    chosen: frozenset[int] = frozenset()
-    for _ in range(count):
+    order = list(picked)
+    while len(order) < count:
         best: tuple[float, float] | None = None
         for layer in range(num_layers):
-            if layer in chosen:
+            if layer in order:
                 continue
-            logits = forward(chosen | {layer})
+            logits = forward(frozenset(order) | {layer})
             agreement = float((logits.argmax(-1) == target).float().mean())
             log_prob = float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).mean())
             if best is None or (agreement, log_prob) > best:
                 best, pick = (agreement, log_prob), layer
-        chosen = chosen | {pick}
+        order.append(pick)
     lm.truncate(0)
-    return chosen
+    return tuple(order)

@@ -38,7 +38,7 @@ from .decoder_spec import DecoderSpec, check_tensor_shapes, decoder_spec
 from .errors import QuasarError
 from .files import atomic_directory, copy_files
 from .integrity import EXPORT_MANIFEST, MANIFEST, read_manifest, write_manifest
-from .model import BlockSource, Decoder, check_finite
+from .model import HEAD, BlockSource, Decoder, check_finite
 from .scheme import W8A8Scheme
 from .shards import MAX_SHARD_SIZE, TORCH_DTYPES, ShardWriter
 
@@ -46,7 +46,6 @@ FORMAT_VERSION = 2  # 2: ``files`` (per-file sha256) replaced ``weights_sha256``
 # what loading reads from a manifest, checked at open so a damaged one is one line, not a KeyError
 RECORD_FIELDS = {"recipe": dict, "quantized_layers": list}
 QUANTIZED_DTYPES = ("I8", "U8", "F8_E4M3", "F8_E5M2")
-HEAD = "lm_head"
 
 
 def compressed_tensors_config(scheme: W8A8Scheme, ignore: list[str]) -> dict:

@@ -51,7 +51,7 @@ def estimate(files: ModelFiles) -> MemoryEstimate:
     quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
     for name, shape in ckpt.shapes.items():
         count = math.prod(shape)
-        if name == EMBEDDINGS:  # kept as stored (``Decoder._narrow_table``); a tied head packs a float32 copy of it
+        if name == EMBEDDINGS:  # kept as stored; a tied head packs a float32 copy of it (``model.Linear``)
             embeddings = count * min(TORCH_DTYPES[ckpt.dtypes[name]].itemsize, COMPUTE_ITEMSIZE)
             if spec.tie_word_embeddings:
                 floats += count * COMPUTE_ITEMSIZE

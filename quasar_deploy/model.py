@@ -53,11 +53,21 @@ def cpu_kernels(float_kernel: str = "torch", int8_kernel: str = "reference") -> 
     return make
 
 
-class Linear(nn.Module):
-    """A linear layer in float or W8A8 form; ``prepare`` binds one of ``kernels.py``'s kernels, ``bind`` any other."""
+HEAD = "lm_head"
+PACK_BLOCK_BYTES = 1 << 28  # a narrow float weight is widened and packed this many float32 bytes of rows at a time
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+
+class Linear(nn.Module):
+    """A linear layer in float or W8A8 form; ``prepare`` binds one of ``kernels.py``'s kernels, ``bind`` any other.
+
+    ``dtype``: what a float layer computes in, when its weight is stored narrower (a bf16 lm_head or tied table,
+    half the bytes of float32). Kernels get the weight widened (``tensors``); a packing kernel gets it a block of
+    rows at a time, so no whole float32 copy is ever held beside the packed one (2.5 GB for an 8B head).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         super().__init__()
+        self.dtype = dtype or weight.dtype
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.register_buffer("weight_scale", None)
@@ -94,17 +104,36 @@ class Linear(nn.Module):
         """
         if self.weight.is_meta:
             raise RuntimeError("this layer's weight was released to its packed kernel; load the model again to change kernels")
-        self._fn = cpu_kernels(float_kernel, int8_kernel)(*self.tensors())
-        if packs_weight(self.weight, float_kernel, int8_kernel):
+        kernels = cpu_kernels(float_kernel, int8_kernel)
+        widened = torch.empty(0, dtype=self.dtype, device=self.weight.device)
+        if self._widens and packs_weight(widened, float_kernel, int8_kernel):
+            self._fn = self._packed_by_blocks(kernels)
+        else:
+            self._fn = kernels(*self.tensors())
+        if packs_weight(widened if self._widens else self.weight, float_kernel, int8_kernel):
             self.release_weight()
 
+    @property
+    def _widens(self) -> bool:
+        return not self.quantized and self.weight.dtype != self.dtype
+
+    def _packed_by_blocks(self, kernels: KernelFactory) -> LinearFn:
+        """One packed kernel per block of output rows, each widened as it is packed; their outputs side by side."""
+        rows = max(1, PACK_BLOCK_BYTES // (self.in_features * self.dtype.itemsize))
+        biases = self.bias.data.split(rows) if self.bias is not None else [None] * -(-self.out_features // rows)
+        parts = [kernels(block.to(self.dtype), None, bias, None) for block, bias in zip(self.weight.data.split(rows), biases)]
+        return parts[0] if len(parts) == 1 else lambda x: torch.cat([part(x) for part in parts], dim=-1)
+
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """What a ``KernelFactory`` takes: weight, weight_scale, bias, input_scale."""
-        return self.weight.data, self.weight_scale, self.bias.data if self.bias is not None else None, self.input_scale
+        """What a ``KernelFactory`` takes: weight (a float one in ``dtype``), weight_scale, bias, input_scale."""
+        weight = self.weight.data if self.quantized else self.weight.data.to(self.dtype)
+        return weight, self.weight_scale, self.bias.data if self.bias is not None else None, self.input_scale
 
     def release_weight(self) -> None:
-        """Drop the weight's data once a kernel holds its own copy; a meta tensor keeps its shape and dtype."""
-        self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+        """Drop the weight's data once a kernel holds its own copy; a meta tensor keeps its shape and the dtype the
+        kernel holds it in."""
+        dtype = self.weight.dtype if self.quantized else self.dtype
+        self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=dtype, device="meta"), requires_grad=False)
 
     def bind(self, fn: LinearFn) -> None:
         """Run this layer with ``fn`` (2-D input to 2-D output): the hook for kernels that live with their backend (NPU)."""
@@ -458,13 +487,20 @@ class Body(nn.Module):
         self.norm = RMSNorm(tensors("model.norm.weight"), spec.rms_norm_eps)
 
 
-def _embeddings(source: TensorSource, dtype: torch.dtype, head_reads_it: bool) -> tuple[torch.dtype, torch.Tensor]:
-    """The table's stored dtype, and the table as kept: stored, unless this decoder's lm_head reads it. A lookup reads a
-    few rows, converted exactly (bf16 -> float32), so an 8B bf16 model keeps 1.2 GB instead of 2.5 GB of embeddings."""
+def _embeddings(source: TensorSource, dtype: torch.dtype) -> torch.Tensor:
+    """The table in its stored float dtype: a lookup reads a few rows, converted exactly (bf16 -> float32), and a tied
+    head widens it only as its kernel packs it, so a bf16 8B model keeps 1.2 GB of embeddings instead of 2.5 GB."""
     table = source.tensor(EMBEDDINGS)
     check_finite(EMBEDDINGS, table)
-    keep = not head_reads_it and table.dtype in (torch.bfloat16, torch.float16, torch.float32)
-    return table.dtype, table if keep else table.to(dtype)
+    return table if table.dtype in (torch.bfloat16, torch.float16, torch.float32) else table.to(dtype)
+
+
+def _float_head(source: TensorSource, dtype: torch.dtype) -> Linear:
+    """An untied float lm_head kept as stored, like the table (``Linear``'s ``dtype``), until its kernel packs it."""
+    weight = source.tensor(f"{HEAD}.weight")
+    check_finite(f"{HEAD}.weight", weight)
+    bias = tensor_loader(source, dtype)(f"{HEAD}.bias", False)
+    return Linear(weight if weight.dtype in (torch.bfloat16, torch.float16, torch.float32) else weight.to(dtype), bias, dtype)
 
 
 class Decoder(nn.Module):
@@ -472,19 +508,18 @@ class Decoder(nn.Module):
     ``forward_blocks`` does that for several sequences (each its own cache) in one pass."""
 
     def __init__(self, spec: DecoderSpec, source: TensorSource, dtype: torch.dtype = torch.float32, lm_head: Linear | None = None):
-        """``lm_head``: a twin's head over the same weights, to share rather than build (``bench.synthetic``: packed once);
-        the table then stays as stored even where the embeddings are tied, since no head of this decoder reads it."""
+        """``lm_head``: a twin's head over the same weights, to share rather than build (``bench.synthetic``: packed once)."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
 
         load = tensor_loader(source, dtype)
-        tied = spec.tie_word_embeddings and lm_head is None
-        self.table_dtype, embeddings = _embeddings(source, dtype, head_reads_it=tied)
-        self.model = Body(spec, load, embeddings)
-        if lm_head is None:
+        self.model = Body(spec, load, _embeddings(source, dtype))
+        if lm_head is None and spec.tie_word_embeddings:
+            lm_head = Linear(self.model.embed_tokens.weight, dtype=dtype)
+        elif lm_head is None:
             # an int8 head (``--int8-lm-head``) is a W8A8 linear like the others, so every backend's kernels run it
-            lm_head = Linear(self.model.embed_tokens.weight.to(dtype)) if tied else load_linear(load, "lm_head")
+            lm_head = load_linear(load, HEAD) if f"{HEAD}.weight_scale" in source.names else _float_head(source, dtype)
         self.lm_head = lm_head
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 
@@ -509,14 +544,6 @@ class Decoder(nn.Module):
                 if isinstance(module, Linear) and module._fn is not _released and not (module._fn is not None and module.weight.is_meta):
                     module.prepare(float_kernel, int8_kernel)
             return_freed_memory()
-        self._narrow_table()
-
-    def _narrow_table(self) -> None:
-        """Once a tied head's kernel holds its own copy, the table serves lookups alone: back to its stored dtype (exact,
-        the values came from it), so a bf16 Qwen3-1.7B keeps 0.6 GB of embeddings beside its packed head, not 1.2 GB."""
-        table = self.model.embed_tokens.weight
-        if self.lm_head.weight.is_meta and self.table_dtype.is_floating_point and self.table_dtype.itemsize < table.dtype.itemsize:
-            self.model.embed_tokens.weight = nn.Parameter(table.to(self.table_dtype), requires_grad=False)
 
     def fuse(self, kernels: KernelFactory) -> None:
         """q/k/v and gate/up of every layer as one ``kernels`` call each (where their kinds and input scales allow)."""

@@ -85,7 +85,7 @@ def test_synthetic_twins_share_embedding_and_one_packed_head(small_shape):
 
     float_model, w8a8 = synthetic.synthetic_decoders(small_shape, kernels=(default_float_kernel(), default_int8_kernel()))
     assert w8a8.lm_head is float_model.lm_head and w8a8.lm_head.weight.is_meta
-    table = float_model.model.embed_tokens.weight  # narrowed to the draws' bf16 once the head is packed, and shared
+    table = float_model.model.embed_tokens.weight  # the draws' bf16, shared (the head packed a float32 copy)
     assert table.dtype == torch.bfloat16 and w8a8.model.embed_tokens.weight.data_ptr() == table.data_ptr()
     ids = torch.arange(3, 11)
     expected = [d(ids, d.new_cache()) for d in (plain_float, plain_w8a8)]

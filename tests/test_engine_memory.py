@@ -87,27 +87,35 @@ def test_estimate_counts_what_the_cpu_backend_holds(tmp_path):
     assert needed.kv_cache_per_1k_tokens == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * 1000
 
 
-def test_a_tied_bf16_table_narrows_once_its_head_is_packed(tmp_path):
-    """The float32 table a tied head was packed from serves lookups alone afterwards: back to bf16, logits unchanged."""
+def test_a_tied_bf16_table_stays_bf16_and_its_head_packs_block_by_block(tmp_path, monkeypatch):
+    """The tied head widens the bf16 table to float32 only as its kernel packs it, some rows at a time (never a whole
+    float32 copy beside the packed one): the table stays bf16 and the logits are the float32 model's."""
     import torch
 
+    from quasar_deploy import model
     from quasar_deploy.kernels import default_float_kernel, packs_weight
-    from quasar_deploy.model import Decoder
 
     source = save_tiny(tmp_path / "tied", dtype=torch.bfloat16, tie_word_embeddings=True)
     files = open_model_files(source)
-    decoder = Decoder(files.spec, files.checkpoint)
-    assert decoder.model.embed_tokens.weight.dtype == torch.float32  # the head reads it
+    decoder = model.Decoder(files.spec, files.checkpoint)
+    table = decoder.model.embed_tokens.weight
+    assert table.dtype == torch.bfloat16 and decoder.lm_head.weight.data_ptr() == table.data_ptr()
     ids = torch.arange(5, 17)
-    expected = decoder(ids, decoder.new_cache())
-    if not packs_weight(decoder.lm_head.weight, default_float_kernel(), "reference"):
-        pytest.skip(f"float kernel {default_float_kernel()!r} reads the table itself on this CPU")
+    expected = decoder(ids, decoder.new_cache())  # the torch kernel, on the head widened whole
+    if not packs_weight(torch.empty(0), default_float_kernel(), "reference"):
+        pytest.skip(f"float kernel {default_float_kernel()!r} does not pack on this CPU")
+    packed = []
+    monkeypatch.setattr(model, "PACK_BLOCK_BYTES", 1000 * files.spec.hidden_size * 4)  # 1000 rows: 5 blocks of 4096
+    kernels = model.cpu_kernels
+    monkeypatch.setattr(model, "cpu_kernels", lambda f, i: lambda w, *rest: packed.append(w.shape) or kernels(f, i)(w, *rest))
     decoder.prepare(default_float_kernel(), "reference")
-    assert decoder.lm_head.weight.is_meta and decoder.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert packed[-5:] == [torch.Size([1000, files.spec.hidden_size])] * 4 + [torch.Size([96, files.spec.hidden_size])]
+    assert decoder.lm_head.weight.is_meta and decoder.lm_head.weight.dtype == torch.float32
+    assert decoder.model.embed_tokens.weight.dtype == torch.bfloat16
     torch.testing.assert_close(decoder(ids, decoder.new_cache()), expected, atol=1e-5, rtol=1e-5)
     needed = estimate(files)
-    table = files.spec.vocab_size * files.spec.hidden_size
-    assert needed.embeddings == 2 * table  # as kept, and the packed head counted with the float weights
-    assert needed.float_weights == 4 * table + 4 * sum(
+    rows = files.spec.vocab_size * files.spec.hidden_size
+    assert needed.embeddings == 2 * rows  # as kept, and the packed head counted with the float weights
+    assert needed.float_weights == 4 * rows + 4 * sum(
         torch.Size(s).numel() for n, s in files.checkpoint.shapes.items() if n != "model.embed_tokens.weight"
     )

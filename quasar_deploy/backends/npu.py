@@ -127,7 +127,8 @@ def bind_npu_kernels(decoder: Decoder, device: torch.device | str, npu: ModuleTy
     decoder.move_to(device)
     for module in decoder.modules():
         if isinstance(module, Linear) and not module.quantized:
-            module.bind(float_linear(module.weight.data, module.bias.data if module.bias is not None else None, "torch"))
+            weight, _, bias, _ = module.tensors()  # in the compute dtype (a head or tied table may be stored narrower)
+            module.bind(float_linear(weight, bias, "torch"))
 
 
 def load_npu(

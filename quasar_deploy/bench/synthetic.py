@@ -65,7 +65,7 @@ def is_layer_linear(name: str) -> bool:
 
 class RandomTensors:
     """A ``TensorSource`` that invents each tensor on request, on ``device``: normal(0, 0.02) weights, unit norms, stored
-    as bfloat16 as published checkpoints are (so a decoder keeps what it keeps of a real one, such as a narrow table).
+    as bfloat16 as published checkpoints are (so a decoder keeps what it keeps of a real one: a bf16 table).
 
     Each tensor is drawn from its own generator, seeded by ``seed`` and its name, so any subset in
     any order holds the same values: the float decoder, its W8A8 twin and transformers' twin can be
@@ -177,21 +177,18 @@ def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = Fal
 
 
 def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False) -> int:
-    """Peak resident bytes of ``synthetic_decoders(kernels=...)``: the larger of its two phases, plus the libraries.
-
-    Building the float twin holds its float linears (packed one by one), the head in float32 beside its packed copy, and
-    the bf16 table (tied: the float32 table is the head, and its bf16 copy is made as it narrows). The W8A8 twin then
-    adds its int8 linears to the packed float linears and head and the one bf16 table; an int8 head is drawn (bf16) and
-    quantized through three float32 copies at once (``scheme.quantize_weight``), more than the int8 head it leaves.
+    """Peak resident bytes of ``synthetic_decoders(kernels=...)``, plus the libraries: packed float linears, the packed
+    float32 head, the one bf16 table and the int8 linears (the float twin's build holds less: its head is packed a
+    block of rows at a time from the bf16 table, ``model.Linear``). An int8 head is drawn (bf16) and quantized through
+    three float32 copies at once (``scheme.quantize_weight``), more than the int8 head it leaves.
     """
     float_linears, int8_linears = _linear_bytes(spec)
     table = spec.vocab_size * spec.hidden_size
     stored = STORED_DTYPE.itemsize
-    float_phase = float_linears + (4 + 4 + stored) * table
     engines = float_linears + (4 + stored) * table + int8_linears
     if int8_lm_head:
         engines += (stored + 3 * 4) * table
-    return max(float_phase, engines) + LIBRARIES_BYTES
+    return engines + LIBRARIES_BYTES
 
 
 def w8a8_source(name: str, seed: int = 0, int8_lm_head: bool = False) -> tuple[DecoderSpec, RandomTensors]:

@@ -105,12 +105,12 @@ class Linear(nn.Module):
         if self.weight.is_meta:
             raise RuntimeError("this layer's weight was released to its packed kernel; load the model again to change kernels")
         kernels = cpu_kernels(float_kernel, int8_kernel)
-        widened = torch.empty(0, dtype=self.dtype, device=self.weight.device)
-        if self._widens and packs_weight(widened, float_kernel, int8_kernel):
+        if self._widens and packs_weight(torch.empty(0, dtype=self.dtype, device=self.weight.device), float_kernel, int8_kernel):
             self._fn = self._packed_by_blocks(kernels)
-        else:
-            self._fn = kernels(*self.tensors())
-        if packs_weight(widened if self._widens else self.weight, float_kernel, int8_kernel):
+            self.release_weight()
+            return
+        self._fn = kernels(*self.tensors())
+        if packs_weight(self.weight, float_kernel, int8_kernel):
             self.release_weight()
 
     @property
@@ -487,20 +487,16 @@ class Body(nn.Module):
         self.norm = RMSNorm(tensors("model.norm.weight"), spec.rms_norm_eps)
 
 
-def _embeddings(source: TensorSource, dtype: torch.dtype) -> torch.Tensor:
-    """The table in its stored float dtype: a lookup reads a few rows, converted exactly (bf16 -> float32), and a tied
-    head widens it only as its kernel packs it, so a bf16 8B model keeps 1.2 GB of embeddings instead of 2.5 GB."""
-    table = source.tensor(EMBEDDINGS)
-    check_finite(EMBEDDINGS, table)
-    return table if table.dtype in (torch.bfloat16, torch.float16, torch.float32) else table.to(dtype)
+def _as_stored(source: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``name`` in its stored float dtype (another dtype converted to ``dtype``), checked finite.
 
-
-def _float_head(source: TensorSource, dtype: torch.dtype) -> Linear:
-    """An untied float lm_head kept as stored, like the table (``Linear``'s ``dtype``), until its kernel packs it."""
-    weight = source.tensor(f"{HEAD}.weight")
-    check_finite(f"{HEAD}.weight", weight)
-    bias = tensor_loader(source, dtype)(f"{HEAD}.bias", False)
-    return Linear(weight if weight.dtype in (torch.bfloat16, torch.float16, torch.float32) else weight.to(dtype), bias, dtype)
+    For the embedding table and a float lm_head: a lookup reads a few rows, converted exactly
+    (bf16 -> float32), and a head is widened only as its kernel packs it (``Linear``), so a bf16 8B
+    model keeps 1.2 GB of embeddings instead of 2.5 GB and never holds its head twice in float32.
+    """
+    tensor = source.tensor(name)
+    check_finite(name, tensor)
+    return tensor if tensor.dtype in (torch.bfloat16, torch.float16, torch.float32) else tensor.to(dtype)
 
 
 class Decoder(nn.Module):
@@ -514,12 +510,13 @@ class Decoder(nn.Module):
         self.dtype = dtype
 
         load = tensor_loader(source, dtype)
-        self.model = Body(spec, load, _embeddings(source, dtype))
+        self.model = Body(spec, load, _as_stored(source, EMBEDDINGS, dtype))
         if lm_head is None and spec.tie_word_embeddings:
             lm_head = Linear(self.model.embed_tokens.weight, dtype=dtype)
+        elif lm_head is None and f"{HEAD}.weight_scale" in source.names:
+            lm_head = load_linear(load, HEAD)  # ``--int8-lm-head``: a W8A8 linear like the others, so every backend runs it
         elif lm_head is None:
-            # an int8 head (``--int8-lm-head``) is a W8A8 linear like the others, so every backend's kernels run it
-            lm_head = load_linear(load, HEAD) if f"{HEAD}.weight_scale" in source.names else _float_head(source, dtype)
+            lm_head = Linear(_as_stored(source, f"{HEAD}.weight", dtype), load(f"{HEAD}.bias", False), dtype)
         self.lm_head = lm_head
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 
@@ -556,7 +553,7 @@ class Decoder(nn.Module):
         self._apply(lambda t: t if t.is_meta else t.to(device))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of ``ids`` in the compute dtype (the table may be stored narrower, see ``_embeddings``)."""
+        """The rows of ``ids`` in the compute dtype (the table may be stored narrower, see ``_as_stored``)."""
         return self.model.embed_tokens(ids).to(self.dtype)
 
     def new_cache(self, capacity: int = 256) -> KVCache:

@@ -483,7 +483,10 @@ class Body(nn.Module):
     def __init__(self, spec: DecoderSpec, tensors, embeddings: torch.Tensor):
         super().__init__()
         self.embed_tokens = nn.Embedding.from_pretrained(embeddings, freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(spec, tensors, spec.layer_prefix(i)) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList()
+        for i in range(spec.num_layers):
+            self.layers.append(DecoderLayer(spec, tensors, spec.layer_prefix(i)))
+            return_freed_memory()  # what converting or quantizing its tensors freed (a few MB each): glibc would keep it
         self.norm = RMSNorm(tensors("model.norm.weight"), spec.rms_norm_eps)
 
 

@@ -483,6 +483,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(tensors(f"{prefix}.post_attention_layernorm.weight"), spec.rms_norm_eps)
         self.mlp = MLP(tensors, f"{prefix}.mlp")
 
+    def fuse(self, kernels: KernelFactory) -> None:
+        """q/k/v and gate/up as one ``kernels`` call each (where their kinds and input scales allow)."""
+        self.self_attn.fuse(kernels)
+        self.mlp.fuse(kernels)
+
     def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -549,18 +554,16 @@ class Decoder(nn.Module):
         kernels = cpu_kernels(float_kernel, int8_kernel)
         for part in [*self.model.layers, self.lm_head]:
             if fuse and isinstance(part, DecoderLayer):
-                part.self_attn.fuse(kernels)
-                part.mlp.fuse(kernels)
+                part.fuse(kernels)
             for module in part.modules():
                 if isinstance(module, Linear) and module._fn is not _released and not (module._fn is not None and module.weight.is_meta):
                     module.prepare(float_kernel, int8_kernel)
             return_freed_memory()
 
     def fuse(self, kernels: KernelFactory) -> None:
-        """q/k/v and gate/up of every layer as one ``kernels`` call each (where their kinds and input scales allow)."""
+        """q/k/v and gate/up of every layer as one ``kernels`` call each (``DecoderLayer.fuse``)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse(kernels)
-            layer.mlp.fuse(kernels)
+            layer.fuse(kernels)
 
     def move_to(self, device: torch.device | str) -> None:
         """Move every tensor to ``device`` except meta placeholders (weights a bound kernel already holds on the device)."""

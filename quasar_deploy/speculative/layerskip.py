@@ -78,13 +78,9 @@ def layerskip_drafter(context: DrafterContext, options: Mapping[str, Any]) -> La
     return LayerSkipDrafter(context.lm, layers)
 
 
-def choose_skip_layers(lm: CausalLM, ids: Sequence[int], count: int) -> frozenset[int]:
-    """The ``count`` layers whose skipping best keeps the full model's top-1 prediction on ``ids`` (``skip_order``)."""
-    return frozenset(skip_order(lm, ids, count))
-
-
 def skip_order(lm: CausalLM, ids: Sequence[int], count: int, picked: Sequence[int] = ()) -> tuple[int, ...]:
-    """The first ``count`` layers of the greedy skipping order on ``ids``, continued from ``picked`` (its first layers).
+    """The first ``count`` layers of the greedy skipping order on ``ids``, continued from ``picked`` (its first layers):
+    the layers whose skipping best keeps the full model's top-1 prediction.
 
     Greedy forward selection (add the layer that hurts least, repeat): count passes
     over at most num_layers candidates, against 2^num_layers for an exhaustive

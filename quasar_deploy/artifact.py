@@ -165,8 +165,8 @@ class ModelFiles:
     def scheme(self) -> W8A8Scheme | None:
         return W8A8Scheme(**self.manifest["recipe"]["scheme"]) if self.manifest else None
 
-    def decoder(self, dtype: torch.dtype = torch.float32) -> Decoder:
-        decoder = Decoder(self.spec, self.checkpoint, dtype)
+    def decoder(self, dtype: torch.dtype = torch.float32, head_dtype: torch.dtype | None = None) -> Decoder:
+        decoder = Decoder(self.spec, self.checkpoint, dtype, head_dtype=head_dtype)
         if self.manifest:
             expected = set(self.manifest["quantized_layers"])
             got = {name for name, linear in decoder.linears() if linear.quantized} | ({HEAD} if decoder.lm_head.quantized else set())

@@ -11,7 +11,7 @@ from collections.abc import MutableMapping
 from functools import cache
 from pathlib import Path
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "asimd", "asimddp", "i8mm")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "amx_bf16", "asimd", "asimddp", "i8mm")
 
 
 @cache

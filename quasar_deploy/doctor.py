@@ -11,7 +11,17 @@ from .backends import available_backends
 from .backends.cuda import gpu_status
 from .backends.registry import auto_backend, default_backend
 from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
-from .kernels import default_float_kernel, default_int8_kernel, fbgemm_available, onednn_available
+from .kernels import (
+    FLOAT_DTYPE_ENV,
+    default_float_dtype,
+    default_float_kernel,
+    default_int8_kernel,
+    fbgemm_available,
+    float_probe,
+    onednn_available,
+    onednn_int8_exact,
+    vnni_available,
+)
 
 
 def report(path: str | None = None) -> dict:
@@ -30,11 +40,31 @@ def report(path: str | None = None) -> dict:
         "onednn": onednn_available(),
         "int8_kernel": default_int8_kernel("cpu"),
         "float_kernel": default_float_kernel("cpu"),
+        "probes": probes(),
         "gpu": gpu_status(),
         "targets": available_backends(),
         "default_backend": default_backend(),
         "torch_decoder_backend": default_backend(("layer_skip",)),
         **({"memory": model_memory(path), "auto_backend": auto_backend(path)} if path is not None else {}),
+    }
+
+
+def probes() -> dict:
+    """What running the kernels once showed (``kernels``'s probes), and the float dtype chosen from it."""
+    from .backends.onnxruntime import exact_int8_entries
+    from .backends.registry import unavailable
+
+    probe = float_probe()
+    chosen = os.environ.get(FLOAT_DTYPE_ENV)
+    return {
+        "fbgemm_int8_sums_32bit": vnni_available(),
+        "onednn_int8_exact": onednn_int8_exact(),
+        "onnxruntime_int8_options": [f"{k}={v}" for k, v in exact_int8_entries()] if unavailable("onnxruntime") is None else None,
+        "float32_ms": round(probe.float32_ms, 3),
+        "bfloat16_ms": round(probe.bfloat16_ms, 3),
+        "bf16_row_invariant": probe.bf16_row_invariant,
+        "float_dtype": str(default_float_dtype("cpu")).removeprefix("torch."),
+        "float_dtype_why": f"set by {FLOAT_DTYPE_ENV}={chosen}" if chosen else probe.reason,
     }
 
 

@@ -21,12 +21,14 @@ accumulation; they differ only in speed and in where they run):
   FBGEMM's kernel accumulates u8*s8 products straight into 32 bits and cannot overflow:
   the full-range int8 rows plus pinning rows -127 and 128 (scale 1, zero point 127), M+2
   rows of compute; the accumulation is recovered as above (exact while |acc| < 2^23).
-  Chosen by default where the CPU has VNNI; tested bit-identical to the reference there.
+  Chosen by default where running it once shows 32-bit sums (``vnni_available``); tested bit-identical to the
+  reference there.
 - ``onednn-vnni``: oneDNN's u8 x s8 int8 linear (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86
   int8 path uses), fed the int8 codes shifted to uint8 (zero point 128) with unit scales, so its float32 output is
   the int32 accumulation converted once, as the reference's ``.float()`` converts its exact sum; the scheme's
   scaling follows in the reference's order. Exact at any K where oneDNN multiplies with VNNI (32-bit lanes);
-  without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only with AVX-512 VNNI.
+  without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only where running it
+  once shows exact sums (``onednn_int8_exact``).
   No pinning rows and no float64 recovery: per linear faster than fbgemm-vnni from M = 4 rows up, slower at M = 1
   (``bench kernels --int8-kernels onednn-vnni,fbgemm-vnni``), but whole verify steps were within run-to-run noise
   of fbgemm-vnni's (docs/architecture.md), so it is offered, not the default. Tested bit-identical to the reference.
@@ -40,13 +42,16 @@ batched serving step needs; MKL's blocking changes a row's rounding with M.
 
 from __future__ import annotations
 
+import functools
+import os
+import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .cpuinfo import cpu_flags
 from .errors import QuasarError
 from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activation
 
@@ -68,9 +73,36 @@ def onednn_int8_available() -> bool:
     return hasattr(torch.ops.onednn, "qlinear_pointwise") and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
+@functools.cache
 def vnni_available() -> bool:
-    """FBGEMM runs its VNNI kernel (u8*s8 summed straight into 32 bits: no overflow) on CPUs with AVX-512 VNNI."""
-    return "avx512_vnni" in cpu_flags()
+    """Whether FBGEMM's u8 x s8 kernel sums products straight into 32 bits here (its AVX-512 VNNI kernel), found by
+    running it once on codes whose product pairs overflow 16 bits; its AVX2 kernel saturates them.
+
+    Asked of the kernel, not of ``/proc/cpuinfo``: which kernel FBGEMM dispatches to is its own decision, and this
+    project's machines list instruction sets (AMX) that do not run.
+    """
+    return fbgemm_available() and _sums_exactly(lambda wq, w_scale: _fbgemm(wq, w_scale, None, None, split=False))
+
+
+@functools.cache
+def onednn_int8_exact() -> bool:
+    """Whether oneDNN's u8 x s8 linear sums exactly here (32-bit lanes), found by running it once like ``vnni_available``."""
+    return onednn_int8_available() and _sums_exactly(lambda wq, w_scale: _onednn_int8(wq, w_scale, None, None))
+
+
+def _sums_exactly(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> bool:
+    """Whether the int8 linear ``make(wq, w_scale)`` equals the reference on full-range codes (255 x +-127 pairs
+    overflow a 16-bit sum), past 2^15 at K = 512; any error from the kernel counts as not exact."""
+    depth, width = 512, 32
+    wq = torch.randint(-127, 128, (width, depth), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    wq[:8], wq[8:16] = 127, -127
+    w_scale = torch.full((width, 1), 0.01)
+    x = torch.full((3, depth), 1.0)
+    x[1], x[2, ::2] = -1.0, -1.0
+    try:
+        return torch.equal(make(wq, w_scale)(x), _reference(wq, w_scale, None, None)(x))
+    except RuntimeError:
+        return False
 
 
 def default_int8_kernel(device: str = "cpu") -> str:
@@ -83,8 +115,84 @@ def default_float_kernel(device: str = "cpu") -> str:
     return "onednn" if device == "cpu" and onednn_available() else "torch"
 
 
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FLOAT_DTYPE_ENV = "QUASAR_FLOAT_DTYPE"  # a user's choice of the CPU float dtype, over the probe's
+BF16_MIN_SPEEDUP = 1.3  # bf16 must beat float32 by this much: a CPU without native bf16 runs it several times slower
+
+
+@dataclass(frozen=True)
+class FloatProbe:
+    """What running oneDNN's packed linear once in float32 and in bf16 showed (``float_probe``)."""
+
+    float32_ms: float
+    bfloat16_ms: float
+    bf16_row_invariant: bool
+
+    @property
+    def bf16_speedup(self) -> float:
+        return self.float32_ms / self.bfloat16_ms if self.bfloat16_ms > 0 else 0.0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        fast = self.bf16_speedup >= BF16_MIN_SPEEDUP
+        return torch.bfloat16 if fast and self.bf16_row_invariant else torch.float32
+
+    @property
+    def reason(self) -> str:
+        if not self.bf16_row_invariant:
+            return "bf16 rows change with the row count here (verification would not be lossless)"
+        return f"bf16 {self.bf16_speedup:.1f}x float32 at a verify step's shape (bf16 needs {BF16_MIN_SPEEDUP}x)"
+
+
+@functools.cache
+def float_probe() -> FloatProbe:
+    """Times one verify-sized linear (6 rows, 1024 x 4096) in float32 and bf16 on oneDNN's packed kernel, once per
+    process, and checks that a bf16 row's result does not depend on how many rows come with it.
+
+    CPUs with native bf16 (avx512_bf16, AMX) run bf16 2-4x faster than float32 at this shape, reading half the
+    bytes; others emulate it several times slower. The gap is wide either way, so a short timing decides it, where
+    ``/proc/cpuinfo`` cannot (it lists instruction sets that fault here).
+    """
+    if not onednn_available():
+        return FloatProbe(1.0, 0.0, False)
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(4096, 1024, generator=generator), torch.randn(48, 1024, generator=generator)
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        linear = float_linear(weight.to(dtype), None, "onednn")
+        rows = x[:6].to(dtype)
+        linear(rows)
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            linear(rows)
+            runs.append(time.perf_counter() - start)
+        times[dtype] = min(runs) * 1e3
+    bf16 = float_linear(weight.bfloat16(), None, "onednn")
+    rows = x.bfloat16()
+    whole = bf16(rows)
+    invariant = all(torch.equal(bf16(rows[:m]), whole[:m]) for m in (1, 2, 6, 7, 16))
+    return FloatProbe(times[torch.float32], times[torch.bfloat16], invariant)
+
+
+def default_float_dtype(device: str = "cpu", name: str | None = None) -> torch.dtype:
+    """The dtype float weights compute in on ``device``: ``name`` ("float32" or "bfloat16"), else the user's
+    ``QUASAR_FLOAT_DTYPE``, else on a CPU the probe's choice (bf16 where it is fast and row-invariant, float32
+    elsewhere); accelerators compute bf16. A CPU whose bf16 rows change with the row count is refused bf16: its
+    speculative output would no longer be the verifier's own greedy decode."""
+    name = name or os.environ.get(FLOAT_DTYPE_ENV)
+    if not name:
+        return float_probe().dtype if device == "cpu" else torch.bfloat16
+    if name not in FLOAT_DTYPES:
+        raise QuasarError(f"unknown float dtype {name!r}: choose from {', '.join(FLOAT_DTYPES)}")
+    dtype = FLOAT_DTYPES[name]
+    if device == "cpu" and dtype == torch.bfloat16 and not float_probe().bf16_row_invariant:
+        raise QuasarError("bf16 is not row-invariant on this CPU (a row's result changes with the rows beside it): use float32")
+    return dtype
+
+
 def _onednn_packs(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu"
+    return weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
 
 
 def packs_weight(weight: torch.Tensor, float_kernel: str, int8_kernel: str) -> bool:
@@ -224,13 +332,18 @@ def check_int8_kernel(kernel: str) -> None:
         raise QuasarError(f"the {kernel} kernel needs a PyTorch build with FBGEMM (x86 CPUs)")
     if kernel == "fbgemm-vnni" and not vnni_available():
         raise QuasarError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
-    if kernel == "onednn-vnni" and not (vnni_available() and onednn_int8_available()):
-        raise QuasarError("the onednn-vnni kernel needs a CPU with AVX-512 VNNI and a PyTorch build with oneDNN's int8 ops")
+    if kernel == "onednn-vnni" and not onednn_int8_exact():
+        raise QuasarError("the onednn-vnni kernel needs a CPU where oneDNN's int8 linear sums in 32 bits (AVX-512 VNNI)")
 
 
 __all__ = [
+    "FLOAT_DTYPES",
     "FLOAT_KERNELS",
+    "FloatProbe",
     "check_int8_kernel",
+    "default_float_dtype",
+    "float_probe",
+    "onednn_int8_exact",
     "INT8_KERNELS",
     "QMAX",
     "default_float_kernel",

@@ -12,11 +12,13 @@ from .decoder_spec import DecoderSpec
 from .shards import TORCH_DTYPES
 
 if TYPE_CHECKING:  # model.py imports this module, and artifact.py imports model.py
+    import torch
+
     from .artifact import ModelFiles
 
 MIB = 1 << 20
 MEMORY_REPORT_TOKENS = 4096  # the KV cache length that reports and the backend choice size a model's memory at
-COMPUTE_ITEMSIZE = 4  # the cpu backend computes in float32
+COMPUTE_ITEMSIZE = 4  # float32: a W8A8 decoder's activations, and float parts where bf16 is slow
 EMBEDDINGS = "model.embed_tokens.weight"
 
 
@@ -25,7 +27,7 @@ class MemoryEstimate:
     """Bytes by kind, as the cpu backend holds them: one packed copy of each weight (``Linear.release_weight``)."""
 
     int8_weights: int  # int8 weights and their scales
-    float_weights: int  # float linears, a float lm_head (a tied one too: its packed copy) and norms, in float32
+    float_weights: int  # float linears, a float lm_head (a tied one too: its packed copy) and norms, as computed
     embeddings: int  # in their stored dtype
     kv_cache_per_1k_tokens: int
 
@@ -44,22 +46,28 @@ class MemoryEstimate:
         )
 
 
-def estimate(files: ModelFiles) -> MemoryEstimate:
-    """The cpu backend's resident weights and KV cache for ``files`` (artifact or float checkpoint)."""
+def estimate(files: ModelFiles, float_dtype: torch.dtype | None = None) -> MemoryEstimate:
+    """The cpu backend's resident weights and KV cache for ``files`` (artifact or float checkpoint), with float parts in
+    ``float_dtype`` (default: the one ``kernels.default_float_dtype`` gives this CPU), as ``load_cpu`` holds them: a
+    float checkpoint wholly in it; an artifact's activations, KV cache and kept-float layers in float32, its head in it."""
+    from .kernels import default_float_dtype
+
     ckpt, spec = files.checkpoint, files.spec
+    head = (float_dtype or default_float_dtype("cpu")).itemsize
+    body = COMPUTE_ITEMSIZE if files.is_artifact else head
     int8 = floats = embeddings = 0
     quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
     for name, shape in ckpt.shapes.items():
         count = math.prod(shape)
-        if name == EMBEDDINGS:  # kept as stored; a tied head packs a float32 copy of it (``model.Linear``)
-            embeddings = count * min(TORCH_DTYPES[ckpt.dtypes[name]].itemsize, COMPUTE_ITEMSIZE)
+        if name == EMBEDDINGS:  # kept as stored where no wider than the body's dtype; a tied head packs its own copy
+            embeddings = count * min(TORCH_DTYPES[ckpt.dtypes[name]].itemsize, body)
             if spec.tie_word_embeddings:
-                floats += count * COMPUTE_ITEMSIZE
+                floats += count * head
         elif name.rsplit(".", 1)[0] in quantized:
             int8 += count * TORCH_DTYPES[ckpt.dtypes[name]].itemsize
         else:
-            floats += count * COMPUTE_ITEMSIZE
-    return MemoryEstimate(int8, floats, embeddings, kv_cache_bytes(spec, 1000))
+            floats += count * (head if name.startswith("lm_head.") else body)
+    return MemoryEstimate(int8, floats, embeddings, kv_cache_bytes(spec, 1000, body))
 
 
 def report_tokens(spec: DecoderSpec) -> int:

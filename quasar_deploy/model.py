@@ -60,9 +60,10 @@ PACK_BLOCK_BYTES = 1 << 28  # a narrow float weight is widened and packed this m
 class Linear(nn.Module):
     """A linear layer in float or W8A8 form; ``prepare`` binds one of ``kernels.py``'s kernels, ``bind`` any other.
 
-    ``dtype``: what a float layer computes in, when its weight is stored narrower (a bf16 lm_head or tied table,
-    half the bytes of float32). Kernels get the weight widened (``tensors``); a packing kernel gets it a block of
-    rows at a time, so no whole float32 copy is ever held beside the packed one (2.5 GB for an 8B head).
+    ``dtype``: what a float layer computes in, when its weight is stored in another dtype (a bf16 lm_head or tied
+    table computing in float32 where bf16 is slow, a float16 one computing in bf16). Kernels get the weight
+    converted (``tensors``); a packing kernel gets it a block of rows at a time, so no whole converted copy is ever
+    held beside the packed one (2.5 GB for an 8B head in float32). Its input is converted to ``dtype`` too.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
@@ -105,7 +106,7 @@ class Linear(nn.Module):
         if self.weight.is_meta:
             raise RuntimeError("this layer's weight was released to its packed kernel; load the model again to change kernels")
         kernels = cpu_kernels(float_kernel, int8_kernel)
-        if self._widens and packs_weight(torch.empty(0, dtype=self.dtype, device=self.weight.device), float_kernel, int8_kernel):
+        if self._converts and packs_weight(torch.empty(0, dtype=self.dtype, device=self.weight.device), float_kernel, int8_kernel):
             self._fn = self._packed_by_blocks(kernels)
             self.release_weight()
             return
@@ -114,13 +115,13 @@ class Linear(nn.Module):
             self.release_weight()
 
     @property
-    def _widens(self) -> bool:
+    def _converts(self) -> bool:
         return not self.quantized and self.weight.dtype != self.dtype
 
     def _packed_by_blocks(self, kernels: KernelFactory) -> LinearFn:
-        """One packed kernel per block of output rows, each widened as it is packed; their outputs side by side."""
+        """One packed kernel per block of output rows, each converted as it is packed; their outputs side by side."""
         rows = max(1, PACK_BLOCK_BYTES // (self.in_features * self.dtype.itemsize))
-        biases = self.bias.data.split(rows) if self.bias is not None else [None] * -(-self.out_features // rows)
+        biases = self.bias.data.to(self.dtype).split(rows) if self.bias is not None else [None] * -(-self.out_features // rows)
         parts = []
         for block, bias in zip(self.weight.data.split(rows), biases):
             parts.append(kernels(block.to(self.dtype), None, bias, None))
@@ -130,7 +131,8 @@ class Linear(nn.Module):
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """What a ``KernelFactory`` takes: weight (a float one in ``dtype``), weight_scale, bias, input_scale."""
         weight = self.weight.data if self.quantized else self.weight.data.to(self.dtype)
-        return weight, self.weight_scale, self.bias.data if self.bias is not None else None, self.input_scale
+        bias = None if self.bias is None else self.bias.data if self.quantized else self.bias.data.to(self.dtype)
+        return weight, self.weight_scale, bias, self.input_scale
 
     def release_weight(self) -> None:
         """Drop the weight's data once a kernel holds its own copy; a meta tensor keeps its shape and the dtype the
@@ -146,7 +148,8 @@ class Linear(nn.Module):
         if self._fn is None:
             self.prepare()
         shape = x.shape
-        y = self._fn(x.reshape(-1, shape[-1]))
+        rows = x.reshape(-1, shape[-1])
+        y = self._fn(rows if self.quantized else rows.to(self.dtype))  # a bf16 head in a float32 decoder computes in bf16
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
@@ -507,7 +510,7 @@ class Body(nn.Module):
 
 
 def _as_stored(source: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """``name`` in its stored float dtype (another dtype converted to ``dtype``), checked finite.
+    """``name`` in its stored float dtype where that is no wider than ``dtype`` (else converted to ``dtype``), checked finite.
 
     For the embedding table and a float lm_head: a lookup reads a few rows, converted exactly
     (bf16 -> float32), and a head is widened only as its kernel packs it (``Linear``), so a bf16 8B
@@ -515,27 +518,40 @@ def _as_stored(source: TensorSource, name: str, dtype: torch.dtype) -> torch.Ten
     """
     tensor = source.tensor(name)
     check_finite(name, tensor)
-    return tensor if tensor.dtype in (torch.bfloat16, torch.float16, torch.float32) else tensor.to(dtype)
+    narrow = tensor.dtype.is_floating_point and tensor.dtype.itemsize <= dtype.itemsize
+    return tensor if narrow else tensor.to(dtype)
 
 
 class Decoder(nn.Module):
     """Causal decoder: ``forward(ids, cache)`` appends ``ids`` to the cache and returns their logits;
     ``forward_blocks`` does that for several sequences (each its own cache) in one pass."""
 
-    def __init__(self, spec: DecoderSpec, source: TensorSource, dtype: torch.dtype = torch.float32, lm_head: Linear | None = None):
-        """``lm_head``: a twin's head over the same weights, to share rather than build (``bench.synthetic``: packed once)."""
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        source: TensorSource,
+        dtype: torch.dtype = torch.float32,
+        lm_head: Linear | None = None,
+        head_dtype: torch.dtype | None = None,
+    ):
+        """``dtype``: what activations, norms, attention and float layers compute in. ``head_dtype`` (default
+        ``dtype``): what a float lm_head computes in; a W8A8 decoder keeps float32 activations, whose bytes are few,
+        and computes its head in bf16 where the CPU has it (``kernels.default_float_dtype``): half the bytes of
+        the largest float weight it reads each step. ``lm_head``: a twin's head over the same weights, to share
+        rather than build (``bench.synthetic``: packed once)."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
+        head_dtype = head_dtype or dtype
 
         load = tensor_loader(source, dtype)
         self.model = Body(spec, load, _as_stored(source, EMBEDDINGS, dtype))
         if lm_head is None and spec.tie_word_embeddings:
-            lm_head = Linear(self.model.embed_tokens.weight, dtype=dtype)
+            lm_head = Linear(self.model.embed_tokens.weight, dtype=head_dtype)
         elif lm_head is None and f"{HEAD}.weight_scale" in source.names:
             lm_head = load_linear(load, HEAD)  # ``--int8-lm-head``: a W8A8 linear like the others, so every backend runs it
         elif lm_head is None:
-            lm_head = Linear(_as_stored(source, f"{HEAD}.weight", dtype), load(f"{HEAD}.bias", False), dtype)
+            lm_head = Linear(_as_stored(source, f"{HEAD}.weight", dtype), load(f"{HEAD}.bias", False), head_dtype)
         self.lm_head = lm_head
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 

@@ -27,6 +27,15 @@ def isolated_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def float32_by_default():
+    """The suite computes float parts in float32 unless a test asks for bf16: which dtype the probe picks depends on the
+    CPU kind, and a test's pass or fail must not (tests/test_float_dtype.py covers both dtypes and the choice)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QUASAR_FLOAT_DTYPE", "float32")
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.gpu`` tests need CUDA; without it they are skipped, saying so (tools/gpu_check.sh runs them on a GPU)."""
     import torch

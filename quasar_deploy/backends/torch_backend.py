@@ -10,7 +10,7 @@ import torch
 from ..artifact import ModelFiles, open_model_files
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
-from ..kernels import default_float_kernel, default_int8_kernel
+from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
 from ..model import Decoder, KVCache
 
 
@@ -91,11 +91,18 @@ def load_cpu(
     float_kernel: str | None = None,
     int8_kernel: str | None = None,
     threads: int | None = None,
+    float_dtype: str | None = None,
 ) -> TorchCausalLM:
-    """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has."""
+    """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has.
+
+    ``float_dtype`` ("float32" or "bfloat16"; default ``kernels.default_float_dtype``: bf16 where the CPU computes it
+    fast): a float checkpoint runs wholly in it, as the float baseline should on such a CPU; a W8A8 artifact keeps
+    float32 activations and computes its float lm_head in it.
+    """
     files = path if isinstance(path, ModelFiles) else open_model_files(path)
-    kind = "W8A8" if files.is_artifact else "float"
-    return cpu_causal_lm(files.decoder(torch.float32), float_kernel, int8_kernel, threads, kind)
+    dtype = default_float_dtype("cpu", float_dtype)
+    decoder = files.decoder(torch.float32, head_dtype=dtype) if files.is_artifact else files.decoder(dtype)
+    return cpu_causal_lm(decoder, float_kernel, int8_kernel, threads, "W8A8" if files.is_artifact else "float")
 
 
 def cpu_causal_lm(
@@ -113,5 +120,7 @@ def cpu_causal_lm(
     decoder.prepare(float_kernel, int8_kernel, fuse=True)
     lm_class = BatchingTorchCausalLM if float_kernel == "onednn" else TorchCausalLM
     return lm_class(
-        decoder, description=f"cpu {kind}, {torch.get_num_threads()} threads (float kernel {float_kernel}, int8 kernel {int8_kernel})"
+        decoder,
+        description=f"cpu {kind}, {torch.get_num_threads()} threads (float dtype {str(decoder.lm_head.dtype).removeprefix('torch.')}, "
+        f"float kernel {float_kernel}, int8 kernel {int8_kernel})",
     )

@@ -21,10 +21,20 @@ def doctor(path, as_json):
         return
     click.echo(f"cpu            {info['cpu']} ({info['threads']} threads)")
     click.echo(f"openmp waits   {info['omp_wait_policy']}")
-    click.echo(f"isa            {' '.join(info['isa']) or 'none detected'}")
+    click.echo(f"isa listed     {' '.join(info['isa']) or 'none detected'} (/proc/cpuinfo; kernels are chosen by running them)")
     click.echo(f"torch          {info['torch']} (python {info['python']})")
     click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; fbgemm {'available' if info['fbgemm'] else 'missing'})")
     click.echo(f"float kernel   {info['float_kernel']} (oneDNN {'available' if info['onednn'] else 'missing'})")
+    probes = info["probes"]
+    click.echo(
+        f"float dtype    {probes['float_dtype']} (float models wholly, W8A8 models' lm_head; {probes['float_dtype_why']}; "
+        f"bf16 rows {'invariant' if probes['bf16_row_invariant'] else 'change with the row count'})"
+    )
+    int8 = "32-bit sums" if probes["fbgemm_int8_sums_32bit"] else "16-bit saturating sums: split kernel"
+    ort = probes["onnxruntime_int8_options"]
+    ort_text = "not installed" if ort is None else ", ".join(ort) or "exact without options"
+    onednn = "exact" if probes["onednn_int8_exact"] else "not exact"
+    click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; onnxruntime {ort_text}")
     gpu = info["gpu"]
     if "gpu" in gpu:
         cores = "int8 tensor cores usable" if gpu["int8_tensor_cores"] else "no int8 tensor cores"

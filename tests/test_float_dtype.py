@@ -1,0 +1,169 @@
+"""The CPU float dtype: bf16 where running the kernel shows it fast and row-invariant, float32 elsewhere.
+
+The choice is covered on every CPU by monkeypatching the probe; the bf16 numerics run on the real kernels, which
+every CPU computes (natively or emulated): bf16 logits close to float32's, speculative output still the verifier's
+own greedy decode wherever bf16 rows are row-invariant (the only place the product runs bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar_deploy import kernels
+from quasar_deploy.backends.torch_backend import load_cpu
+from quasar_deploy.errors import QuasarError
+from quasar_deploy.kernels import FloatProbe, default_float_dtype
+from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
+from quasar_deploy.speculative.loop import speculate
+from quasar_deploy.speculative.ngram import NgramDrafter
+
+from .helpers import greedy
+
+PROMPT = [7, 100, 7, 100, 7, 55, 9, 7, 100, 7]
+# bf16 keeps 8 significant bits: each rounding is within 2^-9 relative. Over the tiny models' 2 layers the logits of
+# the bf16 model move by a few per cent of their largest value; 5% bounds that with room, and is far below what a
+# wrong computation (a transposed weight, a missing norm) gives.
+BF16_LOGIT_RTOL = 0.05
+
+
+@pytest.fixture(autouse=True)
+def fresh_probe():
+    kernels.float_probe.cache_clear()
+    yield
+    kernels.float_probe.cache_clear()
+
+
+def probe_says(monkeypatch, probe: FloatProbe) -> None:
+    monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(kernels, "float_probe", lambda: probe)
+
+
+@pytest.mark.parametrize(
+    ("probe", "expected"),
+    [
+        (FloatProbe(4.0, 1.5, True), torch.bfloat16),  # native bf16: 2.7x
+        (FloatProbe(4.0, 3.5, True), torch.float32),  # barely faster: not worth the precision
+        (FloatProbe(4.0, 20.0, True), torch.float32),  # emulated: far slower
+        (FloatProbe(4.0, 1.5, False), torch.float32),  # fast but rows change with the row count
+    ],
+    ids=["native", "marginal", "emulated", "not-row-invariant"],
+)
+def test_the_probe_decides_the_cpu_float_dtype(monkeypatch, probe, expected):
+    probe_says(monkeypatch, probe)
+    assert default_float_dtype("cpu") == expected
+    assert default_float_dtype("cuda") == torch.bfloat16
+    assert "bf16" in probe.reason
+
+
+def test_a_named_dtype_or_the_environment_overrides_the_probe(monkeypatch):
+    probe_says(monkeypatch, FloatProbe(4.0, 1.5, True))
+    assert default_float_dtype("cpu", "float32") == torch.float32
+    monkeypatch.setenv(kernels.FLOAT_DTYPE_ENV, "float32")
+    assert default_float_dtype("cpu") == torch.float32
+    with pytest.raises(QuasarError, match="unknown float dtype 'fp8'"):
+        default_float_dtype("cpu", "fp8")
+
+
+def test_bf16_is_refused_where_its_rows_are_not_invariant(monkeypatch):
+    probe_says(monkeypatch, FloatProbe(4.0, 1.5, False))
+    with pytest.raises(QuasarError, match="not row-invariant"):
+        default_float_dtype("cpu", "bfloat16")
+
+
+def test_the_real_probe_measures_both_dtypes():
+    probe = kernels.float_probe()
+    if kernels.onednn_available():
+        assert probe.float32_ms > 0 and probe.bfloat16_ms > 0
+    assert probe.dtype in (torch.float32, torch.bfloat16)
+
+
+def test_the_int8_probe_tells_a_saturating_kernel_from_an_exact_one():
+    """What decides fbgemm-vnni and onednn-vnni: a kernel that sums pairs in saturating 16 bits fails the probe."""
+
+    def saturating(wq, w_scale):
+        def run(x):
+            from quasar_deploy.scheme import per_token_scale, quantize_activation
+
+            q = quantize_activation(x, per_token_scale(x)) + 128  # u8 codes, as FBGEMM's AVX2 kernel gets them
+            pairs = (q[:, None, :] * wq.float()[None]).reshape(x.shape[0], wq.shape[0], -1, 2).sum(-1)
+            acc = pairs.clamp(-32768, 32767).sum(-1) - 128 * wq.float().sum(-1)
+            return acc * per_token_scale(x) * w_scale.reshape(1, -1)
+
+        return run
+
+    def failing(wq, w_scale):
+        raise RuntimeError("no kernel for this CPU")
+
+    assert not kernels._sums_exactly(saturating)
+    assert not kernels._sums_exactly(failing)
+    assert kernels._sums_exactly(lambda wq, w_scale: kernels._reference(wq, w_scale, None, None))
+
+
+def test_the_default_int8_kernel_follows_the_probe(monkeypatch):
+    monkeypatch.setattr(kernels, "fbgemm_available", lambda: True)
+    monkeypatch.setattr(kernels, "vnni_available", lambda: True)
+    assert kernels.default_int8_kernel("cpu") == "fbgemm-vnni"
+    monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+    assert kernels.default_int8_kernel("cpu") == "fbgemm"
+    with pytest.raises(QuasarError, match="fbgemm-vnni kernel needs"):
+        kernels.check_int8_kernel("fbgemm-vnni")
+
+
+def _bf16_runs_here() -> bool:
+    try:
+        default_float_dtype("cpu", "bfloat16")
+    except QuasarError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_qwen3_tied"])
+def test_a_bf16_float_model_stays_close_to_float32_and_holds_no_float32_weight(request, checkpoint):
+    path = request.getfixturevalue(checkpoint)
+    if not _bf16_runs_here():
+        with pytest.raises(QuasarError, match="not row-invariant"):
+            load_cpu(path, float_dtype="bfloat16")
+        return
+    lm32, lm16 = load_cpu(path, float_dtype="float32"), load_cpu(path, float_dtype="bfloat16")
+    assert lm16.description.startswith("cpu float, ") and "float dtype bfloat16" in lm16.description
+    floats = {p.dtype for p in lm16.decoder.parameters() if p.dtype.is_floating_point}
+    assert floats == {torch.bfloat16}
+    expected, got = lm32.verify(PROMPT), lm16.verify(PROMPT)
+    assert (got - expected).abs().max() < BF16_LOGIT_RTOL * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_w8a8_model_computes_its_head_in_bf16(tiny_artifact):
+    if not _bf16_runs_here():
+        return
+    lm32 = load_cpu(tiny_artifact, float_dtype="float32")
+    lm16 = load_cpu(tiny_artifact, float_dtype="bfloat16")
+    assert lm16.decoder.lm_head.dtype == torch.bfloat16 and lm16.decoder.dtype == torch.float32
+    expected, got = lm32.verify(PROMPT), lm16.verify(PROMPT)
+    assert got.dtype == torch.float32
+    assert 0 < (got - expected).abs().max() < BF16_LOGIT_RTOL * expected.abs().max()
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_artifact"])
+def test_bf16_speculative_output_is_the_verifiers_own_greedy_decode(request, checkpoint):
+    if not _bf16_runs_here():
+        return
+    lm = load_cpu(request.getfixturevalue(checkpoint), float_dtype="bfloat16")
+    expected = greedy(lm, PROMPT, 24)
+    for k in (1, 3, 6):
+        steps = speculate(lm, NgramDrafter(), PROMPT, Sampler(SamplingParams()), k, 24)
+        assert [t for step in steps for t in step] == expected
+
+
+def test_a_head_in_another_dtype_converts_its_input():
+    """A bf16 head inside a float32 decoder: input converted in, output handed back in the caller's dtype."""
+    from quasar_deploy.model import Linear
+
+    weight = torch.randn(64, 32)
+    head = Linear(weight.bfloat16(), dtype=torch.bfloat16)
+    head.prepare("onednn" if kernels.onednn_available() else "torch")
+    x = torch.randn(3, 32)
+    y = head(x)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y, x @ weight.t(), rtol=0.05, atol=0.05)

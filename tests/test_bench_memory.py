@@ -95,7 +95,19 @@ def test_synthetic_twins_share_embedding_and_one_packed_head(small_shape):
 
 def test_verify_step_runs_on_the_lean_twins(small_shape):
     result = verify_step(small_shape, tokens=3, context=8, repeats=2, progress=False)
-    assert result.float_ms > 0 and result.w8a8_ms > 0 and result.ideal_ratio > 1
+    assert list(result.float_ms) == ["float32"] and result.best_float == "float32" and result.head_dtype == "float32"
+    assert result.w8a8_ms > 0 and result.ideal_ratio > 1
+
+
+def test_verify_step_is_against_the_fastest_float_contender(small_shape):
+    """float32 and bf16 both run; the ratio and the ideal bytes are the fastest one's, whichever it is on this CPU."""
+    result = verify_step(small_shape, tokens=3, context=8, repeats=2, progress=False, float_dtypes=(torch.float32, torch.bfloat16))
+    assert set(result.float_ms) == {"float32", "bfloat16"} and result.head_dtype == "bfloat16"
+    assert result.best_float == min(result.float_ms, key=result.float_ms.get)
+    low, high = result.ratio_spread
+    assert 0 < low <= result.ratio <= high
+    # bf16 reads half the float32 bytes, the W8A8 twin's bf16 head too: the ideal follows the baseline chosen
+    assert result.ideal_ratio > 1 and result.fraction_of_ideal == pytest.approx(result.ratio / result.ideal_ratio)
 
 
 def test_a_kernel_this_cpu_lacks_is_one_line(small_shape, monkeypatch):

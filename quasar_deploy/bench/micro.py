@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from ..cpuinfo import cpu_model
 from ..decoder_spec import DecoderSpec
-from ..kernels import default_float_kernel, default_int8_kernel
+from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
 from ..model import Decoder
 from .memory import check_fits
-from .synthetic import LIBRARIES_BYTES, engines_peak_bytes, synthetic_decoders, synthetic_spec
+from .synthetic import LIBRARIES_BYTES, RandomTensors, engines_peak_bytes, step_read_bytes, synthetic_decoders, synthetic_spec
 
 
 def weight_bytes(decoder: Decoder) -> int:
@@ -41,13 +42,15 @@ class VerifyStepResult:
     repeats: int
     float_kernel: str
     int8_kernel: str
-    int8_lm_head: bool  # the W8A8 twin's lm_head is int8 too (else both run the same float head)
+    int8_lm_head: bool  # the W8A8 twin's lm_head is int8 too (else a float head in ``head_dtype``)
+    head_dtype: str  # what the W8A8 twin's float head computes in (the CPU's float dtype)
     threads: int
-    float_ms: float  # medians
-    w8a8_ms: float
-    ratio: float  # median over pairs of float time / W8A8 time
-    ratio_spread: tuple[float, float]  # min, max over pairs
-    ideal_ratio: float  # float weight bytes / W8A8 weight bytes
+    float_ms: dict[str, float]  # median per float contender ("float32", "bfloat16")
+    best_float: str  # the fastest float contender: the baseline every ratio is against
+    w8a8_ms: float  # median
+    ratio: float  # median over rounds of best float time / W8A8 time
+    ratio_spread: tuple[float, float]  # min, max over rounds
+    ideal_ratio: float  # the best float's weight bytes / W8A8 weight bytes
     fraction_of_ideal: float
 
     def to_dict(self) -> dict:
@@ -62,6 +65,12 @@ def time_step(decoder: Decoder, cache, context: int, ids: torch.Tensor) -> float
     return time.perf_counter() - start
 
 
+def float_contenders() -> tuple[torch.dtype, ...]:
+    """The float dtypes a fair baseline must include here: float32, and bf16 where the CPU computes it fast."""
+    chosen = default_float_dtype("cpu")
+    return (torch.float32,) if chosen == torch.float32 else (torch.float32, chosen)
+
+
 def verify_step(
     shape: str = "qwen3-0.6b",
     tokens: int = 6,
@@ -71,28 +80,41 @@ def verify_step(
     int8_kernel: str | None = None,
     progress: bool = True,
     int8_lm_head: bool = False,
+    float_dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> VerifyStepResult:
     """Synthetic weights of a published shape; W8A8 quantized without calibration (timing only); ``int8_lm_head``
-    quantizes the W8A8 twin's head too."""
+    quantizes the W8A8 twin's head too. Every float contender (``float_contenders``) and the W8A8 twin take turns
+    each round; the ratio is against the fastest float, whose bytes give the ideal ratio."""
     float_kernel = float_kernel or default_float_kernel()
     int8_kernel = int8_kernel or default_int8_kernel()
-    check_fits(engines_peak_bytes(synthetic_spec(shape), int8_lm_head), f"verify-step --synthetic {shape}")
-    float_model, quant_model = synthetic_decoders(shape, kernels=(float_kernel, int8_kernel), int8_lm_head=int8_lm_head)
+    float_dtypes = float_dtypes or float_contenders()
+    head_dtype = float_dtypes[-1]
+    spec = synthetic_spec(shape)
+    extra_float_twins = (len(float_dtypes) - 1) * step_read_bytes(spec, False)
+    check_fits(engines_peak_bytes(spec, int8_lm_head) + extra_float_twins, f"verify-step --synthetic {shape}")
+    float_model, quant_model = synthetic_decoders(shape, kernels=(float_kernel, int8_kernel), int8_lm_head=int8_lm_head, dtype=head_dtype)
+    models = {head_dtype: float_model}
+    for dtype in float_dtypes[:-1]:
+        models[dtype] = Decoder(spec, RandomTensors(spec), dtype)
+        models[dtype].prepare(float_kernel, int8_kernel, fuse=True)
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, float_model.spec.vocab_size, (context,), generator=generator)
-    ids = torch.randint(0, float_model.spec.vocab_size, (tokens,), generator=generator)
-    caches = []
-    for model in (float_model, quant_model):
-        cache = model.new_cache(context + tokens)
-        model(prompt, cache)
-        time_step(model, cache, context, ids)  # warm-up
-        caches.append(cache)
-    float_times, quant_times = [], []
+    prompt = torch.randint(0, spec.vocab_size, (context,), generator=generator)
+    ids = torch.randint(0, spec.vocab_size, (tokens,), generator=generator)
+    contenders = {**{_name(d): m for d, m in models.items()}, "w8a8": quant_model}
+    caches = {}
+    for name, model in contenders.items():
+        caches[name] = model.new_cache(context + tokens)
+        model(prompt, caches[name])
+        time_step(model, caches[name], context, ids)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in tqdm(range(repeats), desc=f"verify step {shape}", disable=not progress):
-        float_times.append(time_step(float_model, caches[0], context, ids))
-        quant_times.append(time_step(quant_model, caches[1], context, ids))
-    ratios = [f / q for f, q in zip(float_times, quant_times)]
-    ideal = weight_bytes(float_model) / weight_bytes(quant_model)
+        for name, model in contenders.items():
+            times[name].append(time_step(model, caches[name], context, ids))
+    medians = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    best = min((n for n in contenders if n != "w8a8"), key=medians.__getitem__)
+    ratios = [f / q for f, q in zip(times[best], times["w8a8"])]
+    best_model = next(m for d, m in models.items() if _name(d) == best)
+    ideal = weight_bytes(best_model) / weight_bytes(quant_model)
     ratio = statistics.median(ratios)
     return VerifyStepResult(
         shape=shape,
@@ -102,9 +124,11 @@ def verify_step(
         float_kernel=float_kernel,
         int8_kernel=int8_kernel,
         int8_lm_head=int8_lm_head,
+        head_dtype=_name(head_dtype),
         threads=torch.get_num_threads(),
-        float_ms=1000 * statistics.median(float_times),
-        w8a8_ms=1000 * statistics.median(quant_times),
+        float_ms={n: medians[n] for n in contenders if n != "w8a8"},
+        best_float=best,
+        w8a8_ms=medians["w8a8"],
         ratio=ratio,
         ratio_spread=(min(ratios), max(ratios)),
         ideal_ratio=ideal,
@@ -112,15 +136,21 @@ def verify_step(
     )
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def describe_verify_step(result: VerifyStepResult) -> str:
     low, high = result.ratio_spread
+    head = "int8" if result.int8_lm_head else result.head_dtype
+    floats = [f"float {name:<9} ({result.float_kernel})  {ms:9.2f} ms" for name, ms in result.float_ms.items()]
     return "\n".join(
         [
-            f"verify step, {result.shape} (synthetic weights), {result.tokens} tokens on a {result.context}-token cache",
+            f"verify step, {result.shape} (synthetic weights), {result.tokens} tokens on a {result.context}-token cache; {cpu_model()}",
             f"threads          {result.threads}",
-            f"float ({result.float_kernel})   {result.float_ms:9.2f} ms (median of {result.repeats})",
-            f"W8A8 ({result.int8_kernel}, {'int8' if result.int8_lm_head else 'float'} lm_head)  {result.w8a8_ms:9.2f} ms",
-            f"speed-up         {result.ratio:9.2f}x (median of pairs; range {low:.2f}-{high:.2f})",
+            *floats,
+            f"W8A8 ({result.int8_kernel}, {head} lm_head)  {result.w8a8_ms:9.2f} ms",
+            f"speed-up         {result.ratio:9.2f}x over the best float, {result.best_float} (median of rounds; {low:.2f}-{high:.2f})",
             f"ideal (bytes)    {result.ideal_ratio:9.2f}x -> {100 * result.fraction_of_ideal:.0f}% of ideal",
         ]
     )

@@ -253,15 +253,23 @@ def _greedy(lm, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-def fidelity(exported: Path, source: Path, steps: int, threads: int) -> Iterator[str]:
+def fidelity(
+    exported: Path, source: Path, steps: int, threads: int, prompts: Path | None = None, limit: int | None = None
+) -> Iterator[str]:
+    """Per prompt, then over all: ONNX Runtime's greedy decode of ``exported`` against the torch reference of ``source``,
+    and both teacher-forced on the reference's text (max logit difference, top-1 agreement). ``prompts``: a JSONL or text
+    file (``calibration.data.read_texts``; default: three short built-in prompts), the first ``limit`` of them."""
     from ..backends.onnxruntime import load_onnx
     from ..backends.torch_backend import load_cpu
+    from ..calibration.data import read_texts
     from ..tokenizer import load_tokenizer
 
     onnx_lm, torch_lm = load_onnx(exported, threads=threads), load_cpu(source, int8_kernel="reference", threads=threads)
     tokenizer = load_tokenizer(source)
-    for text in FIDELITY_PROMPTS:
-        prompt = list(tokenizer.encode(text))
+    texts = (read_texts(prompts) if prompts else list(FIDELITY_PROMPTS))[:limit]
+    identical = prefix = agree = positions = 0
+    for text in texts:
+        prompt = list(tokenizer.encode(text))[-(torch_lm.max_length - steps - 1) :]
         ours, theirs = _greedy(onnx_lm, prompt, steps), _greedy(torch_lm, prompt, steps)
         same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), steps)
         ids = prompt + theirs
@@ -269,11 +277,17 @@ def fidelity(exported: Path, source: Path, steps: int, threads: int) -> Iterator
         torch_lm.truncate(0)
         a, b = onnx_lm.verify(ids), torch_lm.verify(ids)
         diff = (a - b).abs().max().item()
-        top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        top1 = (a.argmax(-1) == b.argmax(-1)).float()
+        identical, prefix = identical + (same == steps), prefix + same
+        agree, positions = agree + int(top1.sum()), positions + len(ids)
         yield (
             f"{len(ids)} positions: max |logit diff| {diff:.3e} (max |logit| {b.abs().max().item():.1f}), "
-            f"top-1 agreement {top1:.4f}, greedy identical for {same}/{steps} tokens"
+            f"top-1 agreement {top1.mean().item():.4f}, greedy identical for {same}/{steps} tokens"
         )
+    yield (
+        f"all {len(texts)} prompts: greedy text identical on {identical}, mean common prefix {prefix / len(texts):.1f}/{steps} tokens, "
+        f"teacher-forced top-1 agreement {agree / positions:.4f}"
+    )
 
 
 FIDELITY_PROMPTS = ("Once upon a time there was a little", "The capital of France is", "def fibonacci(n):")

@@ -130,7 +130,9 @@ def synthetic_decoders(
     device: torch.device | str = "cpu",
     int8_lm_head: bool = False,
 ) -> tuple[Decoder, Decoder]:
-    """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only).
+    """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only). The float
+    decoder computes in ``dtype``; the W8A8 one, as the backends build it, computes its head in ``dtype`` and its activations
+    in float32 on a CPU (``load_cpu``), in ``dtype`` on an accelerator.
 
     Built lean, so a shape fits where its two engines fit: the W8A8 decoder shares the float one's
     embedding and norms and is quantized tensor by tensor. With ``kernels`` (float, int8) both are
@@ -149,7 +151,8 @@ def synthetic_decoders(
     shared = {n: t for n, t in float_model.state_dict().items() if not t.is_meta and not is_layer_linear(n) and n not in own}
     quant_spec = dataclasses.replace(spec, tie_word_embeddings=False) if int8_lm_head else spec
     source = RandomTensors(spec, seed, device, quantized=True, shared=shared, int8_lm_head=int8_lm_head)
-    quant_model = Decoder(quant_spec, source, dtype, lm_head=None if int8_lm_head else float_model.lm_head)
+    activations = torch.float32 if torch.device(device).type == "cpu" else dtype
+    quant_model = Decoder(quant_spec, source, activations, lm_head=None if int8_lm_head else float_model.lm_head, head_dtype=dtype)
     if kernels:
         quant_model.prepare(*kernels, fuse=True)
     return float_model, quant_model

@@ -211,15 +211,26 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1), help="Timed pairs.")
 @click.option("--int8-kernel", help="reference, fbgemm, fbgemm-vnni or onednn-vnni (default: the fastest exact one this CPU has).")
 @click.option("--int8-lm-head", is_flag=True, help="The W8A8 twin's lm_head in int8 too (as `calibrate --int8-lm-head` makes it).")
+@click.option(
+    "--float-dtype",
+    "float_dtypes",
+    multiple=True,
+    type=click.Choice(["float32", "bfloat16"]),
+    help="Float contenders, repeatable; the last one is the W8A8 twin's head dtype (default: float32, and bfloat16 where fast).",
+)
 @json_option
-def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, as_json):
-    """One verify forward (k+1 tokens, warm cache), float vs W8A8, next to the ideal ratio of weight bytes read."""
+def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, float_dtypes, as_json):
+    """One verify forward (k+1 tokens, warm cache), every float contender vs W8A8, against the fastest float, next to
+    the ideal ratio of weight bytes read."""
     from ..bench import micro
-    from ..kernels import check_int8_kernel
+    from ..kernels import check_int8_kernel, default_float_dtype
 
     if int8_kernel is not None:
         check_int8_kernel(int8_kernel)
-    result = micro.verify_step(shape, tokens, context, repeats, int8_kernel=int8_kernel, progress=not as_json, int8_lm_head=int8_lm_head)
+    dtypes = tuple(default_float_dtype("cpu", name) for name in float_dtypes) or None
+    result = micro.verify_step(
+        shape, tokens, context, repeats, int8_kernel=int8_kernel, progress=not as_json, int8_lm_head=int8_lm_head, float_dtypes=dtypes
+    )
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else micro.describe_verify_step(result))
 
 
@@ -332,10 +343,12 @@ def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head
 @click.argument("exported", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--steps", default=64, show_default=True, type=click.IntRange(min=1), help="Greedy tokens compared.")
+@click.option("--prompts", type=click.Path(dir_okay=False, path_type=Path), help="JSONL or text prompts (default: three built-in ones).")
+@click.option("--limit", type=click.IntRange(min=1), help="Only the first N prompts.")
 @threads_option
-def onnx_fidelity(exported, source, steps, threads):
+def onnx_fidelity(exported, source, steps, prompts, limit, threads):
     """An EXPORTED directory on ONNX Runtime against the torch decoder of SOURCE (the artifact or checkpoint it was exported from)."""
     from ..bench.onnx import fidelity
 
-    for line in fidelity(exported, source, steps, threads):
+    for line in fidelity(exported, source, steps, threads, prompts, limit):
         click.echo(line)

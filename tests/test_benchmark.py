@@ -170,3 +170,20 @@ def test_bench_kernels_names_its_kernels():
     result = {"shape": "s", "float_kernel": "onednn", "int8_kernel": "onednn-vnni", "other_int8_kernels": ["fbgemm-vnni"]}
     text = describe_linear_kernels(result | {"threads": 2, "bandwidth_gb_s": 20.0, "rows": [row]})
     assert "fbgemm-vnni ms" in text.splitlines()[1] and text.splitlines()[2].endswith("1.250")
+
+
+def test_speedups_are_also_modelled_at_the_papers_acceptance():
+    """A speculative mode's step cost at L = 1.4 tokens per step, against the best float mode modelled alike; an
+    autoregressive mode keeps its measured speed."""
+    from quasar_deploy.bench.e2e import PAPER_ACCEPTANCE, _at_paper_acceptance
+
+    step = 1 / 40  # 40 steps a second
+    figures = {
+        "ar-float": {"tokens_per_s": 30.0, "acceptance_length": 1.0},
+        "ngram-float": {"tokens_per_s": 90.0, "acceptance_length": 3.0, "tokens_per_s_at_paper_acceptance": PAPER_ACCEPTANCE / step},
+        "ngram-w8a8": {"tokens_per_s": 150.0, "acceptance_length": 3.0, "tokens_per_s_at_paper_acceptance": PAPER_ACCEPTANCE / (step / 2)},
+    }
+    _at_paper_acceptance(figures, ["ar-float", "ngram-float"])
+    assert figures["ngram-float"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(1.0)  # 56 tok/s beats 30
+    assert figures["ngram-w8a8"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(2.0)
+    assert figures["ar-float"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(30 / 56)

@@ -16,7 +16,7 @@ from ..decoder_spec import DecoderSpec
 from ..demo import demo_model_path
 from ..engine import Engine, load, stop_ids_of
 from ..errors import QuasarError
-from ..kernels import default_float_kernel, default_int8_kernel
+from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
 from ..tokenizer import load_tokenizer
 from .memory import check_fits
 from .synthetic import RandomTensors, engines_peak_bytes, synthetic_decoders, synthetic_spec
@@ -121,7 +121,7 @@ def synthetic_contenders(shape: str, with_hf: bool = True) -> Contenders:
     tokenizer = load_tokenizer(demo_model_path())
 
     def build_engines() -> tuple[Engine, Engine]:
-        decoders = synthetic_decoders(shape, kernels=(default_float_kernel(), default_int8_kernel()))
+        decoders = synthetic_decoders(shape, kernels=(default_float_kernel(), default_int8_kernel()), dtype=default_float_dtype("cpu"))
         return tuple(Engine(TorchCausalLM(d), tokenizer, frozenset(), "cpu") for d in decoders)
 
     def load_hf():

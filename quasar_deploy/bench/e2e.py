@@ -25,6 +25,7 @@ from tqdm import tqdm
 from ..backends.torch_backend import TorchCausalLM
 from ..engine import GenerationStats
 from ..errors import QuasarError
+from ..kernels import default_float_dtype
 from ..memory import return_freed_memory
 from . import anchors
 from .contenders import Contenders
@@ -188,7 +189,31 @@ def _summary(runs: list[Run], baseline: dict[str, list[Run]]) -> dict:
     }
     for name, base in baseline.items():
         figures[f"speedup_vs_{name}"] = _median([r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, base) if b.tokens_per_s > 0])
+    if steps:  # a step's cost without the prefill: what one verify step and its draft cost, whatever they accept
+        figures["step_ms"] = 1000 * sum(s.verify_s + s.draft_s for s in loops) / steps
+        figures["tokens_per_s_at_paper_acceptance"] = PAPER_ACCEPTANCE / (figures["step_ms"] / 1000) if figures["step_ms"] else None
     return figures
+
+
+# The acceptance length the Quasar paper measured with n-gram drafting on real chat (Qwen3-8B, OpenPangu-7B: 1.33-1.40).
+# Code-heavy prompts of a small model accept far more; each speculative mode's speed is also modelled at this one, from
+# its measured step cost, so that nobody reads a high acceptance as the general case.
+PAPER_ACCEPTANCE = 1.4
+
+
+def _at_paper_acceptance(figures: dict[str, dict], float_modes: list[str]) -> None:
+    """Each mode's speed-up over the best float mode, all modelled at ``PAPER_ACCEPTANCE`` tokens per speculative step
+    (autoregressive modes keep their measured speed: they accept no draft)."""
+
+    def modelled(m: dict) -> float | None:
+        return m.get("tokens_per_s_at_paper_acceptance") if (m.get("acceptance_length") or 1.0) > 1.0 else m["tokens_per_s"]
+
+    floats = [v for v in (modelled(figures[m]) for m in float_modes) if v]
+    if not floats:
+        return
+    for m in figures.values():
+        value = modelled(m)
+        m["speedup_vs_best_float_at_paper_acceptance"] = value / max(floats) if value else None
 
 
 def _agreement(runs: list[Run], reference: list[Run]) -> float:
@@ -253,6 +278,8 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
         "environment": environment(),
         "modes": {m: _summary(r, baselines) for m, r in runs.items()},
     }
+    _at_paper_acceptance(report["modes"], float_modes)
+    report["settings"]["float_dtype"] = str(default_float_dtype("cpu")).removeprefix("torch.")
     if anchor_results:
         report["anchors"] = _anchor_report(anchor_results, runs, [m for m in ours if "w8a8" in m])
     if skipped:

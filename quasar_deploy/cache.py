@@ -50,10 +50,22 @@ def content_key(model: Path) -> str:
     return digest.hexdigest()
 
 
+def head_outside(model: Path) -> bool:
+    """Whether ``model``'s cached export leaves its float lm_head to the backend: a W8A8 artifact on a CPU whose float
+    dtype is bf16 (its head then runs on torch's bf16 kernel, as on the cpu backend; ORT's CPU kernels have no bf16
+    MatMul, and a float32 head would read twice the bytes)."""
+    import torch
+
+    from .kernels import default_float_dtype
+
+    return (model / MANIFEST).is_file() and default_float_dtype("cpu") == torch.bfloat16
+
+
 def onnx_export_path(model: Path) -> Path:
-    """Where the ONNX export of ``model`` is cached: its directory name (made safe) and its content key."""
+    """Where the ONNX export of ``model`` is cached: its directory name (made safe), its content key and where its head runs."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", model.resolve().name)[:48]
-    return cache_dir() / f"onnx-{name}-{content_key(model)[:16]}"
+    head = "-head-outside" if head_outside(model) else ""
+    return cache_dir() / f"onnx-{name}-{content_key(model)[:16]}{head}"
 
 
 @contextmanager
@@ -81,5 +93,6 @@ def cached_onnx_export(model: str | Path, replace: bool = False, progress: bool 
             shutil.rmtree(path)
         if not path.exists():
             print(f"quasar-deploy: first use of {model} on ONNX Runtime: exporting it to {path} (once per model)", file=sys.stderr)
-            export(model, "onnx", path, precision="w8a8" if (model / MANIFEST).is_file() else "float", progress=progress)
+            w8a8 = (model / MANIFEST).is_file()
+            export(model, "onnx", path, precision="w8a8" if w8a8 else "float", progress=progress, head_outside=head_outside(model))
     return path

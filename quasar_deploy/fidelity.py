@@ -17,7 +17,7 @@ from tqdm import tqdm
 from .artifact import ModelFiles, open_model_files
 from .calibration import data
 from .errors import QuasarError
-from .kernels import default_float_kernel, default_int8_kernel
+from .kernels import default_float_dtype, default_float_kernel, default_int8_kernel
 from .tokenizer import load_tokenizer
 
 
@@ -51,9 +51,9 @@ def evaluate(
         raise QuasarError("the artifact and the reference have different vocabularies")
     tokenizer = load_tokenizer(float_files.path, trust_remote_code=False)
     samples = data.token_samples(tokenizer, data.read_texts(eval_data, default="eval"), num_samples, seq_len)
-    float_model = float_files.decoder()
+    float_model = float_files.decoder()  # the reference: float32, the most precise float the CPU backend has
     float_model.prepare(default_float_kernel(), default_int8_kernel())
-    quant_model = quantized_files.decoder()
+    quant_model = quantized_files.decoder(head_dtype=default_float_dtype("cpu"))  # as load_cpu runs it
     quant_model.prepare(default_float_kernel(), default_int8_kernel())
 
     agree = kl = nll_float = nll_quant = 0.0

@@ -28,9 +28,12 @@ from ..cache import cached_onnx_export
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..exporters import ONNX_FORMATS
+from ..exporters import ONNX_HEAD_FILE as HEAD_FILE
+from ..exporters import ONNX_HIDDEN_OUTPUT as HIDDEN
 from ..files import first_line, refuse_unfinished
 from ..integrity import EXPORT_MANIFEST, read_export_manifest
 from ..memory import return_freed_memory
+from ..model import Linear
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {
@@ -206,13 +209,46 @@ def tensorrt_options(config: dict, block: int = 6) -> dict[str, object]:
     }
 
 
-class OnnxCausalLM:
-    """Batch-1 ``CausalLM`` over an exported decoder graph."""
+def head_outside(config: dict) -> bool:
+    """Whether the graph ends in ``hidden_states``, its float lm_head computed beside it (``load_head``)."""
+    return HIDDEN in config["model"]["decoder"]["outputs"]
 
-    def __init__(self, session, config: dict, provider: str, linear_format: str | None):
+
+def load_head(directory: Path) -> tuple[Linear, str]:
+    """The lm_head stored beside a graph that ends in ``hidden_states`` (``exporters.onnx.HEAD_FILE``), on torch's oneDNN
+    kernel in the CPU's float dtype (bf16 where the probe finds it fast: ORT's CPU kernels have no bf16 MatMul), and
+    that dtype's name. The file was verified with the rest of the export."""
+    from safetensors.torch import load_file
+
+    from ..kernels import default_float_dtype, default_float_kernel
+    from ..model import check_finite
+
+    tensors = load_file(str(directory / HEAD_FILE))
+    for name, tensor in tensors.items():
+        check_finite(f"{HEAD_FILE}:{name}", tensor)
+    dtype = default_float_dtype("cpu")
+    head = Linear(tensors["weight"], tensors.get("bias"), dtype)
+    head.prepare(default_float_kernel("cpu"))
+    return head, str(dtype).removeprefix("torch.")
+
+
+class OnnxCausalLM:
+    """Batch-1 ``CausalLM`` over an exported decoder graph; with ``head``, over a graph that ends in ``hidden_states``
+    and the lm_head that follows it (``load_head``)."""
+
+    def __init__(
+        self,
+        session,
+        config: dict,
+        provider: str,
+        linear_format: str | None,
+        head: tuple[Linear, str] | None = None,
+    ):
         model = config["model"]
         decoder = model["decoder"]
         self.session = session
+        self._head, head_dtype = head or (None, "")
+        self._output = HIDDEN if self._head is not None else "logits"
         self.provider = provider
         self.vocab_size = int(model["vocab_size"])
         self.max_length = context_length(config)
@@ -223,7 +259,9 @@ class OnnxCausalLM:
         self._check_graph()
         self.linear_format = linear_format
         threads = session.get_session_options().intra_op_num_threads
-        self.description = f"onnxruntime {provider} ({f'W8A8 {linear_format}' if linear_format else 'float'} graph), {threads} threads"
+        graph = f"W8A8 {linear_format}" if linear_format else "float"
+        beside = f", {head_dtype} lm_head on torch" if self._head is not None else ""
+        self.description = f"onnxruntime {provider} ({graph} graph{beside}), {threads} threads"
         self._cache: list = []
         self.truncate(0)
 
@@ -232,20 +270,27 @@ class OnnxCausalLM:
         inputs = {i.name: i.shape for i in self.session.get_inputs()}
         outputs = {o.name: o.shape for o in self.session.get_outputs()}
         expected_in = {"input_ids", "attention_mask", "position_ids", *(n for pair in self._past for n in pair)}
-        expected_out = {"logits", *(n for pair in self._present for n in pair)}
+        expected_out = {self._output, *(n for pair in self._present for n in pair)}
         if set(inputs) != expected_in or set(outputs) != expected_out:
             differ = sorted((set(inputs) ^ expected_in) | (set(outputs) ^ expected_out))
             raise QuasarError(f"the ONNX graph does not match {CONFIG_FILE}: inputs/outputs differ at {', '.join(differ[:3])}")
         key = inputs[self._past[0][0]]
-        if key[1] != self._kv_shape[1] or key[3] != self._kv_shape[3] or outputs["logits"][-1] != self.vocab_size:
-            raise QuasarError(f"the ONNX graph does not match {CONFIG_FILE}: cache {key} or vocabulary {outputs['logits'][-1]} differ")
+        vocab = self._head.out_features if self._head is not None else outputs["logits"][-1]
+        if key[1] != self._kv_shape[1] or key[3] != self._kv_shape[3] or vocab != self.vocab_size:
+            raise QuasarError(f"the ONNX graph does not match {CONFIG_FILE}: cache {key} or vocabulary {vocab} differ")
 
     def _ortvalue(self, array: np.ndarray):
         from onnxruntime import OrtValue
 
         return OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self._device, 0)
 
-    def _run(self, ids: Sequence[int]) -> np.ndarray:
+    def _run(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """The logits of ``ids`` appended to the cache (only the last row's with ``last_only``)."""
+        out = torch.from_numpy(self._forward(ids))
+        out = out[-1:] if last_only else out
+        return (self._head(out) if self._head is not None else out.clone() if last_only else out).float()
+
+    def _forward(self, ids: Sequence[int]) -> np.ndarray:
         if len(ids) == 0:
             raise ValueError("no tokens to run")
         start, n = self.length, len(ids)
@@ -258,7 +303,7 @@ class OnnxCausalLM:
         for (key, value), (cached_key, cached_value) in zip(self._past, self._cache):
             binding.bind_ortvalue_input(key, cached_key)
             binding.bind_ortvalue_input(value, cached_value)
-        binding.bind_output("logits", "cpu")
+        binding.bind_output(self._output, "cpu")
         for key, value in self._present:
             binding.bind_output(key, self._device)
             binding.bind_output(value, self._device)
@@ -270,10 +315,10 @@ class OnnxCausalLM:
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         self.truncate(0)
-        return torch.from_numpy(self._run(ids)[-1].copy())
+        return self._run(ids, last_only=True)[0]
 
     def verify(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.from_numpy(self._run(ids))
+        return self._run(ids)
 
     def truncate(self, length: int) -> None:
         if length == 0:
@@ -343,4 +388,5 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     note = mismatch_note(running, linear_format)
     if note is not None:
         print(f"warning: {note}", file=sys.stderr)
-    return OnnxCausalLM(session, config, running, linear_format)
+    head = load_head(path) if head_outside(config) else None
+    return OnnxCausalLM(session, config, running, linear_format, head)

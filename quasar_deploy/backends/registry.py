@@ -113,15 +113,33 @@ def fits_onnxruntime(path: Path) -> bool:
     return needed * ONNXRUNTIME_MEMORY_FACTOR <= memory_available()
 
 
+def bf16_float(path: Path) -> bool:
+    """A float checkpoint on a CPU whose float dtype is bf16: the cpu backend runs it in bf16, ORT's CPU kernels only in
+    float32 (twice the bytes per step), so "auto" keeps it off ONNX Runtime."""
+    import torch
+
+    from ..integrity import MANIFEST
+    from ..kernels import default_float_dtype
+
+    return not (path / MANIFEST).is_file() and default_float_dtype("cpu") == torch.bfloat16
+
+
+def suits_onnxruntime(path: Path) -> bool:
+    """ONNX Runtime's copy fits in memory, and it is not a float checkpoint better served in bf16 by the cpu backend."""
+    return fits_onnxruntime(path) and not bf16_float(path)
+
+
 def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
     """The backend for what ``path`` holds: an export runs on the backend of the target its ``quasar-export.json`` records
     (ONNX: onnxruntime); artifacts and checkpoints on the first of ``candidates(needs, options)`` (an option only one
-    backend takes, such as ``int8_kernel``, picks it), ONNX Runtime only where it fits in memory. An NPU export is
+    backend takes, such as ``int8_kernel``, picks it), ONNX Runtime only where ``suits_onnxruntime``. An NPU export is
     vLLM-Ascend's to serve."""
     directory = Path(path)
     target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
     if target is None:
-        return next(n for n in candidates(needs, options) if n != "onnxruntime" or fits_onnxruntime(directory))
+        return next(
+            n for n in candidates(needs, options) if n != "onnxruntime" or (fits_onnxruntime(directory) and not bf16_float(directory))
+        )
     if target == "npu":
         raise QuasarError(
             f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import QuasarError
+from . import ONNX_HEAD_FILE as HEAD_FILE
 
 try:
     import onnx
@@ -29,8 +30,9 @@ from ..artifact import HEAD, MANIFEST, ModelFiles, checked_row_blocks
 from ..decoder_spec import DecoderSpec, rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
+from ..memory import EMBEDDINGS
 from ..model import BlockSource, DecoderLayer, Linear, RMSNorm, load_linear, tensor_loader
-from .onnx_graph import LINEAR_FORMATS, OPSETS, ExternalData, Fill, GraphBuilder, build_graph
+from .onnx_graph import BFLOAT16, FLOAT32, HEAD_OUTSIDE, HIDDEN, LINEAR_FORMATS, OPSETS, ExternalData, Fill, GraphBuilder, build_graph
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -44,8 +46,9 @@ LINEAR_DESCRIPTIONS = {
 }
 
 
-def genai_config(files: ModelFiles, precision: str, linear_format: str | None) -> dict:
-    """onnxruntime-genai's ``genai_config.json`` layout, plus a ``quasar`` block saying what the graph computes."""
+def genai_config(files: ModelFiles, precision: str, linear_format: str | None, head_outside: bool = False) -> dict:
+    """onnxruntime-genai's ``genai_config.json`` layout, plus a ``quasar`` block saying what the graph computes (a graph
+    whose head is outside ends in ``hidden_states``: quasar-deploy's own, not for other front ends)."""
     spec, config = files.spec, files.checkpoint.config
     scheme = files.scheme
     return {
@@ -70,7 +73,11 @@ def genai_config(files: ModelFiles, precision: str, linear_format: str | None) -
                     "past_key_names": "past_key_values.%d.key",
                     "past_value_names": "past_key_values.%d.value",
                 },
-                "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+                "outputs": {
+                    **({HIDDEN: HIDDEN} if head_outside else {"logits": "logits"}),
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
             },
         },
         "search": {"max_length": spec.max_position_embeddings, "past_present_share_buffer": False},
@@ -131,10 +138,12 @@ def source_graph(
     external: ExternalData | None,
     progress: bool = False,
     linear_format: str = "integer",
+    head_outside: bool = False,
 ) -> tuple[onnx.ModelProto, set[str]]:
     """The graph built one decoder layer at a time from ``source``, and the names of its quantized linears; with
     ``external``, each layer's weights are in that file before the next layer is read, and the embedding table and
-    lm_head go there block by block. An 8B graph never holds its weights twice, or whole."""
+    lm_head go there block by block. An 8B graph never holds its weights twice, or whole. ``head_outside``: a float
+    lm_head is left to the caller (``onnx_graph.HEAD_OUTSIDE``) and a bf16 table stays bf16."""
     load = tensor_loader(source, torch.float32)
     quantized: set[str] = set()
 
@@ -144,14 +153,18 @@ def source_graph(
             quantized.update(f"{spec.layer_prefix(i)}.{n}" for n, m in layer.named_modules() if getattr(m, "quantized", False))
             yield layer
 
-    def rows(tensor: str) -> Iterator[tuple[int, np.ndarray]]:
+    int8_head = f"{HEAD}.weight_scale" in source.names
+    outside = head_outside and not int8_head
+    table_dtype = BFLOAT16 if outside and source.tensor(EMBEDDINGS).dtype == torch.bfloat16 else FLOAT32
+
+    def rows(tensor: str, dtype: np.dtype = FLOAT32) -> Iterator[tuple[int, np.ndarray]]:
         start = 0
         for block in checked_row_blocks(source, tensor):
-            yield start, block.float().numpy()
+            yield start, block.view(torch.int16).numpy().view(BFLOAT16) if dtype == BFLOAT16 else block.float().numpy()
             start += block.shape[0]
 
     def embed(out: np.ndarray) -> None:
-        for start, block in rows("model.embed_tokens.weight"):
+        for start, block in rows(EMBEDDINGS, table_dtype):
             out[start : start + len(block)] = block
 
     def head_t(out: np.ndarray) -> None:
@@ -160,18 +173,20 @@ def source_graph(
 
     g = GraphBuilder(linear_format, external)
     norm = RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)
-    head: Linear | Fill | None = None if spec.tie_word_embeddings else head_t
-    if f"{HEAD}.weight_scale" in source.names:  # an int8 head (``--int8-lm-head``), exported as the layers' linears are
+    head: Linear | Fill | str | None = None if spec.tie_word_embeddings else head_t
+    if int8_head:  # an int8 head (``--int8-lm-head``), exported as the layers' linears are
         head = load_linear(load, HEAD)
         quantized.add(HEAD)
-    return build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, head), quantized
+    elif outside:
+        head = HEAD_OUTSIDE
+    return build_graph(g, spec, name, rope_inv_freq(spec), embed, layers(), norm, head, table_dtype), quantized
 
 
 def streamed_graph(
-    files: ModelFiles, name: str, external: ExternalData | None, progress: bool, linear_format: str = "integer"
+    files: ModelFiles, name: str, external: ExternalData | None, progress: bool, linear_format: str = "integer", head_outside: bool = False
 ) -> onnx.ModelProto:
     """``source_graph`` of an artifact or checkpoint, its quantized linears checked against the manifest."""
-    model, quantized = source_graph(files.spec, files.checkpoint, name, external, progress, linear_format)
+    model, quantized = source_graph(files.spec, files.checkpoint, name, external, progress, linear_format, head_outside)
     if files.manifest and quantized != set(files.manifest["quantized_layers"]):
         odd = sorted(quantized ^ set(files.manifest["quantized_layers"]))[0]
         raise QuasarError(f"{files.path}: layer {odd!r} does not match the manifest (corrupted artifact)")
@@ -190,6 +205,16 @@ def write_graph(directory: Path, build: Callable[[ExternalData | None], onnx.Mod
     save_graph(model, directory)
 
 
+def write_head(files: ModelFiles, path: Path) -> None:
+    """The float lm_head of ``files`` as stored (the embedding table where tied), for a graph whose head is outside it."""
+    from safetensors.torch import save_file
+
+    source = files.checkpoint
+    names = {"weight": EMBEDDINGS if files.spec.tie_word_embeddings else f"{HEAD}.weight", "bias": f"{HEAD}.bias"}
+    tensors = {key: source.tensor(name).contiguous() for key, name in names.items() if name in source.names}
+    save_file(tensors, str(path))
+
+
 def export(
     files: ModelFiles,
     output: Path,
@@ -197,22 +222,31 @@ def export(
     linear_format: str = "integer",
     external: bool | None = None,
     progress: bool = True,
+    head_outside: bool = False,
 ) -> Path:
     """Write the ONNX decoder for ``files`` to the new directory ``output`` (temp dir, then rename), one layer at a time.
 
     ``linear_format``: ``integer`` (exact u8 x s8 ``MatMulInteger``, for CPUs) or ``qdq`` (int8 Q/DQ pairs that
     TensorRT fuses; static-activation artifacts only). The manifest records it, so the loader knows its graph.
     ``external``: weights in ``model.onnx.data`` (written as the graph is built) rather than inside ``model.onnx``;
-    by default when they would pass protobuf's 2 GB limit.
+    by default when they would pass protobuf's 2 GB limit. ``head_outside``: a W8A8 graph without its float lm_head,
+    ending in ``hidden_states`` (the onnxruntime backend computes the head beside it, in bf16 where the CPU has it:
+    ORT's CPU kernels have no bf16 MatMul); an int8 head stays in the graph.
     """
     linear = _linear_format(files, precision, linear_format)
+    if head_outside and precision != "w8a8":
+        raise QuasarError("a graph without its lm_head is made of W8A8 artifacts only")
+    outside = head_outside and f"{HEAD}.weight_scale" not in files.checkpoint.names
     output = Path(output)
     if external is None:
         external = graph_weight_bytes(files) > EXTERNAL_DATA_THRESHOLD
     with atomic_directory(output) as tmp:
         name = f"{files.spec.architecture}-{precision}"
-        write_graph(tmp, lambda data: streamed_graph(files, name, data, progress, linear or "integer"), external)
-        (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision, linear), indent=2))
+        write_graph(tmp, lambda data: streamed_graph(files, name, data, progress, linear or "integer", outside), external)
+        (tmp / CONFIG_FILE).write_text(json.dumps(genai_config(files, precision, linear, outside), indent=2))
         copy_files(files.path, tmp, ("config.json", *TOKENIZER_FILES))
-        write_export_manifest(tmp, "onnx", files.path, {"precision": precision, "linear_format": linear})
+        if outside:
+            write_head(files, tmp / HEAD_FILE)
+        record = {"precision": precision, "linear_format": linear, **({"head": HEAD_OUTSIDE} if outside else {})}
+        write_export_manifest(tmp, "onnx", files.path, record)
     return output

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import torch
@@ -40,6 +41,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..decoder_spec import DecoderSpec
 from ..model import MLP, Attention, Decoder, DecoderLayer, Linear, RMSNorm
 from ..scheme import QMAX
+from . import ONNX_HIDDEN_OUTPUT
 
 # the integer form quantizes per row with QuantizeLinear's block_size (opset 21); the qdq form stays at 18, which every
 # TensorRT 10 parser reads
@@ -323,6 +325,10 @@ def mlp(g: GraphBuilder, x: str, block: MLP, prefix: str) -> str:
 
 
 Fill = Callable[[np.ndarray], None]
+HIDDEN = ONNX_HIDDEN_OUTPUT  # the output of a graph whose lm_head is computed outside it
+HEAD_OUTSIDE = "outside"
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy's bfloat16, from onnx's own dependency
+FLOAT32 = np.dtype(np.float32)
 
 
 def decoder_graph(decoder: Decoder, name: str, linear_format: str = "integer") -> onnx.ModelProto:
@@ -363,14 +369,20 @@ def build_graph(
     layers: Iterable[DecoderLayer],
     norm: RMSNorm,
     head: Fill | Linear | None,
+    table_dtype: np.dtype = FLOAT32,
 ) -> onnx.ModelProto:
     """The decoder graph from its parts; ``layers`` may be built one at a time (each is dropped once its nodes exist),
     ``embed`` fills the [vocab, hidden] table; ``head`` fills the [hidden, vocab] transposed float lm_head, or is the
-    int8 lm_head (a W8A8 linear in the graph's format, like the layers'), or None (tied to the table)."""
+    int8 lm_head (a W8A8 linear in the graph's format, like the layers'), or None (tied to the table), or
+    ``HEAD_OUTSIDE``: no head, the graph outputs the final normed ``hidden_states`` for a head computed beside it (a bf16
+    one on torch's kernel, where ORT's CPU kernels have none). ``table_dtype``: the table's stored dtype, float32 or
+    ``BFLOAT16`` (rows gathered, then cast: half the table's memory, the same values, for a graph whose head is outside)."""
     cos, sin = rotary(g, "position_ids", inv_freq)
     bias = attention_bias(g, spec, "attention_mask", past_names(0)[0], "input_ids")
-    table = g.const_filled("model.embed_tokens.weight", np.float32, (spec.vocab_size, spec.hidden_size), embed)
+    table = g.const_filled("model.embed_tokens.weight", table_dtype, (spec.vocab_size, spec.hidden_size), embed)
     x = g.op("Gather", table, "input_ids")
+    if table_dtype != np.float32:
+        x = g.op("Cast", x, to=TensorProto.FLOAT)
     for i, layer in enumerate(layers):
         p = spec.layer_prefix(i)
         x = g.op(
@@ -382,7 +394,9 @@ def build_graph(
             "Add", x, mlp(g, rms_norm(g, x, layer.post_attention_layernorm, f"{p}.post_attention_layernorm.weight"), layer.mlp, f"{p}.mlp")
         )
     normed = rms_norm(g, x, norm, "model.norm.weight")
-    if isinstance(head, Linear):
+    if head is HEAD_OUTSIDE:
+        g.op("Identity", normed, outputs=[HIDDEN])
+    elif isinstance(head, Linear):
         g.op("Identity", linear(g, normed, head, "lm_head"), outputs=["logits"])
     else:
         if head is None:  # tied: one copy on disk; ORT folds the transpose at load, or above 1 GiB fuses it into the MatMul
@@ -398,7 +412,10 @@ def build_graph(
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [BATCH, TOTAL]),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, [BATCH, SEQUENCE]),
     ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH, SEQUENCE, spec.vocab_size])]
+    if head is HEAD_OUTSIDE:
+        outputs = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [BATCH, SEQUENCE, spec.hidden_size])]
+    else:
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH, SEQUENCE, spec.vocab_size])]
     for i in range(spec.num_layers):
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_shape) for n in past_names(i)]
         outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, present_shape) for n in present_names(i)]

@@ -236,3 +236,19 @@ def test_the_step_estimate_lets_a_streamed_1_7b_run_fit_24_gb_and_refuses_what_c
     needed = bench_onnx.step_peak_bytes(synthetic.synthetic_spec("qwen3-8b"), with_torch=False)
     with pytest.raises(QuasarError, match=rf"needs ~{needed / GB:.1f} GB, this machine has 24\.0 GB available$"):
         memory.check_fits(needed, "bench onnx step --synthetic qwen3-8b", available=24 * GB)
+
+
+def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape, monkeypatch):
+    """On a bf16 CPU (monkeypatched probe): torch's float decoder in bf16, and the graph auto runs there, its head in bf16
+    beside ORT; the ideal ratio is against bf16."""
+    pytest.importorskip("onnxruntime")
+    from quasar_deploy import kernels
+    from quasar_deploy.bench import onnx as bench_onnx
+
+    monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(kernels, "float_probe", lambda: kernels.FloatProbe(4.0, 1.5, True))
+    lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
+    assert "float dtype bfloat16" in lines[0] and "against bfloat16 float" in lines[-1]
+    labels = ["ORT fp32", "ORT W8A8 integer", "ORT W8A8 + bf16 head (auto)", "torch float bfloat16", "torch W8A8"]
+    assert [next(i for i, line in enumerate(lines) if label in line) for label in labels] == [1, 2, 3, 4, 5]
+    assert all("the best float" in lines[i] for i in (2, 3, 5))

@@ -36,11 +36,14 @@ except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
 from ..backends.onnxruntime import PRECISE_INT8_OPTION, exact_int8_entries, session_options
+from ..cpuinfo import cpu_model
 from ..decoder_spec import DecoderSpec, expected_shapes
+from ..exporters import ONNX_HIDDEN_OUTPUT
 from ..exporters.onnx import source_graph, write_graph
 from ..exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder
-from ..kernels import default_float_kernel, default_int8_kernel
-from ..memory import return_freed_memory
+from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
+from ..memory import EMBEDDINGS, return_freed_memory
+from ..model import Linear
 from ..scheme import QMAX, quantize_weight, reference_linear
 from .memory import check_fits
 from .micro import time_step, timed
@@ -163,22 +166,35 @@ SESSION_FACTOR = 1.2
 SESSION_BUILD_FACTOR = 1.6
 
 
-def step_peak_bytes(spec: DecoderSpec, with_torch: bool, int8_lm_head: bool = False) -> int:
+def step_peak_bytes(spec: DecoderSpec, with_torch: bool, int8_lm_head: bool = False, bf16_head: bool = False) -> int:
     """The float graph is built, then its session; then the W8A8 graph and its session beside the float session (a graph
-    build holds ``GRAPH_BUILD_FACTOR`` times the embedding table); then the torch engines, when they run too, beside
-    both sessions."""
+    build holds ``GRAPH_BUILD_FACTOR`` times the embedding table), and with ``bf16_head`` a second W8A8 graph whose head
+    is outside (bounded by the first); then the torch engines, when they run too, beside all sessions."""
     float_graph, w8a8_graph = _graph_bytes(spec)
     build = GRAPH_BUILD_FACTOR * 4 * spec.vocab_size * spec.hidden_size
     float_session = SESSION_FACTOR * float_graph
-    sessions = float_session + SESSION_BUILD_FACTOR * w8a8_graph  # the W8A8 session's build, or what it then holds
+    w8a8_sessions = (2 if bf16_head else 1) * SESSION_BUILD_FACTOR * w8a8_graph
+    sessions = float_session + w8a8_sessions  # the W8A8 sessions' builds, or what they then hold
     graphs = int(max(build, SESSION_BUILD_FACTOR * float_graph, float_session + build, sessions)) + LIBRARIES_BYTES
     return max(graphs, int(sessions) + engines_peak_bytes(spec, int8_lm_head)) if with_torch else graphs
 
 
-def write_synthetic_graph(directory: Path, spec: DecoderSpec, source: RandomTensors, name: str) -> None:
+def write_synthetic_graph(directory: Path, spec: DecoderSpec, source: RandomTensors, name: str, head_outside: bool = False) -> None:
     """The graph of ``source``'s random weights in ``directory``, streamed as an export is: one layer at a time, each
-    initializer in ``model.onnx.data`` as it is made, so the build holds about the embedding table, not the model."""
-    write_graph(directory, lambda data: source_graph(spec, source, name, data)[0], external=True)
+    initializer in ``model.onnx.data`` as it is made, so the build holds about the embedding table, not the model.
+    ``head_outside``: without its float lm_head (the graph the backend runs where the CPU float is bf16)."""
+    write_graph(directory, lambda data: source_graph(spec, source, name, data, head_outside=head_outside)[0], external=True)
+
+
+def _head_beside(session: ort.InferenceSession, feed: dict, head: Linear) -> Callable[[], float]:
+    """A step of a graph ending in ``hidden_states`` followed by ``head``, as the backend runs it: seconds."""
+
+    def run() -> float:
+        start = time.perf_counter()
+        head(torch.from_numpy(session.run([ONNX_HIDDEN_OUTPUT], feed)[0][0]))
+        return time.perf_counter() - start
+
+    return run
 
 
 def _ort_session(directory: Path, threads: int) -> ort.InferenceSession:
@@ -204,23 +220,33 @@ def step(
     (see ``SETTLE_S``), so machine drift hits all of them alike; the speed-ups are medians of per-round
     ratios against the round's fastest float contender."""
     spec = synthetic_spec(shape)
-    check_fits(step_peak_bytes(spec, with_torch, int8_lm_head), f"bench onnx step --synthetic {shape}")
+    dtype = default_float_dtype("cpu")
+    bf16 = dtype == torch.bfloat16
+    check_fits(step_peak_bytes(spec, with_torch, int8_lm_head, bf16), f"bench onnx step --synthetic {shape}")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, tokens)
     steps: dict[str, Callable[[], float]] = {}
     sources = {"ORT fp32": (spec, RandomTensors(spec)), "ORT W8A8 integer": w8a8_source(shape, int8_lm_head=int8_lm_head)}
+    if bf16 and not int8_lm_head:  # what auto runs on this CPU: the graph without its head, the head in bf16 on torch
+        sources["ORT W8A8 + bf16 head (auto)"] = w8a8_source(shape)
     with tempfile.TemporaryDirectory() as tmp:
-        for label, source in sources.items():  # one at a time, each beside the sessions already built
-            directory = Path(tmp) / label.replace(" ", "-")
+        for label, (source_spec, source) in sources.items():  # one at a time, each beside the sessions already built
+            directory = Path(tmp) / label.split(" (")[0].replace(" ", "-").replace("+", "")
             directory.mkdir()
-            write_synthetic_graph(directory, *source, label)
+            outside = "head" in label
+            write_synthetic_graph(directory, source_spec, source, label, head_outside=outside)
             return_freed_memory()
-            steps[label] = partial(timed, partial(_ort_session(directory, threads).run, None, _ort_feed(spec, ids, context, rng)))
-    ideal = step_read_bytes(spec, quantized=False) / step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head)
+            session, feed = _ort_session(directory, threads), _ort_feed(spec, ids, context, rng)
+            steps[label] = (
+                _head_beside(session, feed, _synthetic_head(spec, source)) if outside else partial(timed, partial(session.run, None, feed))
+            )
+    float_bytes = step_read_bytes(spec, quantized=False, float_itemsize=dtype.itemsize)
+    ideal = float_bytes / step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
     if with_torch:
         kernels = default_float_kernel(), default_int8_kernel()
-        decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head)
-        for label, decoder in zip((f"torch float {kernels[0]}", f"torch W8A8 {kernels[1]}"), decoders):
+        decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head, dtype=dtype)
+        labels = (f"torch float {_name(dtype)} {kernels[0]}", f"torch W8A8 {kernels[1]}")
+        for label, decoder in zip(labels, decoders):
             cache = decoder.new_cache(context + tokens)
             decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), cache)
             steps[label] = partial(time_step, decoder, cache, context, torch.from_numpy(ids))
@@ -237,12 +263,24 @@ def step(
     head = "an int8" if int8_lm_head else "a float"
     yield (
         f"{shape} (synthetic weights, W8A8 with {head} lm_head), {tokens}-token verify on a {context}-token cache, "
-        f"{threads} threads, {repeats} rounds"
+        f"{threads} threads, {repeats} rounds; {cpu_model()}, float dtype {_name(dtype)}"
     )
     for label, series in times.items():
         speedup = "" if label in floats else f"   {statistics.median(b / t for b, t in zip(best_float, series)):.2f}x the best float"
         yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
-    yield f"  ideal W8A8 speed-up by weight bytes read: {ideal:.2f}x"
+    yield f"  ideal W8A8 speed-up by weight bytes read, against {_name(dtype)} float: {ideal:.2f}x"
+
+
+def _synthetic_head(spec: DecoderSpec, source: RandomTensors) -> Linear:
+    """The float lm_head of ``source`` (its table where tied) in bf16 on oneDNN, as ``backends.onnxruntime.load_head``
+    builds it from an export's head file."""
+    head = Linear(source.tensor(EMBEDDINGS if spec.tie_word_embeddings else "lm_head.weight"), dtype=torch.bfloat16)
+    head.prepare(default_float_kernel())
+    return head
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _greedy(lm, prompt: list[int], steps: int) -> list[int]:

@@ -169,14 +169,15 @@ def _linear_bytes(spec: DecoderSpec) -> tuple[int, int]:
     return 4 * elements, elements + 4 * scales
 
 
-def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = False) -> int:
+def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
     """Bytes of weights one step of the float (or the W8A8) twin reads: its linears and lm_head, as
-    ``micro.weight_bytes`` counts them on a decoder, from the shape alone (no decoder built)."""
+    ``micro.weight_bytes`` counts them on a decoder, from the shape alone (no decoder built); float weights (the float
+    twin's, a float head) of ``float_itemsize`` bytes (4: float32, 2: bf16)."""
     float_linears, int8_linears = _linear_bytes(spec)
     head = spec.vocab_size * spec.hidden_size
     if not quantized:
-        return float_linears + 4 * head
-    return int8_linears + (head + 4 * spec.vocab_size if int8_lm_head else 4 * head)
+        return (float_linears + 4 * head) * float_itemsize // 4
+    return int8_linears + (head + 4 * spec.vocab_size if int8_lm_head else float_itemsize * head)
 
 
 def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False) -> int:

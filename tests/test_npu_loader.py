@@ -84,8 +84,9 @@ def linear_quant_type(description: dict, prefix: str) -> str:
 
 
 def quant_method(description: dict, kind: str, prefix: str) -> str:
-    """ "FLOAT" or the linear scheme vLLM-Ascend picks for the module; raises where the loader would. RMSNorm is never
-    asked (the quantizer patches it only when the description has a ``norm.bias`` key, which we never write)."""
+    """The scheme vLLM-Ascend picks for the module ("FLOAT": unquantized); raises where the loader would. RMSNorm is never
+    asked; a ``norm.bias`` key anywhere in the description gives every RMSNorm a bias to load and switches it to the
+    quantizing anti-outlier kernel (``vllm_ascend/ops/layernorm.py`` at the tag), so none may appear."""
     if kind == "norm":
         assert not any("norm.bias" in key for key in description), "a norm.bias key switches RMSNorm to the quantizing one"
         return "FLOAT"

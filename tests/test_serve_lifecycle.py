@@ -15,6 +15,7 @@ import pytest
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.serve.vllm import exec_vllm, vllm_command
 
+from .helpers import assert_one_line_error
 from .serving import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,6 +85,20 @@ def test_vllm_command_for_an_npu_export(tmp_path):
     assert argv[argv.index("--quantization") + 1] == "ascend" and "--speculative-config" not in argv and env == {}
     with pytest.raises(QuasarError, match="ngram or none"):
         vllm_command(tmp_path, "0.0.0.0", 9000, draft="layerskip")
+
+
+def test_vllm_refuses_an_int8_head(tiny_int8_head_artifact, tiny_artifact, monkeypatch):
+    """vLLM is not known to load a compressed-tensors int8 lm_head: refused in one line, before vLLM is looked for."""
+    from click.testing import CliRunner
+
+    from quasar_deploy.cli import main
+
+    with pytest.raises(QuasarError, match="lm_head is int8"):
+        vllm_command(tiny_int8_head_artifact.path, "0.0.0.0", 8000)
+    assert vllm_command(tiny_artifact.path, "0.0.0.0", 8000)[0][2] == str(tiny_artifact.path)  # the head stays float
+    monkeypatch.setenv("PATH", "")
+    result = CliRunner().invoke(main, ["serve", str(tiny_int8_head_artifact.path), "--engine", "vllm"])
+    assert_one_line_error(result, "lm_head is int8")
 
 
 def test_missing_vllm_is_one_line(monkeypatch):

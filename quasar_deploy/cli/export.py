@@ -18,7 +18,11 @@ from ..exporters import ONNX_FORMATS, TARGETS
     type=click.Choice(ONNX_FORMATS),
     help="onnx only: integer (default; exact u8xs8 MatMulInteger, for CPUs) or qdq (int8 Q/DQ for TensorRT; static artifacts).",
 )
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), help="npu only: the model dtype (default: the source's half type).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16"]),
+    help="npu only: the model dtype (default bfloat16; float16 for static artifacts only).",
+)
 def export_command(artifact, target, output, precision, linear_format, dtype):
     """Export ARTIFACT for a target: onnx (KV-cache I/O; W8A8 linears as an exact integer MatMulInteger graph,
     or as QDQ for TensorRT with --format qdq) or npu (msModelSlim layout for vLLM-Ascend)."""

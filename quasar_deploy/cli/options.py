@@ -44,3 +44,18 @@ def backend_options(path: str, backend: str, provider: str | None, needs: tuple[
     if name != "onnxruntime":
         raise QuasarError(f"--provider applies to the onnxruntime backend, not {name}")
     return {"provider": provider}
+
+
+ENV_PREFIX = "QUASAR_"
+
+
+def options_from_env(command: click.Command) -> click.Command:
+    """Read every option of ``command`` from ``QUASAR_<LONG NAME>`` too (``--num-draft`` -> ``QUASAR_NUM_DRAFT``), shown in
+    ``--help``: a container is configured through its environment (``docker run -e``, compose) instead of a rewritten
+    command line. The command line wins over the environment, the environment over the default. Applied to the finished
+    command (the outermost decorator), so every option it has, now or added later, gets its variable."""
+    for param in command.params:
+        if isinstance(param, click.Option):
+            param.envvar = ENV_PREFIX + max(param.opts, key=len).lstrip("-").upper().replace("-", "_")
+            param.show_envvar = True
+    return command

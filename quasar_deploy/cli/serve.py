@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..backends.registry import BACKENDS
-from .options import backend_options, provider_option
+from .options import backend_options, options_from_env, provider_option
 
 SERVER_DRAFTERS = ("none", "ngram", "layerskip")
 # any request may ask for the layerskip drafter, so "auto" serves on a backend that runs our torch decoder
@@ -18,6 +18,7 @@ SERVER_DRAFTERS = ("none", "ngram", "layerskip")
 SERVER_NEEDS = ("layer_skip",)
 
 
+@options_from_env
 @click.command()
 @click.argument("path", type=click.Path(path_type=str))
 @click.option(
@@ -30,7 +31,7 @@ SERVER_NEEDS = ("layer_skip",)
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key", envvar="QUASAR_API_KEY", help="Require `Authorization: Bearer KEY` on all but /health [env QUASAR_API_KEY].")
+@click.option("--api-key", help="Require `Authorization: Bearer KEY` on all but /health.")
 @click.option("--model-name", help="The model name clients send (default: PATH's directory name).")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", *BACKENDS]))
 @provider_option
@@ -47,7 +48,9 @@ SERVER_NEEDS = ("layer_skip",)
 def serve(
     path, engine_name, host, port, api_key, model_name, backend, provider, draft, num_draft, tensor_parallel_size, chat_template, **limits
 ):
-    """Serve the model at PATH over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    """Serve the model at PATH over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
+
+    Every option can also come from the environment: QUASAR_ and the option's name (QUASAR_PORT, QUASAR_NUM_DRAFT)."""
     from ..errors import QuasarError
 
     if engine_name == "vllm":

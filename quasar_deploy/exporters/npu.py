@@ -3,12 +3,16 @@
 Output directory (written to a temp dir, then renamed):
 
 - ``config.json``: the artifact's config without ``quantization_config`` (vLLM would otherwise
-  insist on compressed-tensors) and with ``torch_dtype`` set to the export dtype;
+  insist on compressed-tensors) and with ``torch_dtype`` set to the export dtype: bfloat16 unless
+  ``dtype="float16"`` is asked for, which only the static scheme can run (see ``export_dtype``);
 - tokenizer and generation files, copied;
 - ``quasar-export.json``: the sha256 of every other file (for a future loader of ours; vLLM ignores it);
 - ``quant_model_description.json``: ``model_quant_type``, ``version`` and one type per tensor:
   ``W8A8_DYNAMIC`` (our default per-token scheme) or ``W8A8`` (static per-tensor) for every
-  tensor of a quantized linear, ``FLOAT`` for everything else (embeddings, norms, float linears);
+  tensor of a quantized linear, ``FLOAT`` for everything else (embeddings, norms, float linears),
+  and ``"lm_head.weight": "FLOAT"`` for a model whose head is tied to its embeddings (no such tensor
+  is written): vLLM's Llama builds a ``ParallelLMHead`` under the prefix ``lm_head`` before tying it,
+  and vLLM-Ascend looks that prefix up in the description (msModelSlim writes the same entry);
 - ``quant_model_weights.safetensors`` (above 5 GB: ``quant_model_weights-0000i-of-0000N.safetensors``
   and ``quant_model_weights.safetensors.index.json``, as msModelSlim shards; vLLM loads every
   ``*.safetensors`` of the directory), written tensor by tensor so that an 8B export never holds
@@ -53,10 +57,23 @@ EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 
-def default_dtype(config: dict) -> str:
-    """The source's half type; float32 sources export as bfloat16 (the NPU int8 GEMM outputs 16-bit floats only)."""
-    name = config.get("torch_dtype") or config.get("dtype")
-    return name if name in EXPORT_DTYPES else "bfloat16"
+def export_dtype(requested: str | None, activation: str) -> str:
+    """The export's model dtype: bfloat16 whatever the source's, float16 only on request and only for the static scheme.
+
+    vLLM-Ascend's W8A8_DYNAMIC linear hands ``npu_quant_matmul`` its weight scale in the model dtype together with a
+    per-token scale, and that op takes a float16 output with a per-token scale only from a float32 weight scale: a
+    float16 dynamic export would not run. The static scheme's int64 ``deq_scale`` is the float16 encoding the op takes.
+    """
+    if requested is None:
+        return "bfloat16"
+    if requested not in EXPORT_DTYPES:
+        raise QuasarError(f"--dtype for the npu target must be one of {', '.join(EXPORT_DTYPES)}, not {requested!r}")
+    if requested == "float16" and activation == "dynamic":
+        raise QuasarError(
+            "--dtype float16 applies to static artifacts only: vLLM-Ascend's W8A8_DYNAMIC matmul gets its weight scale in the "
+            "model dtype, which torch_npu takes with per-token scales only as float32; export as bfloat16 (the default)"
+        )
+    return requested
 
 
 def encode_deq_scale(deq_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -119,9 +136,7 @@ def export(files: ModelFiles, output: Path, dtype: str | None = None, max_shard_
     """Write the AscendV1 (msModelSlim) export of ``files`` to ``output`` (which must not exist), one layer at a time."""
     if not files.is_artifact:
         raise QuasarError(f"{files.path}: not a W8A8 artifact; run `quasar-deploy calibrate` first")
-    dtype = dtype or default_dtype(files.checkpoint.config)
-    if dtype not in EXPORT_DTYPES:
-        raise QuasarError(f"--dtype for the npu target must be one of {', '.join(EXPORT_DTYPES)}, not {dtype!r}")
+    dtype = export_dtype(dtype, files.scheme.activation)
     output = require_new(output)
     torch_dtype = EXPORT_DTYPES[dtype]
     quantized = set(files.manifest["quantized_layers"])
@@ -155,6 +170,8 @@ def _write_weights(files: ModelFiles, writer: ShardWriter, quantized: set[str], 
     ckpt, activation = files.checkpoint, files.scheme.activation
     quant_type = QUANT_TYPES[activation]
     description: dict[str, str] = {"model_quant_type": quant_type, "version": FORMAT_VERSION}
+    if files.spec.tie_word_embeddings:
+        description[f"{HEAD}.weight"] = "FLOAT"  # looked up though no such tensor exists (module docstring)
     groups = by_layer(ckpt.names, files.spec)
     for _, names in tqdm(groups, desc="exporting npu", unit="layer", disable=not progress):
         for name in names:

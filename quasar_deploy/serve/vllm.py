@@ -22,6 +22,21 @@ def ngram_config(num_draft: int) -> dict[str, int | str]:
     return {"method": "ngram", "num_speculative_tokens": num_draft, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
+def check_head(path: Path) -> None:
+    """Refuse an artifact whose ``quantization_config`` quantizes the lm_head (``calibrate --int8-lm-head``): no vLLM
+    release is known to load a compressed-tensors int8 ``ParallelLMHead`` (docs/cuda.md), and one that does not would
+    serve garbage rather than fail."""
+    try:
+        quantization = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # not a checkpoint we can read: vLLM says what is wrong with it
+    if quantization.get("quant_method") == "compressed-tensors" and "lm_head" not in quantization.get("ignore", ["lm_head"]):
+        raise QuasarError(
+            f"{path}: its lm_head is int8 (calibrate --int8-lm-head), which vLLM is not known to load (docs/cuda.md); "
+            "serve it with --engine quasar, or calibrate without --int8-lm-head"
+        )
+
+
 def vllm_command(
     path: str | Path,
     host: str,
@@ -35,6 +50,7 @@ def vllm_command(
     """The argv of ``vllm serve`` and the environment it adds; an NPU export dir gets ``--quantization ascend``."""
     if draft not in VLLM_DRAFTERS:
         raise QuasarError(f"--engine vllm drafts with {' or '.join(VLLM_DRAFTERS)}, not {draft!r}")
+    check_head(Path(path))
     argv = ["vllm", "serve", str(path), "--host", host, "--port", str(port)]
     if (Path(path) / NPU_EXPORT_FILE).is_file():
         argv += ["--quantization", "ascend"]

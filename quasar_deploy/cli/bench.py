@@ -83,6 +83,7 @@ def e2e(
     from ..calibration.data import BUILTIN
     from ..fidelity import reference_of
 
+    report_writer.pyplot()  # refused now rather than after the run
     if synthetic and (artifact or reference):
         raise QuasarError("give ARTIFACT (and --reference) or --synthetic, not both")
     if not synthetic and not artifact:

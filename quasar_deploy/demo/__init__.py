@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..inflate import InflationTarget
 
 VARIANTS = ("plain", "outlier")
-INFLATED_SHAPE = "qwen3-0.6b"  # the published body the demo model is inflated to (bench/synthetic.SHAPES)
+INFLATED_SHAPE = "qwen3-0.6b"  # the published body the demo model is inflated to (shapes.SHAPES)
 INFLATION_SEED = 0
 
 

@@ -57,9 +57,12 @@ def test_the_product_imports_no_benchmark():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
-    assert "quasar_deploy.inflate" in subprocess.run(
-        [sys.executable, "-c", script.replace("bench')", "inflate')")], capture_output=True, text=True, check=True, cwd=ROOT
-    ).stdout  # the same check sees a module that is imported
+    assert (
+        "quasar_deploy.inflate"
+        in subprocess.run(
+            [sys.executable, "-c", script.replace("bench')", "inflate')")], capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout
+    )  # the same check sees a module that is imported
 
 
 def test_matplotlib_is_the_bench_extra_only():

@@ -94,6 +94,8 @@ def test_modes_keep_their_names_and_order():
     "command",
     [
         ["e2e"],
+        ["serve"],
+        ["gpu"],
         ["first-call"],
         ["verify-step"],
         ["kernels"],
@@ -105,8 +107,15 @@ def test_modes_keep_their_names_and_order():
     ],
 )
 def test_every_bench_subcommand_has_help(command):
+    """Each help says what the subcommand measures (its docstring) and, for one that measures, offers its --json record."""
     result = CliRunner().invoke(main, ["bench", *command, "--help"])
-    assert result.exit_code == 0 and "Usage: " in result.output, result.output
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"Usage: main bench {' '.join(command)} [OPTIONS]")
+    group = main.get_command(None, "bench")
+    for name in command:
+        group = cmd = group.get_command(None, name)
+    assert " ".join(cmd.help.split()) in " ".join(result.output.split())
+    assert ("--json" in result.output) == (command != ["onnx"])  # every measuring subcommand writes a record
 
 
 @pytest.mark.parametrize("command", [["e2e", "--synthetic", "qwen3-0.6b", "--sweep-k"], ["onnx", "layers", "--rows"]])

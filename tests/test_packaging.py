@@ -84,3 +84,14 @@ def test_bench_e2e_without_matplotlib_names_the_extra_before_running(monkeypatch
     result = CliRunner().invoke(main, ["bench", "e2e", "--synthetic", "qwen3-0.6b"])
     assert result.exit_code == 1
     assert result.output == "error: the report's plots need matplotlib: pip install 'quasar-deploy[bench]'\n"
+
+
+def test_the_readme_is_a_front_door():
+    """Short, lines of normal length, and no measurement history: figures live in docs/benchmarks.md (generated)."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 200 and max(map(len, lines)) <= 200
+    assert not re.search(r"20\d\d-\d\d-\d\d|load (average )?\d|/work/|/home/|/root/", text)
+    assert "docs/benchmarks.md" in text

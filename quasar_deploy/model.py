@@ -524,7 +524,8 @@ class Decoder(nn.Module):
     ``forward_blocks`` does that for several sequences (each its own cache) in one pass."""
 
     def __init__(self, spec: DecoderSpec, source: TensorSource, dtype: torch.dtype = torch.float32, lm_head: Linear | None = None):
-        """``lm_head``: a twin's head over the same weights, to share rather than build (``bench.synthetic``: packed once)."""
+        """``lm_head``: the head of a twin over the same weights (float and W8A8 decoders of one model), shared rather than
+        built again, so it is packed once; building it and replacing it afterwards would hold a second head meanwhile."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
@@ -547,7 +548,7 @@ class Decoder(nn.Module):
         """Bind kernels to every linear; ``fuse`` runs q/k/v and gate/up as one call each (for serving: fewer calls,
         same results). Calibration keeps them apart, since it hooks each linear's input. A linear whose kernel already
         holds its only copy keeps that kernel: a head shared with another prepared decoder of the same weights
-        (``bench.synthetic``) is packed once.
+        (``lm_head`` above) is packed once.
 
         One layer at a time, each followed by ``return_freed_memory``: glibc keeps the originals that packing frees (a
         few MB each) in its heap, which would otherwise grow by up to a copy of the int8 weights before the end.

@@ -83,3 +83,26 @@ def test_the_benchmarks_page_is_the_committed_records_rendered():
 
     root = Path(__file__).resolve().parent.parent
     assert (root / "docs" / "benchmarks.md").read_text() == render(read_records([root / "bench" / "results"]))
+
+
+def test_verify_step_and_gpu_records_render(monkeypatch):
+    from quasar_deploy.bench import synthetic
+
+    from .test_cuda import RECORDED
+
+    monkeypatch.setitem(synthetic.SHAPES, "test-tiny", (64, 128, 2, 4, 2, 16, 512, True))
+    args = ["bench", "verify-step", "--synthetic", "test-tiny", "--tokens", "3", "--context", "8", "--repeats", "2", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output) | {"file": "verify.json"}
+    assert record["dtypes"] == {"float": "float32", "w8a8": "int8 weights, int8 per-token activations"}
+    gpu = dict(record, command="bench gpu", figures=RECORDED, file="gpu.json")  # a recorded bench gpu result
+    table = current([record, gpu])
+    f = record["figures"]
+    rows = table[f"CPU: {cpu_model()}"]
+    speedup = next(v for q, (v, _) in rows.items() if q.startswith("verify step, test-tiny") and "speed-up" in q)
+    assert speedup == f"{f['ratio']:.2f}x"
+    assert table["GPU: NVIDIA H200"] == {
+        "GPU verify step, qwen3-8b (synthetic weights), 6 tokens on a 512-token cache: W8A8 vs bf16": ("1.75x", gpu),
+        "GPU n-gram end to end, demo (trained): W8A8 vs bf16": ("1.30x", gpu),
+    }

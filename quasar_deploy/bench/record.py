@@ -112,11 +112,14 @@ def _first_call(f: dict) -> list[Quantity]:
 
 
 def _gpu(f: dict) -> list[Quantity]:
-    rows = [
-        (f"GPU verify step, {v['shape']} (synthetic weights), {v['tokens']} tokens on {v['context']}: W8A8 vs bf16", f"{v['ratio']:.2f}x")
-        for v in f["verify"]
-    ]
+    step = f"{f['settings']['tokens']} tokens on a {f['settings']['context']}-token cache"
+    rows = [(f"GPU verify step, {v['shape']} (synthetic weights), {step}: W8A8 vs bf16", f"{v['ratio']:.2f}x") for v in f["verify"]]
     return rows + [(f"GPU n-gram end to end, {e['model']} ({e['weights']}): W8A8 vs bf16", f"{e['ratio']:.2f}x") for e in f["e2e"]]
+
+
+def _kernels(f: dict) -> list[Quantity]:
+    what = f"linear kernels, {f['shape']} sizes, {f['threads']} threads, W8A8 ({f['int8_kernel']}) vs float ({f['float_kernel']})"
+    return [(f"{what}: {r['out_features']}x{r['in_features']} at M={r['m']}", f"{r['speedup']:.2f}x") for r in f["rows"]]
 
 
 def _lines(f: dict) -> list[Quantity]:
@@ -130,6 +133,7 @@ HEADLINES: dict[str, Callable[[dict], list[Quantity]]] = {
     "bench serve": _serve,
     "bench roofline": _roofline,
     "bench first-call": _first_call,
+    "bench kernels": _kernels,
     "bench gpu": _gpu,
     "bench onnx layers": _lines,
     "bench onnx step": _lines,

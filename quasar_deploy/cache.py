@@ -207,7 +207,9 @@ def parse_age(text: str) -> float:
 
 
 def _disk(root: Path):
-    root.mkdir(parents=True, exist_ok=True)
+    """The disk ``root`` is (or will be) on: its nearest existing directory's, so asking creates nothing."""
+    while not root.exists() and root != root.parent:
+        root = root.parent
     return shutil.disk_usage(root)
 
 

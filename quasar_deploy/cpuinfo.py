@@ -81,10 +81,10 @@ def prefer_passive_waits(environ: MutableMapping[str, str] = os.environ, load: f
     (1-minute load average above the CPUs this process may use), unless the user chose a policy.
 
     Spinning holds a core another process (or our own other thread) needs: on a busy machine it loses by
-    orders of magnitude. On a quiet one it wins: passive waits made the 0.6B verify step 1.4x (float) and
-    1.8x (W8A8) slower at load 1.3-1.5. The OpenMP runtime reads ``OMP_WAIT_POLICY`` once, when torch
-    loads it, so the CLI calls this before any command imports torch; docs/architecture.md ("OpenMP wait
-    policy") has the measurements.
+    orders of magnitude. On a quiet one it wins, since a verify step is a chain of short parallel regions and
+    a sleeping thread takes longer to wake than a spinning one to notice work (``bench verify-step`` with and
+    without ``OMP_WAIT_POLICY=PASSIVE`` shows both). The OpenMP runtime reads ``OMP_WAIT_POLICY`` once, when
+    torch loads it, so the CLI calls this before any command imports torch.
     """
     load = os.getloadavg()[0] if load is None else load
     if load > (cpus or default_threads()):

@@ -45,6 +45,7 @@ def report(path: str | None = None) -> dict:
         "targets": available_backends(),
         "default_backend": default_backend(),
         "torch_decoder_backend": default_backend(("layer_skip",)),
+        "cache": cache_summary(),
         **({"memory": model_memory(path), "auto_backend": auto_backend(path)} if path is not None else {}),
     }
 
@@ -65,6 +66,20 @@ def probes() -> dict:
         "bf16_row_invariant": probe.bf16_row_invariant,
         "float_dtype": str(default_float_dtype("cpu")).removeprefix("torch."),
         "float_dtype_why": f"set by {FLOAT_DTYPE_ENV}={chosen}" if chosen else probe.reason,
+    }
+
+
+def cache_summary() -> dict:
+    """The cache's directory, size against its limit, and entries (``quasar-deploy cache list`` names them)."""
+    from .cache import cache_dir, entries, size_limit
+
+    found = entries()
+    return {
+        "path": str(cache_dir()),
+        "bytes": sum(e.bytes for e in found),
+        "entries": len(found),
+        "orphaned": sum(e.orphaned for e in found),
+        "limit": size_limit(),
     }
 
 

@@ -50,6 +50,7 @@ from .errors import QuasarError
 from .files import atomic_directory, copy_files, sha256_files
 from .integrity import write_manifest
 from .scheme import quantize_weight
+from .shapes import SHAPES
 from .shards import TORCH_DTYPES, ShardWriter
 
 RESIDUAL_WRITERS = ("o_proj", "down_proj")  # their rows are the residual stream's channels: repeated r times
@@ -73,10 +74,8 @@ class InflationTarget:
 
 
 def body_of(shape: str, spec: DecoderSpec) -> InflationTarget:
-    """A published shape's body (``bench/synthetic.SHAPES``) with ``spec``'s head_dim: its query and KV widths, more heads if
+    """A published shape's body (``shapes.SHAPES``) with ``spec``'s head_dim: its query and KV widths, more heads if
     ``spec``'s heads are narrower (Qwen3-0.6B's 16 x 128 query width is 32 heads of the demo model's 64)."""
-    from .bench.synthetic import SHAPES
-
     hidden, inner, layers, heads, kv_heads, head_dim, _, _ = SHAPES[shape]
     if (heads * head_dim) % spec.head_dim or (kv_heads * head_dim) % spec.head_dim:
         raise QuasarError(f"{shape}: its query width {heads * head_dim} is not a whole number of heads of head_dim {spec.head_dim}")

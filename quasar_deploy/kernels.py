@@ -216,7 +216,7 @@ def float_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -
 def _row_invariant(linear: LinearFn) -> LinearFn:
     """``linear`` with one input row sent as two: every row's result then no longer depends on how many rows came along.
 
-    Measured here (tests/test_batching.py): oneDNN computes each row of an M >= 2 call bit for bit alike whatever
+    Tested (tests/test_batching.py): oneDNN computes each row of an M >= 2 call bit for bit alike whatever
     M is, but takes another path for M = 1 when K > 1024, with other rounding. A one-token decode step and the
     same row among other sequences' rows (a batched serving step) must agree exactly; the duplicate row costs
     one more row of compute on weights read once.

@@ -97,8 +97,8 @@ def return_freed_memory() -> None:
     Packing frees one float or int8 copy of every weight, in chunks of a few MB; glibc raises
     its mmap threshold after such frees and keeps later ones in the heap, so without this a
     loaded engine's resident memory would carry up to a quarter of its weights in freed space.
-    ONNX Runtime's session build frees the graph's copy of its weights the same way: the inflated
-    demo's W8A8 session held 1,080 MiB of anonymous memory before the trim and 554 MiB after.
+    ONNX Runtime's session build frees the graph's copy of its weights the same way, so a session holds
+    about twice its weights without the trim.
     """
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -257,7 +257,8 @@ CHECK_BLOCK_ELEMENTS = 1 << 24  # isfinite's temporaries for a bf16 tensor weigh
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """NaN or infinite weights, and scales that are not positive, turn every output to garbage: refuse them at load.
 
-    Checked a block of rows at a time: whole, a bf16 Qwen3-1.7B table (0.6 GB) took 1.45 GiB of temporaries.
+    Checked a block of rows at a time: whole, a bf16 embedding table's check would hold temporaries of 2.5x the
+    table (``isfinite`` widens it), more than the table itself.
     """
     if tensor.dtype == torch.int8:
         return
@@ -537,8 +538,9 @@ class Decoder(nn.Module):
         """``dtype``: what activations, norms, attention and float layers compute in. ``head_dtype`` (default
         ``dtype``): what a float lm_head computes in; a W8A8 decoder keeps float32 activations, whose bytes are few,
         and computes its head in bf16 where the CPU has it (``kernels.default_float_dtype``): half the bytes of
-        the largest float weight it reads each step. ``lm_head``: a twin's head over the same weights, to share
-        rather than build (``bench.synthetic``: packed once)."""
+        the largest float weight it reads each step. ``lm_head``: the head of a twin over the same weights (float and
+        W8A8 decoders of one model), shared rather than built again, so it is packed once; building it and replacing it
+        afterwards would hold a second head meanwhile."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
@@ -562,7 +564,7 @@ class Decoder(nn.Module):
         """Bind kernels to every linear; ``fuse`` runs q/k/v and gate/up as one call each (for serving: fewer calls,
         same results). Calibration keeps them apart, since it hooks each linear's input. A linear whose kernel already
         holds its only copy keeps that kernel: a head shared with another prepared decoder of the same weights
-        (``bench.synthetic``) is packed once.
+        (``lm_head`` above) is packed once.
 
         One layer at a time, each followed by ``return_freed_memory``: glibc keeps the originals that packing frees (a
         few MB each) in its heap, which would otherwise grow by up to a copy of the int8 weights before the end.

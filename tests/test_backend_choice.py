@@ -71,7 +71,9 @@ def test_the_key_follows_the_model_content(tiny_artifact, tiny_qwen3, tmp_path, 
     checkpoint = copy_dir(tiny_qwen3, tmp_path, "checkpoint")
     before = cache.content_key(checkpoint)
     weights = next(checkpoint.glob("*.safetensors"))
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # rewritten weights
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # touched, the same bytes
+    assert cache.content_key(checkpoint) == before
+    weights.write_bytes(weights.read_bytes()[:-1] + b"!")  # rewritten weights
     assert cache.content_key(checkpoint) != before
     with pytest.raises(QuasarError, match="no config.json"):
         cache.content_key(tmp_path)

@@ -93,10 +93,18 @@ def test_synthetic_twins_share_embedding_and_one_packed_head(small_shape):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_verify_step_runs_on_the_lean_twins(small_shape):
-    result = verify_step(small_shape, tokens=3, context=8, repeats=2, progress=False)
+def test_verify_step_reports_its_run_against_the_bytes_ideal(small_shape):
+    """The figures are timings (not asserted); what the report derives from them and from the shape is."""
+    result = verify_step(small_shape, tokens=3, context=8, repeats=3, progress=False)
+    spec = synthetic.synthetic_spec(small_shape)
+    float_model, w8a8 = synthetic.synthetic_decoders(small_shape)
     assert list(result.float_ms) == ["float32"] and result.best_float == "float32" and result.head_dtype == "float32"
-    assert result.w8a8_ms > 0 and result.ideal_ratio > 1
+    assert result.ideal_ratio == weight_bytes(float_model) / weight_bytes(w8a8)  # float linears and head over int8 ones
+    assert result.ideal_ratio == synthetic.step_read_bytes(spec, quantized=False) / synthetic.step_read_bytes(spec, quantized=True)
+    low, high = result.ratio_spread
+    assert 0 < low <= result.ratio <= high and result.fraction_of_ideal == result.ratio / result.ideal_ratio
+    assert (result.tokens, result.context, result.repeats, result.threads) == (3, 8, 3, torch.get_num_threads())
+    assert (result.float_kernel, result.int8_kernel) == (default_float_kernel(), default_int8_kernel())
 
 
 def test_verify_step_is_against_the_fastest_float_contender(small_shape):

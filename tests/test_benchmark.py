@@ -53,7 +53,7 @@ def test_sampled_benchmark_runs(pair, tmp_path):
     args += ["--modes", "ngram-float,ngram-w8a8"]
     result = CliRunner().invoke(main, [*args, "--output", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.output)["figures"]
     assert "lossless" not in report
     assert list(report["modes"]) == ["ngram-float", "ngram-w8a8"] and report["settings"]["temperature"] == 1
     assert all(figures["new_tokens"] > 0 for figures in report["modes"].values())
@@ -64,7 +64,7 @@ def test_reference_defaults_to_the_recorded_source(pair, tmp_path):
     args = ["bench", "e2e", str(artifact), "--limit", "1", "--max-new-tokens", "4", "--modes", "ar-float,ar-w8a8"]
     result = CliRunner().invoke(main, [*args, "-o", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["settings"]["model"] == str(model)
+    assert json.loads(result.output)["figures"]["settings"]["model"] == str(model)
 
 
 def test_bench_needs_an_artifact_or_a_shape(pair, tmp_path):
@@ -94,6 +94,8 @@ def test_modes_keep_their_names_and_order():
     "command",
     [
         ["e2e"],
+        ["serve"],
+        ["gpu"],
         ["first-call"],
         ["verify-step"],
         ["kernels"],
@@ -105,8 +107,15 @@ def test_modes_keep_their_names_and_order():
     ],
 )
 def test_every_bench_subcommand_has_help(command):
+    """Each help says what the subcommand measures (its docstring) and, for one that measures, offers its --json record."""
     result = CliRunner().invoke(main, ["bench", *command, "--help"])
-    assert result.exit_code == 0 and "Usage: " in result.output, result.output
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"Usage: main bench {' '.join(command)} [OPTIONS]")
+    group = main.get_command(None, "bench")
+    for name in command:
+        group = cmd = group.get_command(None, name)
+    assert " ".join(cmd.help.split()) in " ".join(result.output.split())
+    assert ("--json" in result.output) == (command != ["onnx"])  # every measuring subcommand writes a record
 
 
 @pytest.mark.parametrize("command", [["e2e", "--synthetic", "qwen3-0.6b", "--sweep-k"], ["onnx", "layers", "--rows"]])
@@ -132,7 +141,7 @@ def test_roofline_sets_a_generation_against_the_bandwidth_bound(tiny_artifact):
 
     result = CliRunner().invoke(main, ["bench", "roofline", str(tiny_artifact.path), "--max-new-tokens", "8", "--json"])
     assert result.exit_code == 0, result.output
-    r = json.loads(result.output)
+    r = json.loads(result.output)["figures"]
     assert r["new_tokens"] == 8 and r["acceptance_length"] >= 1.0 and r["verify_step_ms"] > 0 and r["bandwidth_gb_s"] > 0
     assert r["bytes_per_step"] > weight_bytes(load(tiny_artifact.path, backend="cpu").lm.decoder)  # weights plus the KV cache
     assert r["bound_step_ms"] == pytest.approx(r["bytes_per_step"] / (r["bandwidth_gb_s"] * 1e9) * 1e3)
@@ -147,7 +156,7 @@ def test_first_call_times_each_generation_after_one_load(tiny_artifact, tmp_path
     args = ["bench", "first-call", str(tiny_artifact.path), "--backend", "cpu", "--max-new-tokens", "6", "--calls", "4"]
     result = CliRunner().invoke(main, [*args, "--prompts", str(prompts), "--limit", "2", "--json"])
     assert result.exit_code == 0, result.output
-    r = json.loads(result.output)
+    r = json.loads(result.output)["figures"]
     assert r["backend"] == "cpu" and r["prompts"] == 2 and r["load_s"] > 0 and len(r["decode_tokens_per_s"]) == 4
     assert all(rate > 0 for rate in r["decode_tokens_per_s"]) and all(0 < n <= 12 for n in r["new_tokens"])
     rest = sorted(r["decode_tokens_per_s"][1:])[1]

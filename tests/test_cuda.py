@@ -271,18 +271,26 @@ def test_graph_replay_equals_eager(artifact):
     assert torch.equal(graphed.verify([1, 2, 3]), eager.verify([1, 2, 3]))  # rolled back, replayed at another position
 
 
+def _forced_logits(lm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits before each of ``tokens``, fed one at a time after ``prompt`` (teacher forcing: both sides see one path)."""
+    rows = [lm.prefill(prompt)]
+    rows += [lm.verify([token])[-1] for token in tokens[:-1]]
+    return torch.stack([row.float().cpu() for row in rows])
+
+
 @pytest.mark.gpu
 def test_gpu_agrees_with_the_cpu_reference(artifact):
-    """Greedy tokens of the GPU backend against the cpu backend's exact reference kernels (float32): the agreement is reported."""
-    reference = create_backend("cpu", artifact, int8_kernel="reference")
+    """On the reference's greedy path, the GPU backend's logits equal the cpu reference kernels' in bf16 within the
+    tolerance the cpu run of the same code path meets (``test_backend_on_cpu_matches_the_reference_decoder``): so greedy
+    continuations can part only at near-ties, never by a wrong computation."""
+    decoder = artifact.decoder(torch.bfloat16)
+    decoder.prepare("torch", "reference")
+    reference = TorchCausalLM(decoder)
     lm = cuda_backend.build_cuda_lm(artifact, GPU, "triton")
-    same = total = 0
     for prompt in repetitive_prompts(seed=5):
-        expected, got = greedy(reference, prompt, 32), greedy(lm, prompt, 32)
-        same += sum(a == b for a, b in zip(expected, got))
-        total += len(expected)
-    print(f"cuda vs cpu reference: {same}/{total} greedy tokens agree")
-    assert same / total >= 0.5  # bf16 against float32: early near-ties may part the two continuations, not most tokens
+        path = greedy(reference, prompt, 32)
+        expected, got = _forced_logits(reference, prompt, path), _forced_logits(lm, prompt, path)
+        assert torch.allclose(got, expected, atol=0.05, rtol=0.05), (got - expected).abs().max()
 
 
 # --- bench gpu: what runs without a GPU ---
@@ -352,14 +360,26 @@ def test_bench_gpu_refuses_clearly_without_cuda():
 
 
 def test_gpu_ngram_benchmark_glue_on_cpu(tiny_qwen3, tiny_artifact):
-    """The end-to-end part of ``bench gpu`` over two backends built on the CPU: the report fields the table reads exist."""
-    from quasar_deploy.bench.gpu import _ngram_benchmark
+    """The end-to-end part of ``bench gpu`` over two backends built on the CPU: each row's acceptance lengths are those of
+    n-gram decoding on the built-in prompts with its settings (timings are not asserted), and the table prints the row."""
+    from quasar_deploy.bench.gpu import _ngram_benchmark, table
     from quasar_deploy.bench.gpu_settings import GpuSettings
+    from quasar_deploy.calibration.data import BUILTIN, read_texts
+    from quasar_deploy.engine import Engine
     from quasar_deploy.tokenizer import load_tokenizer
 
     float_lm = cuda_backend.build_cuda_lm(open_model_files(tiny_qwen3), "cpu", "torch")
     quant_lm = cuda_backend.build_cuda_lm(tiny_artifact, "cpu", "torch")
     settings = GpuSettings(prompts=2, max_new_tokens=8, num_draft=3)
-    row = _ngram_benchmark("tiny", float_lm, quant_lm, load_tokenizer(tiny_qwen3), "random", settings)
-    assert row["model"] == "tiny" and row["bf16_tokens_per_s"] > 0 and row["w8a8_tokens_per_s"] > 0
-    assert row["ratio"] > 0 and row["acceptance_w8a8"] >= 1
+    tokenizer = load_tokenizer(tiny_qwen3)
+    row = _ngram_benchmark("tiny", float_lm, quant_lm, tokenizer, "random", settings)
+    for lm, key in ((float_lm, "acceptance_bf16"), (quant_lm, "acceptance_w8a8")):
+        engine = Engine(lm, tokenizer, frozenset(), "cuda")
+        runs = [engine.generate(p, max_new_tokens=8, draft="ngram", num_draft=3) for p in read_texts(BUILTIN["prompts"])[:2]]
+        assert row[key] == pytest.approx(sum(r.stats.acceptance_length for r in runs) / 2), key
+    assert (row["model"], row["weights"]) == ("tiny", "random")
+    ratio = f"{row['ratio']:.2f}x"
+    assert any(
+        line.split()[:5] == ["tiny", "random", f"{row['bf16_tokens_per_s']:.1f}", f"{row['w8a8_tokens_per_s']:.1f}", ratio]
+        for line in table(RECORDED | {"e2e": [row]}).splitlines()
+    )

@@ -21,7 +21,7 @@ def test_demo_measures_the_inflated_and_the_demo_model(monkeypatch, tmp_path):
     text = "".join(printed)
     assert sorted(demo.demo_model_path().parent.iterdir()) == package  # everything derived goes to the cache
     assert "first run: calibrating (cached afterwards)" in text and "first run: inflating" in text
-    inflated, small = result["inflated"]["report"]["modes"], result["demo"]["report"]["modes"]
+    inflated, small = result["inflated"]["modes"], result["demo"]["modes"]
     # the same tokens, so the same acceptance on every prompt (ONNX Runtime's float parts round differently: not asserted)
     assert inflated["ngram-w8a8"]["acceptance_lengths"] == small["ngram-w8a8"]["acceptance_lengths"]
     summary = describe(result)

@@ -213,5 +213,8 @@ def test_cli_provider_option(qdq_onnx, tiny_static_artifact):
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         assert_one_line_error(run(main, ["generate", str(qdq_onnx), "--provider", "cuda", *args]), "onnxruntime-gpu")
     # an artifact runs on ONNX Runtime through its cached export ("auto"), so the provider applies
-    assert run(main, ["generate", str(tiny_static_artifact.path), "--provider", "cpu", *args]).exit_code == 0
+    result = run(main, ["generate", str(tiny_static_artifact.path), "--provider", "cpu", *args])
+    assert result.exit_code == 0, result.output
+    generated = json.loads(result.stdout)  # stderr has the export's progress
+    assert generated["backend"].startswith("onnxruntime CPUExecutionProvider (W8A8 ") and len(generated["tokens"]) == 3
     assert_one_line_error(run(main, ["serve", str(tiny_static_artifact.path), "--backend", "cpu", "--provider", "cpu"]), "not cpu")

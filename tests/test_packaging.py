@@ -43,3 +43,55 @@ def test_the_export_function_survives_importing_the_exporters():
     import quasar_deploy.exporters.onnx  # noqa: F401
 
     assert callable(quasar_deploy.export) and quasar_deploy.export.__module__ == "quasar_deploy.exporters"
+
+
+def test_the_product_imports_no_benchmark():
+    """inflate and the demo are product code: neither may pull in the benchmarks (or the bench extra's matplotlib)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import quasar_deploy.inflate, quasar_deploy.demo, quasar_deploy.demo.run\n"
+        "print(sorted(m for m in sys.modules if m.startswith('quasar_deploy.bench') or m.startswith('matplotlib')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+    assert (
+        "quasar_deploy.inflate"
+        in subprocess.run(
+            [sys.executable, "-c", script.replace("bench')", "inflate')")], capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout
+    )  # the same check sees a module that is imported
+
+
+def test_matplotlib_is_the_bench_extra_only():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("matplotlib")]
+    assert "matplotlib" in project["optional-dependencies"]["bench"]
+
+
+def test_bench_e2e_without_matplotlib_names_the_extra_before_running(monkeypatch):
+    import sys
+
+    from click.testing import CliRunner
+
+    from quasar_deploy.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    result = CliRunner().invoke(main, ["bench", "e2e", "--synthetic", "qwen3-0.6b"])
+    assert result.exit_code == 1
+    assert result.output == "error: the report's plots need matplotlib: pip install 'quasar-deploy[bench]'\n"
+
+
+def test_the_readme_is_a_front_door():
+    """Short, lines of normal length, and no measurement history: figures live in docs/benchmarks.md (generated)."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 200 and max(map(len, lines)) <= 200
+    assert not re.search(r"20\d\d-\d\d-\d\d|load (average )?\d|/work/|/home/|/root/", text)
+    assert "docs/benchmarks.md" in text

@@ -43,7 +43,8 @@ PROVIDERS = {
 }
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 # x64 CPUs without VNNI sum u8 x s8 product pairs in saturating 16-bit lanes; this option makes ORT re-encode int8
-# weights as uint8 at load and run its exact u8 x u8 kernel (on every x64 CPU, VNNI ones included: 2.1-2.4x slower there)
+# weights as uint8 at load and run its exact u8 x u8 kernel (on every x64 CPU, VNNI ones included, where it is slower:
+# VNNI multiplies u8 x s8 only; `bench onnx layers` times both)
 PRECISE_INT8_OPTION = ("session.x64quantprecision", "1")
 SPINNING_OPTION = "session.intra_op.allow_spinning"
 
@@ -51,7 +52,7 @@ SPINNING_OPTION = "session.intra_op.allow_spinning"
 def allow_spinning(environ=os.environ) -> str:
     """ORT's intra-op threads spin between calls as OpenMP's do: off where the OpenMP policy is passive (the CLI picks
     that on an oversubscribed machine, or the user did), where spinning threads take the cores the work needs
-    (docs/architecture.md: ORT without spinning ran the verify step 1.2-1.8x faster at load 2-6)."""
+    (``cpuinfo.prefer_passive_waits``)."""
     return "0" if environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else "1"
 
 

@@ -51,13 +51,13 @@ BACKENDS: dict[str, BackendEntry] = {
 }
 
 # "auto" takes the first of these that can run here, provides what the caller needs, and (ONNX Runtime) fits in memory.
-# On a CPU, ONNX Runtime's exact integer graph ran the W8A8 verify step faster than the torch cpu backend (`bench onnx
-# step`, Qwen3-0.6B shape: 71.4 against 95.5 ms; docs/onnx.md, "Whole decoder step"); the artifact is exported to the
-# cache on first use (``cache.py``).
+# On a CPU, ONNX Runtime's exact integer graph runs the W8A8 verify step faster than the torch cpu backend: one graph
+# with its int8 MatMulInteger, no per-op dispatch from Python (`bench onnx step` times both in one run; its record is in
+# docs/benchmarks.md); the artifact is exported to the cache on first use (``cache.py``).
 AUTO_ORDER = ("cuda", "onnxruntime", "cpu")
-# ONNX Runtime's session build peaks at about twice what it then holds (the graph's copy of the weights beside its own;
-# inflated demo W8A8: 1,069 MiB of anonymous memory at the peak, 553 after, the cpu backend 710): "auto" picks it only
-# where twice the cpu backend's estimate fits in MemAvailable
+# ONNX Runtime's session build peaks at about twice what it then holds (the graph's copy of the weights beside its own,
+# which ``memory.return_freed_memory`` then hands back): "auto" picks it only where twice the cpu backend's estimate
+# fits in MemAvailable
 ONNXRUNTIME_MEMORY_FACTOR = 2
 # export target (``quasar-export.json``) -> the backend that runs it; targets missing here are other runtimes' to serve
 EXPORT_BACKENDS = {"onnx": "onnxruntime"}

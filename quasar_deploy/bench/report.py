@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import QuasarError
+
 
 def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
@@ -85,12 +87,20 @@ def _anchor_lines(report: dict) -> list[str]:
     return lines
 
 
-def plots(report: dict, out: Path) -> list[Path]:
-    import matplotlib
-
+def pyplot():
+    """matplotlib's pyplot drawing to files; without matplotlib (the ``bench`` extra), a one-line refusal saying how to get it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise QuasarError("the report's plots need matplotlib: pip install 'quasar-deploy[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    plt = pyplot()
     written = []
     modes = list(report["modes"])
     figures = report["modes"]

@@ -18,19 +18,8 @@ from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
 from ..model import Decoder
 from ..scheme import quantize_weight
+from ..shapes import SHAPES
 
-SHAPES = {
-    # name: hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied embeddings (published configs)
-    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, 151936, True),
-    "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128, 151936, True),
-    "qwen3-4b": (2560, 9728, 36, 32, 8, 128, 151936, True),
-    "qwen3-8b": (4096, 12288, 36, 32, 8, 128, 151936, False),
-    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 64, 128256, True),
-    "llama-3-8b": (4096, 14336, 32, 32, 8, 128, 128256, False),
-    # "-like": openPangu-Embedded-7B's model card publishes 34 layers, 32 query / 8 KV heads, a "153k" vocabulary and
-    # 12800 (the intermediate size); hidden 4096, head_dim 128, vocab 153376 and untied embeddings are our assumptions
-    "openpangu-7b-like": (4096, 12800, 34, 32, 8, 128, 153376, False),
-}
 HEAD_WEIGHT = "lm_head.weight"
 STORED_DTYPE = torch.bfloat16
 

@@ -14,6 +14,7 @@ import click
 from ..cpuinfo import prefer_passive_waits
 from ..errors import QuasarError
 from .bench import bench
+from .cache import cache_group
 from .calibrate import calibrate
 from .demo import demo
 from .doctor import doctor
@@ -42,7 +43,7 @@ def main() -> None:
     """Speculative decoding verified by a W8A8 (int8) copy of your model."""
 
 
-for command in (calibrate, evaluate, smoothing_study, export_command, generate, serve, bench, demo, doctor):
+for command in (calibrate, evaluate, smoothing_study, export_command, generate, serve, bench, demo, doctor, cache_group):
     main.add_command(command)
 
 __all__ = ["main"]

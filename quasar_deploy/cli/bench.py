@@ -1,10 +1,11 @@
 """``quasar-deploy bench e2e|serve|first-call|verify-step|roofline|kernels|onnx|gpu``: every speed figure the docs quote, one
-subcommand per measurement; ``write-checkpoint``: a real-size random checkpoint to measure calibration and loading on."""
+subcommand per measurement, each printing its result record with ``--json`` (``bench.record``); ``report``: the benchmarks
+page from those records; ``write-checkpoint``: a real-size random checkpoint to measure calibration and loading on."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import click
@@ -20,7 +21,7 @@ from .options import INT_LIST
 shape_option = click.option(
     "--synthetic", "shape", default="qwen3-0.6b", show_default=True, metavar="SHAPE", help="Published shape, random weights (timing only)."
 )
-json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result record as JSON (bench/results/, `bench report`).")
 threads_option = click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
 onnx_repeats_option = click.option("--repeats", default=10, show_default=True, type=click.IntRange(min=1), help="Timed calls (median).")
 
@@ -83,6 +84,7 @@ def e2e(
     from ..calibration.data import BUILTIN
     from ..fidelity import reference_of
 
+    report_writer.pyplot()  # refused now rather than after the run
     if synthetic and (artifact or reference):
         raise QuasarError("give ARTIFACT (and --reference) or --synthetic, not both")
     if not synthetic and not artifact:
@@ -109,7 +111,7 @@ def e2e(
         with_ort = Path(work) if set(ORT_MODES) & set(settings.modes) else None
         contenders = synthetic_contenders(synthetic, with_hf) if synthetic else trained_contenders(reference, artifact, with_hf, with_ort)
         result = benchmark(settings, contenders, progress=not as_json)
-    _show(result, report_writer.write(result, output), report_writer.markdown, as_json)
+    _show(result, report_writer.write(result, output), report_writer.markdown, as_json, _float_vs_int8())
 
 
 def _engine_paths(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -125,13 +127,42 @@ def _engine_paths(pairs: tuple[str, ...]) -> dict[str, str]:
     return pythons(paths)
 
 
-def _show(report: dict, written: list[Path], markdown: Callable[[dict], str], as_json: bool) -> None:
-    """A written report on stdout: as JSON, or as its markdown table and the files written."""
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
+def _show(report: dict, written: list[Path], markdown: Callable[[dict], str], as_json: bool, dtypes: dict[str, str]) -> None:
+    """A written report on stdout: as a JSON record, or as its markdown table and the files written."""
+    _emit(report, lambda: markdown(report) + "\nwrote " + ", ".join(str(p) for p in written), as_json, dtypes)
+
+
+def _emit(figures: dict, text: Callable[[], str], as_json: bool, dtypes: dict[str, str]) -> None:
+    """A result on stdout: the record of this command (``bench.record``) with ``--json``, else ``text()``."""
+    if not as_json:
+        click.echo(text())
         return
-    click.echo(markdown(report))
-    click.echo("wrote " + ", ".join(str(p) for p in written))
+    from ..bench.record import make_record
+
+    ctx = click.get_current_context()
+    command = ctx.command_path.split(" ", 1)[1]  # "bench verify-step", whatever the program is called
+    options = {name: value for name, value in ctx.params.items() if name not in ("as_json", "output")}  # not what was measured
+    click.echo(json.dumps(make_record(command, options, dtypes, figures), indent=2, default=str))
+
+
+W8A8 = "int8 weights, int8 per-token activations"
+
+
+def _float_vs_int8() -> dict[str, str]:
+    """What the float and W8A8 contenders compute in here: the CPU's float dtype (``kernels.default_float_dtype``), which
+    is also the W8A8 model's float lm_head's."""
+    from ..kernels import default_float_dtype
+
+    dtype = str(default_float_dtype("cpu")).removeprefix("torch.")
+    return {"float": dtype, "w8a8": f"{W8A8}, {dtype} lm_head"}
+
+
+def _dtypes_of(path: str) -> dict[str, str]:
+    """What a run of the model at ``path`` computes in: an artifact's W8A8, or a float checkpoint's float dtype."""
+    from ..artifact import open_model_files
+
+    dtypes = _float_vs_int8()
+    return {"w8a8": dtypes["w8a8"]} if open_model_files(path, verify=False).is_artifact else {"float": dtypes["float"]}
 
 
 @bench.command("roofline")
@@ -147,7 +178,7 @@ def roofline_command(path, prompt, max_new_tokens, draft, num_draft, as_json):
     from ..bench.roofline import describe_roofline, roofline
 
     result = roofline(path, prompt, max_new_tokens, draft, num_draft)
-    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else describe_roofline(result))
+    _emit(result.to_dict(), lambda: describe_roofline(result), as_json, _dtypes_of(path))
 
 
 @bench.command("first-call")
@@ -172,7 +203,7 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
     from ..bench.first_call import describe_first_call, first_call
 
     result = first_call(path, backend, draft, num_draft, max_new_tokens, calls, prompts, limit)
-    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else describe_first_call(result))
+    _emit(result.to_dict(), lambda: describe_first_call(result), as_json, _dtypes_of(path))
 
 
 @bench.command("serve")
@@ -201,7 +232,7 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
     prompts = str(prompts or BUILTIN["prompts"])
     settings = serving.ServeBenchSettings(prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic)
     report = serving.benchmark_serving(settings, progress=not as_json)
-    _show(report, serving.write(report, output), serving.markdown, as_json)
+    _show(report, serving.write(report, output), serving.markdown, as_json, {"w8a8": _float_vs_int8()["w8a8"]})
 
 
 @bench.command("verify-step")
@@ -231,7 +262,9 @@ def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, floa
     result = micro.verify_step(
         shape, tokens, context, repeats, int8_kernel=int8_kernel, progress=not as_json, int8_lm_head=int8_lm_head, float_dtypes=dtypes
     )
-    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else micro.describe_verify_step(result))
+    head = "int8" if int8_lm_head else result.head_dtype
+    dtypes = {"float": ", ".join(result.float_ms), "w8a8": f"{W8A8}, {head} lm_head"}
+    _emit(result.to_dict(), lambda: micro.describe_verify_step(result), as_json, dtypes)
 
 
 @bench.command("kernels")
@@ -252,7 +285,7 @@ def kernels(shape, repeats, int8_kernels, as_json):
     for kernel in chosen:
         check_int8_kernel(kernel)
     result = micro.linear_kernels(shape, repeats=repeats, progress=not as_json, int8_kernels=chosen)
-    click.echo(json.dumps(result, indent=2) if as_json else micro.describe_linear_kernels(result))
+    _emit(result, lambda: micro.describe_linear_kernels(result), as_json, _float_vs_int8())
 
 
 @bench.command("gpu")
@@ -284,7 +317,7 @@ def gpu(shapes, tokens, context, repeats, rows, e2e_shape, prompts, max_new_toke
         quantizer=quantizer,
     )
     result = gpu_bench.run(settings, log=lambda line: None if as_json else click.echo(line, err=True))
-    click.echo(json.dumps(result, indent=2) if as_json else gpu_bench.table(result))
+    _emit(result, lambda: gpu_bench.table(result), as_json, {"float": "bfloat16", "w8a8": W8A8 + ", bfloat16 lm_head"})
 
 
 @bench.command("write-checkpoint")
@@ -313,13 +346,13 @@ def onnx() -> None:
 @click.option("--rows", default="1,6,64", show_default=True, type=INT_LIST, help="Comma-separated M (rows of the input).")
 @threads_option
 @onnx_repeats_option
-def onnx_layers(size, depth, rows, threads, repeats):
+@json_option
+def onnx_layers(size, depth, rows, threads, repeats, as_json):
     """The exported W8A8 linear, integer (as the backend runs it, and re-encoded u8 x u8) and qdq forms, vs a float32
     MatMul of the same shape, and how exact each is."""
     from ..bench.onnx import layers
 
-    for line in layers(size, depth, rows, threads, repeats):
-        click.echo(line)
+    _lines(layers(size, depth, rows, threads, repeats), as_json, _float_vs_int8())
 
 
 @onnx.command("step")
@@ -330,13 +363,13 @@ def onnx_layers(size, depth, rows, threads, repeats):
 @onnx_repeats_option
 @click.option("--torch/--no-torch", "with_torch", default=True, show_default=True, help="Time the cpu backend's decoders too.")
 @click.option("--int8-lm-head", is_flag=True, help="The W8A8 contenders with an int8 lm_head (calibrate --int8-lm-head).")
-def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head):
+@json_option
+def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, as_json):
     """A k+1-token verify on a warm cache, ONNX Runtime float and W8A8 graphs and the cpu backend's float and W8A8
     decoders, timed round robin; speed-ups against each round's best float."""
     from ..bench.onnx import step
 
-    for line in step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head):
-        click.echo(line)
+    _lines(step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head), as_json, _float_vs_int8())
 
 
 @onnx.command("fidelity")
@@ -346,9 +379,34 @@ def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head
 @click.option("--prompts", type=click.Path(dir_okay=False, path_type=Path), help="JSONL or text prompts (default: three built-in ones).")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the first N prompts.")
 @threads_option
-def onnx_fidelity(exported, source, steps, prompts, limit, threads):
+@json_option
+def onnx_fidelity(exported, source, steps, prompts, limit, threads, as_json):
     """An EXPORTED directory on ONNX Runtime against the torch decoder of SOURCE (the artifact or checkpoint it was exported from)."""
     from ..bench.onnx import fidelity
 
-    for line in fidelity(exported, source, steps, threads, prompts, limit):
+    _lines(fidelity(exported, source, steps, threads, prompts, limit), as_json, _dtypes_of(str(source)))
+
+
+def _lines(lines: Iterable[str], as_json: bool, dtypes: dict[str, str]) -> None:
+    """A report made of lines: each printed as it comes (a run takes minutes), or all in one record's ``figures["lines"]``."""
+    if as_json:
+        _emit({"lines": list(lines)}, str, as_json, dtypes)
+        return
+    for line in lines:
         click.echo(line)
+
+
+@bench.command("report")
+@click.argument("records", nargs=-1, type=click.Path(exists=True, path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the page here (default: print it).")
+def report_command(records, output):
+    """Render the benchmarks page (docs/benchmarks.md) from RECORDS (`bench ... --json` outputs, or directories of them;
+    default bench/results): the newest value of each quantity per machine."""
+    from ..bench.record import read_records, render
+
+    page = render(read_records(records or [Path("bench/results")]))
+    if output is None:
+        click.echo(page, nl=False)
+    else:
+        output.write_text(page, encoding="utf-8")
+        click.echo(f"wrote {output}")

@@ -45,6 +45,11 @@ def doctor(path, as_json):
         f"backend        {info['default_backend']} for artifacts and checkpoints (--backend auto; ONNX exports: onnxruntime; "
         f"--draft layerskip and serve: {info['torch_decoder_backend']})"
     )
+    c = info["cache"]
+    click.echo(
+        f"cache          {c['bytes'] / 1e9:.2f} GB in {c['entries']} entries ({c['orphaned']} orphaned), limit {c['limit'] / 1e9:.1f} GB, "
+        f"at {c['path']} (quasar-deploy cache list)"
+    )
     click.echo("targets:")
     for name, reason in info["targets"].items():
         click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")

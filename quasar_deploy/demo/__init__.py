@@ -7,14 +7,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..cache import cache_dir
+from ..cache import cache_dir, used
 
 if TYPE_CHECKING:
     from ..calibration import CalibrationRecipe
     from ..inflate import InflationTarget
 
 VARIANTS = ("plain", "outlier")
-INFLATED_SHAPE = "qwen3-0.6b"  # the published body the demo model is inflated to (bench/synthetic.SHAPES)
+INFLATED_SHAPE = "qwen3-0.6b"  # the published body the demo model is inflated to (shapes.SHAPES)
 INFLATION_SEED = 0
 
 
@@ -66,6 +66,7 @@ def demo_artifact(progress: bool = True) -> Path:
     path = demo_artifact_path()
     if not (path / "quasar.json").exists():
         calibrate(demo_model_path(), output=path, recipe=demo_recipe(), progress=progress)
+    used(path)  # the cache evicts what was used least recently
     return path
 
 
@@ -95,4 +96,6 @@ def inflated_demo(progress: bool = True) -> tuple[Path, Path]:
         inflate_checkpoint(demo_model_path(), model, target, INFLATION_SEED, progress)
     if not (artifact / "quasar.json").exists():
         inflate_artifact(demo_artifact(progress), artifact, target, model, INFLATION_SEED, progress)
+    used(model)
+    used(artifact)
     return model, artifact

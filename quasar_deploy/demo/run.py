@@ -11,19 +11,17 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from ..artifact import MANIFEST, open_model_files
 from ..backends.registry import auto_backend, unavailable
-from ..bench.contenders import Contenders
-from ..bench.e2e import BenchSettings, benchmark
-from ..bench.synthetic import SHAPES
 from ..cache import onnx_export_path
 from ..calibration.data import BUILTIN, read_texts
 from ..decoder_spec import expected_shapes
-from ..engine import Engine, load, stop_ids_of
+from ..engine import Engine, load
 from ..fidelity import Fidelity, evaluate
+from ..shapes import SHAPES
 from . import (
     INFLATED_SHAPE,
     demo_artifact,
@@ -32,6 +30,7 @@ from . import (
     inflated_demo,
     inflated_demo_paths,
 )
+from .measure import NGRAM, NUM_DRAFT, measure
 
 STREAMED_PROMPT = "import os\n\n\ndef list_python_files(root):\n"
 CPU_MODES = ("ngram-float", "ngram-w8a8")
@@ -55,37 +54,36 @@ def parameters_read_per_step(model: str | Path) -> int:
     return sum(math.prod(shapes[n]) for n in names)
 
 
-def _contenders(model: Path, artifact: Path, with_ort: bool) -> Contenders:
+def _engines(model: Path, artifact: Path, with_ort: bool) -> dict[str, Engine]:
     """Float and W8A8 engines on the cpu backend, and on ONNX Runtime (graphs exported once into the cache) when installed."""
-    ort = {"float": load(model, backend="onnxruntime"), "w8a8": load(artifact, backend="onnxruntime")} if with_ort else {}
-    engines = load(model, backend="cpu"), load(artifact, backend="cpu")
-    return Contenders(lambda: engines, engines[0].tokenizer, stop_ids_of(model), None, "trained", ort_engines=ort)
-
-
-def _backends(contenders: Contenders) -> dict[str, str]:
-    engines = {"ngram-float": contenders.float_engine, "ngram-w8a8": contenders.w8a8_engine}
-    engines |= {f"ngram-{precision}-ort": engine for precision, engine in contenders.ort_engines.items()}
-    return {mode: engine.lm.description for mode, engine in engines.items()}
+    engines = {"ngram-float": load(model, backend="cpu"), "ngram-w8a8": load(artifact, backend="cpu")}
+    if with_ort:
+        engines |= {"ngram-float-ort": load(model, backend="onnxruntime"), "ngram-w8a8-ort": load(artifact, backend="onnxruntime")}
+    return engines
 
 
 def _measure(
-    model: Path, artifact: Path, with_ort: bool, settings: BenchSettings, progress: bool, before: Callable[[Contenders], None] | None = None
+    model: Path,
+    artifact: Path,
+    with_ort: bool,
+    prompts: list[str],
+    max_new_tokens: int,
+    before: Callable[[dict[str, Engine]], None] | None = None,
 ) -> dict:
-    """Every mode on the built-in prompts, interleaved prompt by prompt; ``before(contenders)`` runs first (the streamed sample)."""
-    contenders = _contenders(model, artifact, with_ort)
+    """Every mode on the built-in prompts, taking turns prompt by prompt; ``before(engines)`` runs first (the streamed sample)."""
+    engines = _engines(model, artifact, with_ort)
     if before is not None:
-        before(contenders)
-    modes = CPU_MODES + (ORT_MODES if with_ort else ())
-    report = benchmark(replace(settings, model=str(model), artifact=str(artifact), modes=modes), contenders, progress)
+        before(engines)
+    float_modes = [mode for mode in engines if "float" in mode]
     result = {
         "model": str(model),
         "artifact": str(artifact),
-        "report": report,
-        "backends": _backends(contenders),
+        "modes": measure(engines, prompts, max_new_tokens, float_modes),
+        "backends": {mode: engine.lm.description for mode, engine in engines.items()},
         "spec": asdict(open_model_files(model, verify=False).spec),
         "parameters_read_per_step": parameters_read_per_step(model),
     }
-    del contenders
+    del engines
     gc.collect()  # the next model's engines load into the memory these held
     return result
 
@@ -102,14 +100,14 @@ def run_demo(echo: Callable[[str], None], progress: bool = True, limit: int = 4,
     sources = (demo_model_path(), artifact, big_model, big_artifact)
     if with_ort and not all(onnx_export_path(path).exists() for path in sources):
         echo("first run: exporting ONNX Runtime graphs (cached afterwards)\n")
-    settings = BenchSettings(prompts=str(BUILTIN["prompts"]), limit=limit, max_new_tokens=max_new_tokens)
+    prompts = read_texts(BUILTIN["prompts"])[:limit]
 
-    def stream(contenders: Contenders) -> None:
-        echo("--- inflated model, W8A8 verifier, n-gram drafting (k=5, n 1..3), streamed ---\n")
-        stream_one(contenders.w8a8_engine, echo)
+    def stream(engines: dict[str, Engine]) -> None:
+        echo(f"--- inflated model, W8A8 verifier, n-gram drafting (k={NUM_DRAFT}, n {NGRAM[0]}..{NGRAM[1]}), streamed ---\n")
+        stream_one(engines["ngram-w8a8"], echo)
 
-    inflated = _measure(big_model, big_artifact, with_ort, settings, progress, before=stream)
-    demo = _measure(demo_model_path(), artifact, with_ort, settings, progress)
+    inflated = _measure(big_model, big_artifact, with_ort, prompts, max_new_tokens, before=stream)
+    demo = _measure(demo_model_path(), artifact, with_ort, prompts, max_new_tokens)
     fidelity: Fidelity = evaluate(artifact, demo_model_path(), num_samples=len(read_texts(None, "eval")), progress=False)
     default = auto_backend(big_artifact)
     return {
@@ -118,25 +116,27 @@ def run_demo(echo: Callable[[str], None], progress: bool = True, limit: int = 4,
         "fidelity": fidelity.to_dict(),
         "artifact": str(artifact),
         "onnxruntime": with_ort,
+        "prompt_count": len(prompts),
+        "max_new_tokens": max_new_tokens,
         "default_backend": default,
     }
 
 
 def _table(measured: dict) -> list[str]:
-    modes = measured["report"]["modes"]
+    modes = measured["modes"]
     rows = [f"  {'mode':<16} {'tokens/s: median (range)':>26} {'accept':>7} {'verify ms':>10} {'vs best float':>14}  backend, kernels"]
     for mode, m in modes.items():
         speed = f"{m['tokens_per_s']:.1f} ({m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f})"
         rows.append(
             f"  {mode:<16} {speed:>26} {m['acceptance_length']:>7.2f} {m['verify_step_ms']:>10.2f} "
-            f"{m['speedup_vs_best-float']:>13.2f}x  {measured['backends'][mode]}"
+            f"{m['vs_best_float']:>13.2f}x  {measured['backends'][mode]}"
         )
     return rows
 
 
 def describe(result: dict) -> str:
     inflated, demo, fid = result["inflated"], result["demo"], result["fidelity"]
-    prompts = inflated["report"]["settings"]["prompt_count"]
+    prompts = result["prompt_count"]
     float_modes = "ngram-float and ngram-float-ort" if result["onnxruntime"] else "ngram-float; onnxruntime is not installed"
     s = inflated["spec"]
     hidden, inner, layers, heads, kv_heads, head_dim, vocab, _ = SHAPES[INFLATED_SHAPE]
@@ -153,7 +153,7 @@ def describe(result: dict) -> str:
         "",
         f"Each 'vs best float' is the median over {prompts} prompts of the per-prompt ratio of that mode's tokens/s to the "
         f"fastest float mode's on the same prompt ({float_modes}); tokens/s are medians, modes interleaved prompt by prompt, "
-        f"greedy, {inflated['report']['settings']['max_new_tokens']} new tokens, k=5.",
+        f"greedy, {result['max_new_tokens']} new tokens, k={NUM_DRAFT}.",
         f"`quasar-deploy generate ARTIFACT` (backend auto) runs W8A8 here on {result['default_backend']} "
         f"(the {'ngram-w8a8-ort' if result['default_backend'] == 'onnxruntime' else 'ngram-w8a8'} rows).",
         f"fidelity of the demo artifact: top-1 agreement with float {fid['top1_agreement']:.4f}, mean KL {fid['mean_kl']:.2e} nats, "

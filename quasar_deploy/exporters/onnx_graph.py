@@ -12,11 +12,11 @@ W8A8 linears come in two forms (``LINEAR_FORMATS``; docs/onnx.md has the measure
   static: the calibrated constant), shifted to uint8 with zero point 128, and multiplied by the
   int8 weight in ``MatMulInteger`` (int32 accumulation), then scaled by
   ``acc * act_scale * weight_scale`` in the reference's order. This u8 x s8 product is exact where
-  MLAS multiplies with VNNI (``vpdpbusd`` sums into 32-bit lanes) and 2.1-2.4x faster there than
-  u8 x u8; MLAS's AVX2 u8 x s8 kernel sums product pairs in saturating 16-bit lanes, so on x64 CPUs
-  without VNNI the backend sets ``session.x64quantprecision``, under which ORT re-encodes these
-  weights as uint8 at load and runs its exact u8 x u8 kernel (``backends/onnxruntime``'s probe
-  picks the option by running both). Per-row activation scales cannot go through
+  MLAS multiplies with VNNI (``vpdpbusd`` sums into 32-bit lanes) and faster there than u8 x u8, which VNNI
+  cannot multiply (``bench onnx layers`` times both); MLAS's AVX2 u8 x s8 kernel sums product pairs in
+  saturating 16-bit lanes, so on x64 CPUs without VNNI the backend sets ``session.x64quantprecision``,
+  under which ORT re-encodes these weights as uint8 at load and runs its exact u8 x u8 kernel
+  (``backends/onnxruntime``'s probe picks the option by running both). Per-row activation scales cannot go through
   ``DequantizeLinear`` fused kernels (ORT does not fuse a run-time per-row scale), hence the
   explicit integer form.
 - ``qdq``: the standard Q/DQ form that TensorRT and ORT's QDQ-aware execution providers fuse into

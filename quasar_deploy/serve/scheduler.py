@@ -61,9 +61,9 @@ class Failed:
 Event = Started | Text | Done | Failed
 T = TypeVar("T")
 
-# Prompt tokens prefilled per round (at least one prompt). Measured on the Qwen3-0.6B shape, 2 cores: a prefill's
-# cost per prompt is flat up to ~300 rows in one forward and 1.6x at 600-1200 (activations outgrow the caches), and
-# every running sequence waits for the round's prefills: a burst of arrivals is spread over rounds instead.
+# Prompt tokens prefilled per round (at least one prompt). A prefill's cost per row stays flat while the forward's
+# activations fit in the CPU caches and grows once they outgrow them (docs/serving.md), and every running sequence
+# waits for the round's prefills: a burst of arrivals is spread over rounds instead.
 PREFILL_TOKENS = 256
 
 

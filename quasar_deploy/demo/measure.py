@@ -1,0 +1,47 @@
+"""The demo's end-to-end timing: each mode (an engine decoding with n-gram drafting) on the same prompts, taking turns.
+
+Machines drift (thermal, neighbours), so the modes take turns on each prompt, and a speed-up is the
+median of per-prompt ratios measured seconds apart. ``quasar-deploy bench e2e`` does the same with
+more modes and the anchors; the demo keeps its own few lines so that the product never imports the benchmarks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+from ..engine import Engine, GenerationStats
+
+NUM_DRAFT, NGRAM = 5, (1, 3)
+
+
+def _run(engine: Engine, ids: list[int], max_new_tokens: int) -> GenerationStats:
+    options = dict(max_new_tokens=max_new_tokens, draft="ngram", num_draft=NUM_DRAFT, ngram_min=NGRAM[0], ngram_max=NGRAM[1])
+    return engine.generate(ids, **options).stats
+
+
+def measure(engines: Mapping[str, Engine], prompts: Sequence[str], max_new_tokens: int, float_modes: Sequence[str]) -> dict[str, dict]:
+    """Per mode: tokens/s (median and range), acceptance length (mean, and per prompt), verify-step ms, and
+    ``vs_best_float``, the median over prompts of its tokens/s over the fastest of ``float_modes`` on the same prompt."""
+    modes = list(engines)
+    encoded = [engines[modes[0]].encode(p) for p in prompts]
+    for engine in engines.values():  # first calls pay one-time costs (weight packing, allocator): kept out of the figures
+        _run(engine, encoded[0], 4)
+    runs: dict[str, list[GenerationStats]] = {m: [] for m in modes}
+    for i, ids in enumerate(encoded):
+        for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+            runs[mode].append(_run(engines[mode], ids, max_new_tokens))
+    best = [max(runs[m][i].tokens_per_s for m in float_modes) for i in range(len(encoded))]
+    figures = {}
+    for mode, stats in runs.items():
+        speeds = [s.tokens_per_s for s in stats]
+        figures[mode] = {
+            "tokens_per_s": statistics.median(speeds),
+            "tokens_per_s_min": min(speeds),
+            "tokens_per_s_max": max(speeds),
+            "acceptance_length": statistics.mean(s.acceptance_length for s in stats),
+            "acceptance_lengths": [s.acceptance_length for s in stats],
+            "verify_step_ms": 1000 * sum(s.verify_s for s in stats) / max(1, sum(s.verify_steps for s in stats)),
+            "vs_best_float": statistics.median(speed / b for speed, b in zip(speeds, best)),
+        }
+    return figures

@@ -106,6 +106,7 @@ def serving_engine(artifact: str | None, synthetic: str | None) -> tuple[Engine,
 
 def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> RequestTiming:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}  # the last chunk: usage alone, with empty choices
     sent = time.perf_counter()
     arrivals: list[float] = []
     usage = None
@@ -116,7 +117,7 @@ def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: 
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[len("data: ") :])
-            if chunk["choices"][0].get("text"):
+            if chunk["choices"] and chunk["choices"][0].get("text"):
                 arrivals.append(time.perf_counter())
             usage = chunk.get("usage") or usage
     if usage is None or not arrivals:

@@ -38,13 +38,18 @@ scalars = st.one_of(
     st.text(max_size=20),
     st.sampled_from(["", "\ud800", "none", "ngram", "layerskip", "model", "tiny", "\x00", "a" * 300]),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8
+)
 small_ints = st.one_of(st.integers(-3, 8), values)
 messages = st.one_of(
     values,
     st.lists(
         st.fixed_dictionaries(
-            {"role": st.one_of(st.sampled_from(["user", "system", "assistant"]), values), "content": st.one_of(st.text(max_size=40), values)}
+            {
+                "role": st.one_of(st.sampled_from(["user", "system", "assistant"]), values),
+                "content": st.one_of(st.text(max_size=40), values),
+            }
         ),
         max_size=3,
     ),

@@ -29,6 +29,7 @@ QUASAR_ONLY = (
     "max-stop-chars",
     "default-max-tokens",
     "request-timeout",
+    "body-timeout",
     "kv-cache-mib",
     "drain-timeout",
 )
@@ -70,6 +71,13 @@ VLLM_ONLY = ("tensor-parallel-size", "vllm-arg")
     show_default=True,
     type=click.FloatRange(min=0, min_open=True),
     help="Seconds a request may take from arrival, queueing included; then it ends with 504.",
+)
+@click.option(
+    "--body-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a request's body may take to arrive; then 408.",
 )
 @click.option(
     "--kv-cache-mib",
@@ -135,6 +143,7 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, provider,
         draft=draft,
         num_draft=num_draft,
         request_timeout=limits["request_timeout"],
+        body_timeout=limits["body_timeout"],
         kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else default_kv_cache_bytes(engine.lm),
         limits=request_limits,
     )

@@ -41,6 +41,7 @@ class ServeConfig:
     """What ``quasar-deploy serve`` decides besides the engine: the served name, limits, security, default drafting.
 
     ``request_timeout``: seconds from arrival after which a request is ended (504), queueing included;
+    ``body_timeout``: seconds for its body to arrive (408);
     ``kv_cache_bytes``: the KV cache all running requests may hold together (None: no accounting); ``limits``:
     what one request may ask for."""
 
@@ -52,6 +53,7 @@ class ServeConfig:
     draft: str = "ngram"
     num_draft: int = 5
     request_timeout: float = 600.0
+    body_timeout: float = 30.0
     kv_cache_bytes: int | None = None
     limits: RequestLimits = RequestLimits()
 
@@ -100,18 +102,27 @@ class Guard:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
 
-async def read_json(request: HttpRequest, limit: int) -> Any:
-    """The body as JSON, refused with 413 past ``limit`` bytes before it is all read (a declared or a streamed length)."""
+async def read_json(request: HttpRequest, limit: int, timeout_s: float) -> Any:
+    """The body as JSON, refused with 413 past ``limit`` bytes before it is all read (a declared or a streamed length),
+    and with 408 when it has not all arrived within ``timeout_s`` (a client trickling bytes holds a connection)."""
     too_large = ApiError(413, f"the request body is larger than the limit of {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
-    return parse_json(bytes(body))
+
+    async def receive() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
+    try:
+        body = await asyncio.wait_for(receive(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    return parse_json(body)
 
 
 async def next_event(request: HttpRequest, events: asyncio.Queue) -> Event | None:
@@ -158,7 +169,9 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     async def complete(request: HttpRequest, chat: bool) -> Response:
         if app.state.draining:
             raise ApiError(503, "the server is shutting down")
-        parsed = parse_request(await read_json(request, config.max_body_bytes), chat, config.model, defaults, config.limits)
+        parsed = parse_request(
+            await read_json(request, config.max_body_bytes, config.body_timeout), chat, config.model, defaults, config.limits
+        )
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(event: Event) -> None:

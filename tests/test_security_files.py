@@ -238,6 +238,8 @@ def test_the_onnx_route_verifies_the_source_of_a_cached_export(naive_artifact, t
     with pytest.raises(QuasarError) as error:
         load(artifact, backend="onnxruntime")
     one_line(error, message)
+    result = CliRunner().invoke(main, ["generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2"])  # auto
+    assert_one_line_error(result, message)
 
 
 def test_a_cached_export_built_from_another_artifact_is_made_again(naive_artifact, tmp_path, monkeypatch, capfd):

@@ -36,6 +36,11 @@ QUASAR_ONLY = (
 VLLM_ONLY = ("tensor-parallel-size", "vllm-arg")
 
 
+def seconds_option(name: str, default: float, help: str):
+    """A positive number of seconds, its default shown in --help."""
+    return click.option(name, default=default, show_default=True, type=click.FloatRange(min=0, min_open=True), help=help)
+
+
 @click.command()
 @click.argument("path", type=click.Path(path_type=str))
 @click.option(
@@ -65,20 +70,8 @@ VLLM_ONLY = ("tensor-parallel-size", "vllm-arg")
     "--max-stop-chars", default=1024, show_default=True, type=click.IntRange(min=0), help="Most characters of all stop strings together."
 )
 @click.option("--default-max-tokens", default=1024, show_default=True, type=click.IntRange(min=1), help="max_tokens of chats naming none.")
-@click.option(
-    "--request-timeout",
-    default=600.0,
-    show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
-    help="Seconds a request may take from arrival, queueing included; then it ends with 504.",
-)
-@click.option(
-    "--body-timeout",
-    default=30.0,
-    show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
-    help="Seconds a request's body may take to arrive; then 408.",
-)
+@seconds_option("--request-timeout", 600.0, "Seconds a request may take from arrival, queueing included; then it ends with 504.")
+@seconds_option("--body-timeout", 30.0, "Seconds a request's body may take to arrive; then 408.")
 @click.option(
     "--kv-cache-mib",
     type=click.IntRange(min=1),

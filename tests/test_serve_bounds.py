@@ -277,6 +277,7 @@ def test_vllm_serves_under_our_engines_name(tmp_path, vllm_argv):
     assert result.exit_code == 0, result.output
     argv, _ = vllm_argv[0]
     assert argv[argv.index("--served-model-name") + 1] == vllm.served_name(model) == "w8a8"
+    assert "--max-num-seqs" not in argv and "--chat-template" not in argv  # vLLM's own defaults unless given
     CliRunner().invoke(main, ["serve", str(model), "--engine", "vllm", "--model-name", "m"])
     assert vllm_argv[1][0][vllm_argv[1][0].index("--served-model-name") + 1] == "m"
 

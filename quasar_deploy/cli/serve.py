@@ -94,7 +94,10 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, provider,
     if engine_name == "vllm":
         from ..serve.vllm import exec_vllm, vllm_command
 
-        refuse_for_vllm(click.get_current_context())
+        ctx = click.get_current_context()
+        refuse_for_vllm(ctx)
+        # --max-sequences only when given: vLLM's scheduler, with its paged KV cache, sizes its own batch otherwise
+        max_sequences = limits["max_sequences"] if set_explicitly(ctx, "max_sequences") else None
         argv, env = vllm_command(
             path,
             host,
@@ -104,7 +107,7 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, provider,
             draft,
             num_draft,
             limits["tensor_parallel_size"],
-            limits["max_sequences"],
+            max_sequences,
             chat_template,
             limits["vllm_arg"],
         )
@@ -148,5 +151,10 @@ def refuse_for_vllm(ctx: click.Context) -> None:
     from ..errors import QuasarError
 
     for name in QUASAR_ONLY:
-        if ctx.get_parameter_source(name.replace("-", "_")) not in (ParameterSource.DEFAULT, None):
+        if set_explicitly(ctx, name.replace("-", "_")):
             raise QuasarError(f"--{name} has no vLLM counterpart; drop it with --engine vllm (or pass vLLM's own with --vllm-arg)")
+
+
+def set_explicitly(ctx: click.Context, name: str) -> bool:
+    """Whether option ``name`` was given (command line or environment), not left at its default."""
+    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)

@@ -321,3 +321,8 @@ def test_flags_vllm_cannot_honour_are_refused(tmp_path, vllm_argv, flag):
 def test_vllm_only_flags_are_refused_for_our_engine(tmp_path, flag):
     result = CliRunner().invoke(main, ["serve", str(tmp_path), *flag])
     assert_one_line_error(result, "applies to --engine vllm only", only_line=True)
+
+
+def test_a_default_num_draft_above_the_cap_fails_before_loading(tmp_path):
+    result = CliRunner().invoke(main, ["serve", str(tmp_path / "nothing-here"), "--num-draft", "20"])
+    assert_one_line_error(result, "--num-draft 20 is above --max-num-draft 16", only_line=True)

@@ -5,6 +5,7 @@ Heavy imports (torch, FastAPI) happen inside the command, so ``--help`` stays in
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -92,27 +93,7 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, provider,
     from ..serve.vllm import served_name
 
     if engine_name == "vllm":
-        from ..serve.vllm import exec_vllm, vllm_command
-
-        ctx = click.get_current_context()
-        refuse_for_vllm(ctx)
-        # --max-sequences only when given: vLLM's scheduler, with its paged KV cache, sizes its own batch otherwise
-        max_sequences = limits["max_sequences"] if set_explicitly(ctx, "max_sequences") else None
-        argv, env = vllm_command(
-            path,
-            host,
-            port,
-            api_key,
-            model_name,
-            draft,
-            num_draft,
-            limits["tensor_parallel_size"],
-            max_sequences,
-            chat_template,
-            limits["vllm_arg"],
-        )
-        exec_vllm(argv, env)
-        return
+        return serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits)
     for name in VLLM_ONLY:
         if limits[name.replace("-", "_")]:
             raise QuasarError(f"--{name} applies to --engine vllm only")
@@ -122,15 +103,8 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, provider,
     from ..serve.scheduler import default_kv_cache_bytes
     from ..serve.server import run
 
-    request_limits = RequestLimits(limits["max_num_draft"], limits["max_stop"], limits["max_stop_chars"], limits["default_max_tokens"])
-    if num_draft > request_limits.max_num_draft:
-        raise QuasarError(f"--num-draft {num_draft} is above --max-num-draft {request_limits.max_num_draft}")
-    engine = load(path, backend=backend, needs=SERVER_NEEDS, **backend_options(path, backend, provider, SERVER_NEEDS))
-    check_can_fork(engine.lm)
-    if chat_template is not None:
-        engine.tokenizer.chat_template = chat_template.read_text()
     kv_cache_mib = limits["kv_cache_mib"]
-    config = ServeConfig(
+    config = ServeConfig(  # checked before the model loads: a bad combination of flags fails at once
         served_name(path, model_name),
         api_key=api_key,
         max_body_bytes=limits["max_body_bytes"],
@@ -140,10 +114,30 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, provider,
         num_draft=num_draft,
         request_timeout=limits["request_timeout"],
         body_timeout=limits["body_timeout"],
-        kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else default_kv_cache_bytes(engine.lm),
-        limits=request_limits,
+        kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,
+        limits=RequestLimits(limits["max_num_draft"], limits["max_stop"], limits["max_stop_chars"], limits["default_max_tokens"]),
     )
+    engine = load(path, backend=backend, needs=SERVER_NEEDS, **backend_options(path, backend, provider, SERVER_NEEDS))
+    check_can_fork(engine.lm)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template.read_text()
+    if not kv_cache_mib:  # measured once the model holds its memory
+        config = dataclasses.replace(config, kv_cache_bytes=default_kv_cache_bytes(engine.lm))
     run(create_app(engine, config), host, port, limits["drain_timeout"])
+
+
+def serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits: dict) -> None:
+    """Replace this process with ``vllm serve``, once no flag it cannot honour was given."""
+    from ..serve.vllm import exec_vllm, vllm_command
+
+    ctx = click.get_current_context()
+    refuse_for_vllm(ctx)
+    # --max-sequences only when given: vLLM's scheduler, with its paged KV cache, sizes its own batch otherwise
+    max_sequences = limits["max_sequences"] if set_explicitly(ctx, "max_sequences") else None
+    tensor_parallel_size, extra = limits["tensor_parallel_size"], limits["vllm_arg"]
+    exec_vllm(
+        *vllm_command(path, host, port, api_key, model_name, draft, num_draft, tensor_parallel_size, max_sequences, chat_template, extra)
+    )
 
 
 def refuse_for_vllm(ctx: click.Context) -> None:

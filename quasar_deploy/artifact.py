@@ -36,7 +36,7 @@ import torch
 from .checkpoint import Checkpoint
 from .decoder_spec import DecoderSpec, check_tensor_shapes, decoder_spec
 from .errors import QuasarError
-from .files import atomic_directory, copy_files
+from .files import atomic_directory, copy_files, model_directory
 from .integrity import EXPORT_MANIFEST, MANIFEST, read_manifest, write_manifest
 from .model import HEAD, BlockSource, Decoder, check_finite
 from .scheme import W8A8Scheme
@@ -176,19 +176,21 @@ class ModelFiles:
         return decoder
 
 
-def open_model_files(path: str | Path, verify: bool = True) -> ModelFiles:
+def open_model_files(path: str | Path) -> ModelFiles:
     """Open a W8A8 artifact or a float HF checkpoint; corrupted, modified or foreign quantized directories fail here, in one line.
 
-    ``verify=False`` skips hashing the files' bytes (the file list and the record are still checked).
+    An artifact's files are checked against its manifest (listing, links, sha256) before anything parses them: a
+    tampered safetensors header is a checksum mismatch, a stray shard "not listed", never a parser's complaint.
     """
-    checkpoint = Checkpoint(path)
-    if (checkpoint.path / EXPORT_MANIFEST).exists():
-        raise QuasarError(f"{checkpoint.path}: an export ({EXPORT_MANIFEST}), not an artifact; pass the artifact it was exported from")
+    directory = model_directory(path)
+    if (directory / EXPORT_MANIFEST).exists() or (directory / EXPORT_MANIFEST).is_symlink():
+        raise QuasarError(f"{directory}: an export ({EXPORT_MANIFEST}), not an artifact; pass the artifact it was exported from")
     manifest = None
-    if (checkpoint.path / MANIFEST).exists():
-        manifest = read_manifest(checkpoint.path, MANIFEST, FORMAT_VERSION, verify)
-        scheme = _check_record(checkpoint.path / MANIFEST, manifest)
-    else:
+    if (directory / MANIFEST).exists() or (directory / MANIFEST).is_symlink():
+        manifest = read_manifest(directory, MANIFEST, FORMAT_VERSION)
+        scheme = _check_record(directory / MANIFEST, manifest)
+    checkpoint = Checkpoint(directory)
+    if manifest is None:
         _refuse_foreign_quantized(checkpoint)
     spec = decoder_spec(checkpoint.config, checkpoint.names)
     check_tensor_shapes(spec, checkpoint.shapes)

@@ -260,11 +260,13 @@ def make_room(need: int, keep: tuple[Path, ...] = ()) -> list[Entry]:
 def export_bytes(model: Path) -> int:
     """About what the ONNX export of ``model`` takes on disk: its weights as the graph stores them (int8 linears with their
     scales, everything else float32, the embedding table in float32 whatever it is stored in)."""
+    import torch
+
     from .artifact import open_model_files
     from .memory import EMBEDDINGS, estimate
 
-    files = open_model_files(model, verify=False)
-    needed = estimate(files)
+    files = open_model_files(model)
+    needed = estimate(files, float_dtype=torch.float32)  # the graph's float weights are float32
     table = 1
     for dim in files.checkpoint.shapes[EMBEDDINGS]:
         table *= dim

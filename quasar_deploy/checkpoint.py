@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import QuasarError
-from .files import refuse_unfinished, sha256_files
+from .files import first_line, inside_file, model_directory, read_inside, sha256_files
 from .shards import INDEX, TORCH_DTYPES
 
 
@@ -20,20 +20,15 @@ class Checkpoint:
     """A directory with ``config.json`` and one or more ``*.safetensors`` files (sharded: as ``model.safetensors.index.json`` lists)."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if not self.path.exists():
-            raise QuasarError(f"{self.path}: no such directory")
-        if not self.path.is_dir():
-            raise QuasarError(f"{self.path}: not a directory (expected a Hugging Face checkpoint directory)")
-        refuse_unfinished(self.path)
+        self.path = model_directory(path)
         config_file = self.path / "config.json"
-        if not config_file.is_file():
+        if inside_file(self.path, "config.json") is None:
             raise QuasarError(f"{self.path}: no config.json (not a Hugging Face checkpoint directory)")
         try:
-            self.config = json.loads(config_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise QuasarError(f"{config_file}: not valid JSON ({exc})") from None
-        self.files = sorted(self.path.glob("*.safetensors"))
+            self.config = json.loads(read_inside(self.path, "config.json"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise QuasarError(f"{config_file}: not valid JSON ({first_line(exc)})") from None
+        self.files = sorted(inside_file(self.path, file.name) for file in self.path.glob("*.safetensors"))
         if not self.files:
             hint = " (PyTorch .bin weights are not supported: save with safe_serialization=True)" if list(self.path.glob("*.bin")) else ""
             raise QuasarError(f"{self.path}: no *.safetensors weights{hint}")
@@ -60,11 +55,11 @@ class Checkpoint:
     def _weight_map(self) -> dict[str, str] | None:
         """The index's name -> file map, if there is an index; a shard it does not list is refused (a stray file, not a weight)."""
         index = self.path / INDEX
-        if not index.is_file():
+        if inside_file(self.path, INDEX) is None:
             return None
         try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            weight_map = json.loads(read_inside(self.path, INDEX)).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
             raise QuasarError(f"{index}: not a JSON object (corrupted index)") from None
         if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise QuasarError(f"{index}: 'weight_map' must map tensor names to file names (corrupted index)")

@@ -87,7 +87,7 @@ def model_memory(path: str) -> dict:
     from .artifact import open_model_files
     from .memory import estimate, report_tokens
 
-    files = open_model_files(path, verify=False)  # headers only: a checksum pass over an 8B artifact takes minutes
+    files = open_model_files(path)  # verified first: no header is parsed from bytes the manifest does not vouch for
     tokens = report_tokens(files.spec)
     needed = estimate(files)
     return {**needed.to_dict(), "tokens": tokens, "total": needed.total(tokens), "summary": needed.describe(tokens)}

@@ -27,6 +27,7 @@ import torch
 
 from .backends import create_backend, resolve_backend
 from .errors import QuasarError
+from .integrity import listed_files, read_listed
 from .speculative.acceptance import Sampler, SamplingParams
 from .speculative.causal_lm import CausalLM, ForkingLM
 from .speculative.draft_model import check_same_vocabulary
@@ -538,16 +539,19 @@ class Engine:
 
 
 def stop_ids_of(path: str | Path) -> frozenset[int]:
-    """End-of-sequence ids from ``generation_config.json`` and ``config.json``, as Hugging Face's generate uses them."""
+    """End-of-sequence ids from ``generation_config.json`` and ``config.json``, as Hugging Face's generate uses them
+    (read as the manifest vouches for them, where there is one)."""
+    path = Path(path)
+    listed = listed_files(path)
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
-        file = Path(path) / name
-        if not file.is_file():
+        data = read_listed(path, name, listed)
+        if data is None:
             continue
         try:
-            value = json.loads(file.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            raise QuasarError(f"{file}: not a valid JSON object") from None
+            value = json.loads(data).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
+            raise QuasarError(f"{path / name}: not a valid JSON object") from None
         ids.update(value if isinstance(value, list) else [] if value is None else [value])
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 

@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -53,6 +54,18 @@ def refuse_unfinished(path: Path) -> None:
         raise QuasarError(
             f"{path}: an unfinished write (a quasar-deploy calibrate or export was killed, or is still running); remove it and run again"
         )
+
+
+def model_directory(path: str | Path) -> Path:
+    """``path`` as a Path once it is a directory that no write is still filling (``refuse_unfinished``): what every
+    loader checks before it reads a byte of the directory."""
+    path = Path(path)
+    if not path.exists():
+        raise QuasarError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise QuasarError(f"{path}: not a directory (expected a Hugging Face checkpoint or a quasar-deploy artifact or export)")
+    refuse_unfinished(path)
+    return path
 
 
 def _try_lock(handle) -> bool:
@@ -160,28 +173,109 @@ def atomic_directory(output: Path) -> Iterator[Path]:
         raise
 
 
+MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems: a longer name cannot exist, and the OS error would say less
+
+
+def check_name(name: object, where: Path | str) -> str:
+    """``name`` if it is one plain file name (no directories, no control characters, at most ``MAX_NAME_BYTES`` bytes);
+    else a one-line error naming ``where`` (the manifest or directory it came from)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise QuasarError(f"{where}: {ascii(name)[:80]} is not a file name")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise QuasarError(f"{where}: the file name {ascii(name)[:80]} has control characters")
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        raise QuasarError(f"{where}: the file name {ascii(name)[:80]} is not valid UTF-8") from None
+    if size > MAX_NAME_BYTES:
+        raise QuasarError(f"{where}: a file name of {size} bytes ({ascii(name)[:40]}...); names are at most {MAX_NAME_BYTES} bytes")
+    return name
+
+
 def _inside(source: Path, path: Path) -> bool:
     """Whether ``path`` resolves inside ``source``, or into the blob store of a Hugging Face hub cache snapshot.
 
     Hub caches link ``snapshots/<rev>/tokenizer.json`` to ``../../blobs/<hash>``; anything
-    else pointing out of the directory (``chat_template.jinja -> /etc/hostname``) would copy
-    an unrelated file into what we write.
+    else pointing out of the directory (``chat_template.jinja -> /etc/hostname``) would read
+    an unrelated file as part of the model. Links that stay inside are followed: the file
+    they reach is part of the directory, and is checksummed like any other.
     """
     root, target = source.resolve(), path.resolve()
     blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
     return target.is_relative_to(root) or (blobs is not None and target.is_relative_to(blobs))
 
 
+def inside_file(directory: Path, name: str) -> Path | None:
+    """``directory / name`` once its name is checked and, links followed, it is a regular file inside ``directory``
+    (``_inside``); None when nothing by that name exists; a one-line error for anything else (a link out of the
+    directory, a dangling link, a directory, a FIFO or device, which would hang a reader or feed a parser garbage)."""
+    path = directory / check_name(name, directory)
+    if not path.is_symlink() and not path.exists():
+        return None
+    if path.is_symlink() and not _inside(directory, path):
+        raise QuasarError(f"{path}: a symbolic link out of {directory}; a model directory's files must be inside it")
+    if not path.is_file():
+        raise QuasarError(f"{path}: not a regular file")
+    return path
+
+
+def refuse_outside_links(directory: Path) -> None:
+    """Refuse ``directory`` if a symbolic link anywhere in it leads out of it (``_inside``): what reads the directory as a
+    whole (transformers' tokenizer loading: chat templates, added tokens) then reads only what the directory holds."""
+    for root, dirs, names in os.walk(directory):
+        for name in [*dirs, *names]:
+            path = Path(root) / name
+            if path.is_symlink() and not _inside(directory, path):
+                raise QuasarError(f"{path}: a symbolic link out of {directory}; a model directory's files must be inside it")
+
+
+def read_inside(directory: Path, name: str) -> bytes:
+    """The bytes of ``directory / name`` once ``inside_file`` accepts it, read through a descriptor checked to be a
+    regular file (a FIFO swapped in after the check is not read either)."""
+    path = inside_file(directory, name)
+    if path is None:
+        raise QuasarError(f"{directory / name}: missing")
+    with _open_regular(path) as handle:
+        return handle.read()
+
+
+def _open_regular(path: Path):
+    """``path`` (links resolved first: ``inside_file`` vouched for where they lead) opened for reading, if a regular file."""
+    fd = os.open(path.resolve(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise QuasarError(f"{path}: not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+# sha256 of the files verified in this process, by identity and change time: a file verified twice (by the backend
+# choice and then by the loader, or a draft model that is the verifier too) is hashed once; any write changes st_ctime_ns
+_verified: dict[tuple[int, ...], str] = {}
+
+
+def verified_sha256(path: Path) -> str:
+    """sha256 of the regular file at ``path``, remembered while the file is unchanged."""
+    with _open_regular(path) as handle:
+        info = os.fstat(handle.fileno())
+        key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        if key not in _verified:
+            digest = hashlib.sha256()
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+            _verified[key] = digest.hexdigest()
+        return _verified[key]
+
+
 def copy_files(source: Path, target: Path, names: Iterable[str] = TOKENIZER_FILES) -> None:
     """Copy those of ``names`` that ``source`` has as regular files inside it; warn about and skip the rest."""
     for name in names:
-        path = source / name
-        if not path.exists() and not path.is_symlink():
+        try:
+            path = inside_file(source, name)
+        except QuasarError as exc:
+            print(f"warning: not copying {name}: {exc}", file=sys.stderr)
             continue
-        if not path.is_file() or not _inside(source, path):
-            print(f"warning: not copying {path}: not a regular file inside {source}", file=sys.stderr)
-            continue
-        shutil.copyfile(path, target / name)
+        if path is not None:
+            shutil.copyfile(path, target / name)
 
 
 def sha256_files(*paths: Path) -> str:

@@ -4,17 +4,21 @@ The artifact (``quasar.json``) and each export (``quasar-export.json``) end with
 ``files: {name: sha256}`` map over everything else in the directory. Readers refuse a listed
 file that is missing or altered, and any unlisted file: a stray ``zz.safetensors`` would
 otherwise be merged into the weights, a stray ``chat_template.jinja`` into the tokenizer.
+All of it happens before any parser reads a byte of those files (safetensors headers included),
+and every file is read as a regular file inside the directory (``files.inside_file``: a symbolic
+link out of it is refused; one that stays inside is followed, its target checksummed).
 Torch-free, like ``files.py``: the ONNX loader and the exporters' registry use it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from ._version import __version__
 from .errors import QuasarError
-from .files import UNFINISHED, sha256_files
+from .files import UNFINISHED, check_name, inside_file, read_inside, sha256_files, verified_sha256
 
 # documentation and git metadata that hubs add and nothing here reads
 UNCHECKED = frozenset({"README.md", "LICENSE", ".gitattributes"})
@@ -34,39 +38,72 @@ def write_manifest(directory: Path, manifest: str, record: dict) -> None:
     (directory / manifest).write_text(json.dumps(record, indent=2))
 
 
-def read_manifest(directory: Path, manifest: str, version: int, verify: bool = True) -> dict:
-    """The manifest as a dict, after checking the directory holds exactly the files it lists (and, if ``verify``, their bytes)."""
+def read_manifest(directory: Path, manifest: str, version: int) -> dict:
+    """The manifest as a dict, after checking the directory holds exactly the files it lists, and their bytes."""
     file = directory / manifest
-    try:
-        record = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise QuasarError(f"{file}: not valid JSON (corrupted manifest)") from None
-    if not isinstance(record, dict):
-        raise QuasarError(f"{file}: expected a JSON object, not {type(record).__name__} (corrupted manifest)")
+    record = _json_object(directory, manifest)
     if record.get("format_version") != version:
         raise QuasarError(
             f"{file}: format {record.get('format_version')!r}, but this quasar-deploy reads format {version} only "
             "(older formats lack per-file checksums); write it again with this version"
         )
-    verify_files(directory, file, record.get("files"), verify)
+    verify_files(directory, file, record.get("files"))
+    return record
+
+
+def _json_object(directory: Path, name: str) -> dict:
+    """``directory / name`` parsed as a JSON object (a manifest), read only if it is a regular file inside ``directory``."""
+    file = directory / name
+    try:
+        record = json.loads(read_inside(directory, name))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise QuasarError(f"{file}: not valid JSON (corrupted manifest)") from None
+    if not isinstance(record, dict):
+        raise QuasarError(f"{file}: expected a JSON object, not {type(record).__name__} (corrupted manifest)")
     return record
 
 
 def verify_files(directory: Path, file: Path, listed: object, verify: bool = True) -> None:
-    """Refuse unlisted files, then listed files that are missing or (if ``verify``) whose sha256 differs; each names the file."""
+    """Refuse unlisted files, then listed files that are missing, links out of ``directory`` or not regular files, or
+    (if ``verify``) whose sha256 differs; each in one line naming the file. Nothing here parses a file: checking comes first.
+
+    Subdirectories are left alone (hub downloads add ``.cache/``); nothing we load reads them: the tokenizer is loaded
+    from the verified files alone (``verified_files``)."""
     if not isinstance(listed, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in listed.items()):
         raise QuasarError(f"{file}: 'files' must map file names to sha256 checksums (corrupted manifest)")
+    for name in listed:
+        check_name(name, file)
     for path in sorted(directory.iterdir()):
         if path.name not in listed and path.name not in (file.name, *UNCHECKED) and not (path.is_dir() and not path.is_symlink()):
-            raise QuasarError(f"{path}: not listed in {file.name}; a directory we wrote holds exactly the files it lists: remove it")
+            shown = directory / (path.name if path.name.isprintable() else ascii(path.name))  # one line, whatever the name
+            raise QuasarError(f"{shown}: not listed in {file.name}; a directory we wrote holds exactly the files it lists: remove it")
     for name, digest in sorted(listed.items()):
-        if Path(name).name != name or name in (".", ".."):
-            raise QuasarError(f"{file}: lists {name!r}, which is not a file name (corrupted manifest)")
-        path = directory / name
-        if not path.is_file():
-            raise QuasarError(f"{path}: missing, but listed in {file.name} (incomplete copy?)")
-        if verify and sha256_files(path) != digest:
+        path = inside_file(directory, name)
+        if path is None:
+            raise QuasarError(f"{directory / name}: missing, but listed in {file.name} (incomplete copy?)")
+        if verify and verified_sha256(path) != digest:
             raise QuasarError(f"{path}: checksum mismatch (corrupted or modified)")
+
+
+def read_listed(directory: Path, name: str, listed: dict[str, str] | None) -> bytes | None:
+    """The bytes of file ``name`` of ``directory`` (None: it has none), checked against ``listed`` (a manifest's
+    ``files``; None for a checkpoint, which lists nothing) as they are read: what a parser gets is what was verified."""
+    if inside_file(directory, name) is None:
+        return None
+    data = read_inside(directory, name)
+    if listed is not None and hashlib.sha256(data).hexdigest() != listed.get(name):
+        raise QuasarError(f"{directory / name}: checksum mismatch (corrupted or modified)")
+    return data
+
+
+def listed_files(directory: Path) -> dict[str, str] | None:
+    """The ``files`` of ``directory``'s artifact or export manifest (None: it has neither: a float checkpoint)."""
+    for manifest in (MANIFEST, EXPORT_MANIFEST):
+        if inside_file(directory, manifest) is not None:
+            listed = _json_object(directory, manifest).get("files")
+            verify_files(directory, directory / manifest, listed, verify=False)
+            return listed
+    return None
 
 
 def write_export_manifest(directory: Path, target: str, source: Path, details: dict | None = None) -> None:
@@ -83,13 +120,9 @@ def export_target(directory: Path) -> str | None:
     loader then verifies every file against the same manifest.
     """
     file = directory / EXPORT_MANIFEST
-    if not file.is_file():
+    if inside_file(directory, EXPORT_MANIFEST) is None:
         return None
-    try:
-        record = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise QuasarError(f"{file}: not valid JSON (corrupted manifest)") from None
-    target = record.get("target") if isinstance(record, dict) else None
+    target = _json_object(directory, EXPORT_MANIFEST).get("target")
     if not isinstance(target, str):
         raise QuasarError(f"{file}: no 'target' string (corrupted manifest)")
     return target
@@ -97,7 +130,7 @@ def export_target(directory: Path) -> str | None:
 
 def read_export_manifest(directory: Path, target: str) -> dict:
     """What a loader of ``target`` exports checks first: the manifest exists, names ``target``, and every file matches it."""
-    if not (directory / EXPORT_MANIFEST).is_file():
+    if inside_file(directory, EXPORT_MANIFEST) is None:
         raise QuasarError(f"{directory}: no {EXPORT_MANIFEST} (not a complete {target} export of this quasar-deploy); export it again")
     record = read_manifest(directory, EXPORT_MANIFEST, EXPORT_FORMAT_VERSION)
     if record.get("target") != target:

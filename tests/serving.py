@@ -40,6 +40,9 @@ class SlowLM:
     def length(self) -> int:
         return self.lm.length
 
+    def kv_cache_bytes(self, tokens: int) -> int:
+        return self.lm.kv_cache_bytes(tokens)
+
     def new_sequence(self) -> SlowLM:
         return SlowLM(self.lm.new_sequence(), self.delay)
 

@@ -108,7 +108,7 @@ def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, m
     from quasar_deploy.artifact import open_model_files
     from quasar_deploy.memory import estimate, report_tokens
 
-    files = open_model_files(tiny_artifact.path, verify=False)
+    files = open_model_files(tiny_artifact.path)
     needed = estimate(files).total(report_tokens(files.spec)) * registry.ONNXRUNTIME_MEMORY_FACTOR
     monkeypatch.setattr(cpuinfo, "memory_available", lambda: needed - 1)
     assert registry.auto_backend(tiny_artifact.path) == "cpu"

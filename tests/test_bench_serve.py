@@ -56,3 +56,51 @@ def test_wide_vocabulary_shows_ids_past_the_tokenizer():
 def test_percentile_is_nearest_rank():
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([3.0, 1.0, 2.0], 99) == 3.0 and percentile([5.0], 1) == 5.0
+
+
+FAKE_VLLM = """#!{python}
+# Stands in for a vLLM venv's python: `-c` prints a version, `-m vllm.entrypoints.openai.api_server` serves the model
+# with quasar-deploy's own server on the port and name given (the harness under test is bench serve's, not vLLM).
+import sys
+
+args = sys.argv[1:]
+if args[0] == "-c":
+    print("0.0-stand-in")
+    sys.exit(0)
+if {fail}:
+    print("error: this stand-in refuses to start")
+    sys.exit(3)
+options = dict(zip(args[2::2], args[3::2]))
+from quasar_deploy.cli import main
+
+main(["serve", options["--model"], "--port", options["--port"], "--model-name", options["--served-model-name"], "--backend", "cpu"])
+"""
+
+
+def _fake_vllm(tmp_path, fail: bool = False):
+    import sys
+
+    python = tmp_path / ("broken-python" if fail else "python")
+    python.write_text(FAKE_VLLM.format(python=sys.executable, fail=fail))
+    python.chmod(0o755)
+    return python
+
+
+def test_bench_serve_runs_vllm_after_us_and_compares_level_by_level(tiny_artifact, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"def f{i}(x):\n    return x + {i}\n"]}) + "\n" for i in range(2)))
+    out = tmp_path / "report"
+    args = ["bench", "serve", str(tiny_artifact.path), "--prompts", str(prompts), "--concurrency", "1,2", "--max-tokens", "8"]
+    result = CliRunner().invoke(main, [*args, "-o", str(out), "--vllm-python", str(_fake_vllm(tmp_path))])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["vllm"]["version"] == "0.0-stand-in"
+    assert [level["concurrency"] for level in report["vllm"]["levels"]] == [1, 2]
+    for ours, theirs in zip(report["levels"], report["vllm"]["levels"]):
+        assert ours["vs_vllm"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
+        assert theirs["requests"] == 2 and 2 <= theirs["output_tokens"] <= 16  # the same prompts and limits were served
+    assert "vLLM 0.0-stand-in (CPU build)" in (out / "report.md").read_text()
+    broken = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "r2"), "--vllm-python", str(_fake_vllm(tmp_path, fail=True))])
+    assert_one_line_error(broken, "refuses to start")
+    synthetic = CliRunner().invoke(main, ["bench", "serve", "--synthetic", "qwen3-0.6b", "-o", str(tmp_path / "r3"), "--vllm-python", "py"])
+    assert_one_line_error(synthetic, "vLLM serves an artifact directory")

@@ -139,7 +139,10 @@ def test_artifact_with_missing_tensor(artifact, tiny_qwen3, tmp_path):
 def test_truncated_weights_file(artifact, tiny_qwen3, tmp_path):
     broken = copy_dir(artifact, tmp_path)
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
-    assert_one_line_error(run("eval", broken, "--reference", tiny_qwen3), "unreadable safetensors file")
+    assert_one_line_error(run("eval", broken, "--reference", tiny_qwen3), "checksum mismatch")  # checked before parsed
+    checkpoint = copy_dir(tiny_qwen3, tmp_path, "checkpoint")  # no manifest: the parser's error, in one line
+    (checkpoint / "model.safetensors").write_bytes(b"\x10\x00")
+    assert_one_line_error(run("eval", artifact, "--reference", checkpoint), "unreadable safetensors file")
 
 
 def test_calibrate_on_a_missing_device(tiny_qwen3, tmp_path, monkeypatch):

@@ -134,7 +134,7 @@ def other_vocabulary(d):
         (corrupt_graph, "ONNX Runtime cannot load the graph"),
         (lambda d: (d / "genai_config.json").unlink(), "no genai_config.json"),
         (lambda d: (d / "genai_config.json").write_text("{"), "not a valid ONNX export description"),
-        (lambda d: (d / "model.onnx").unlink(), "model.onnx is missing"),
+        (lambda d: (d / "model.onnx").unlink(), "'model.onnx' is missing"),
         (fewer_layers, "does not match genai_config.json"),
         (other_vocabulary, "does not match genai_config.json"),
     ],

@@ -157,6 +157,9 @@ def test_a_corrupted_export_manifest_is_one_line(tmp_path):
     with pytest.raises(QuasarError, match="not valid JSON"):
         auto_backend(directory)
     (directory / "quasar-export.json").write_text("[]")
+    with pytest.raises(QuasarError, match="expected a JSON object, not list"):
+        auto_backend(directory)
+    (directory / "quasar-export.json").write_text("{}")
     with pytest.raises(QuasarError, match="no 'target' string"):
         auto_backend(directory)
 

@@ -61,7 +61,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_qwen3):
         client.join(60)
         data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
-        assert data[-1]["choices"][0]["finish_reason"] in ("stop", "length") and data[-1]["usage"]["completion_tokens"] >= 1
+        assert data[-1]["choices"][0]["finish_reason"] in ("stop", "length") and "usage" not in data[-1]
         assert process.wait(60) == 0
     finally:
         if process.poll() is None:

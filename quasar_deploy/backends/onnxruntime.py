@@ -30,8 +30,8 @@ from ..errors import QuasarError
 from ..exporters import ONNX_FORMATS
 from ..exporters import ONNX_HEAD_FILE as HEAD_FILE
 from ..exporters import ONNX_HIDDEN_OUTPUT as HIDDEN
-from ..files import first_line, refuse_unfinished
-from ..integrity import EXPORT_MANIFEST, read_export_manifest
+from ..files import first_line, inside_file, model_directory, read_inside, verified_sha256
+from ..integrity import EXPORT_MANIFEST, MANIFEST, read_export_manifest
 from ..memory import return_freed_memory
 from ..model import Linear
 
@@ -140,21 +140,19 @@ def choose_providers(provider: str | None, available: Sequence[str]) -> list[str
 def read_config(path: Path) -> tuple[dict, str | None]:
     """The sidecar written by the exporter and the form of its W8A8 linears (None: float graph), once the export's
     manifest vouches for every file; else a one-line error."""
-    if not path.is_dir():
-        raise QuasarError(f"{path}: no such directory")
-    refuse_unfinished(path)
+    path = model_directory(path)
     file = path / CONFIG_FILE
-    if not file.is_file():
+    if inside_file(path, CONFIG_FILE) is None:
         raise QuasarError(f"{path}: no {CONFIG_FILE} (not an ONNX export; run quasar-deploy export --target onnx)")
     record = read_export_manifest(path, "onnx")
     try:
-        config = json.loads(file.read_text())
+        config = json.loads(read_inside(path, CONFIG_FILE))
         decoder = config["model"]["decoder"]
         int(decoder["num_hidden_layers"]), int(config["model"]["vocab_size"]), str(decoder["filename"])
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise QuasarError(f"{file}: not a valid ONNX export description ({exc.__class__.__name__}: {exc})") from None
-    if not (path / decoder["filename"]).is_file():
-        raise QuasarError(f"{path}: {decoder['filename']} is missing")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise QuasarError(f"{file}: not a valid ONNX export description ({exc.__class__.__name__}: {first_line(exc)})") from None
+    if decoder["filename"] not in record["files"] or inside_file(path, decoder["filename"]) is None:
+        raise QuasarError(f"{path}: {decoder['filename']!r} is missing (the graph must be a file its manifest lists)")
     # exports written before the qdq form existed carry no linear_format: their W8A8 graphs are integer ones
     w8a8 = config.get("quasar", {}).get("precision") == "w8a8"
     linear_format = record.get("linear_format", "integer" if w8a8 else None)
@@ -342,6 +340,17 @@ class OnnxCausalLM:
     def length(self) -> int:
         return self._length
 
+    @property
+    def device(self) -> str:
+        """Where the KV cache lives: "cuda" on a GPU provider, else "cpu"."""
+        return self._device
+
+    def kv_cache_bytes(self, tokens: int) -> int:
+        """A sequence's cache at ``tokens`` positions: keys and values of every layer, float32 ORT values; a rollback
+        holds the sliced copy beside the old one for a moment, so twice that is the most it reaches."""
+        _, heads, _, dim = self._kv_shape
+        return 2 * (2 * self.num_layers * heads * dim * 4 * tokens)
+
 
 def is_export(path: Path) -> bool:
     """Whether ``path`` is (or claims to be) an export, rather than a model to export first: ``read_config`` checks which."""
@@ -350,14 +359,30 @@ def is_export(path: Path) -> bool:
 
 def cached_export(model: Path) -> tuple[Path, dict, str | None]:
     """An artifact's or checkpoint's export from the cache (made on first use) with its checked config; a cached export
-    that fails its check is made again, with a warning."""
+    that fails its check is made again, with a warning.
+
+    The source is verified first, as every other backend verifies it (an artifact: every file against its manifest;
+    the cache key names the manifest's bytes, so a tampered tokenizer never reaches a cached graph), and the cached
+    export must name the very manifest it was built from (``source_manifest_sha256``)."""
+    from ..artifact import open_model_files
+
+    source = open_model_files(model)
+    built_from = verified_sha256(model / MANIFEST) if source.is_artifact else None
     path = cached_onnx_export(model)
     try:
-        return path, *read_config(path)
+        return path, *check_built_from(path, built_from)
     except QuasarError as exc:
         print(f"warning: the cached ONNX export is damaged ({exc}); exporting it again", file=sys.stderr)
     path = cached_onnx_export(model, replace=True)
-    return path, *read_config(path)
+    return path, *check_built_from(path, built_from)
+
+
+def check_built_from(path: Path, manifest_sha256: str | None) -> tuple[dict, str | None]:
+    """``read_config`` of the export at ``path``, refused unless it records the source manifest's sha256 it should."""
+    config, linear_format = read_config(path)
+    if config.get("quasar", {}).get("source_manifest_sha256") != manifest_sha256:
+        raise QuasarError(f"{path}: exported from another artifact than the one it is cached for")
+    return config, linear_format
 
 
 def load_onnx(path: str | Path, provider: str | None = None, threads: int | None = None) -> OnnxCausalLM:
@@ -368,9 +393,7 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
         raise QuasarError(reason)
     import onnxruntime as ort
 
-    path = Path(path)
-    if not path.is_dir():
-        raise QuasarError(f"{path}: no such directory")
+    path = model_directory(path)
     if is_export(path):
         config, linear_format = read_config(path)
     else:

@@ -108,7 +108,7 @@ def fits_onnxruntime(path: Path) -> bool:
     from ..cpuinfo import memory_available
     from ..memory import estimate, report_tokens
 
-    files = open_model_files(path, verify=False)  # headers only; the loader verifies
+    files = open_model_files(path)  # verified here; the loader then finds the checksums remembered (files.verified_sha256)
     needed = estimate(files).total(report_tokens(files.spec))
     return needed * ONNXRUNTIME_MEMORY_FACTOR <= memory_available()
 

@@ -11,7 +11,8 @@ from ..artifact import ModelFiles, open_model_files
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
-from ..model import Decoder, KVCache
+from ..memory import kv_cache_bytes
+from ..model import KEY_CHUNK, Decoder, KVCache, round_up
 
 
 def unavailable() -> None:
@@ -65,6 +66,16 @@ class TorchCausalLM:
     @property
     def num_layers(self) -> int:
         return self.spec.num_layers
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights and KV caches live."""
+        return self._device
+
+    def kv_cache_bytes(self, tokens: int) -> int:
+        """The most a sequence's KV cache holds at ``tokens`` positions: its capacity doubles as it grows from
+        ``KEY_CHUNK`` (``KVCache.reserve``, ``StaticCache.make_room``), so up to twice them rounded up to a chunk."""
+        return kv_cache_bytes(self.spec, max(KEY_CHUNK, 2 * round_up(tokens, KEY_CHUNK)), self.decoder.dtype.itemsize)
 
 
 class BatchingTorchCausalLM(TorchCausalLM):

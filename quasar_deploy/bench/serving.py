@@ -12,13 +12,17 @@ uvicorn thread, the scheduler thread); the clients are threads too, and mostly w
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import queue
+import subprocess
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ..engine import Engine, load, warm_up
 from ..errors import QuasarError
-from ..files import atomic_directory
+from ..files import atomic_directory, first_line
 
 WARM_UP_TOKENS = 8
 MODEL_NAME = "bench"
@@ -106,6 +110,7 @@ def serving_engine(artifact: str | None, synthetic: str | None) -> tuple[Engine,
 
 def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> RequestTiming:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}  # the last chunk: usage alone, with empty choices
     sent = time.perf_counter()
     arrivals: list[float] = []
     usage = None
@@ -116,7 +121,7 @@ def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: 
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[len("data: ") :])
-            if chunk["choices"][0].get("text"):
+            if chunk["choices"] and chunk["choices"][0].get("text"):
                 arrivals.append(time.perf_counter())
             usage = chunk.get("usage") or usage
     if usage is None or not arrivals:
@@ -184,34 +189,99 @@ def run_level(client: httpx.Client, base: str, prompts: Sequence[str], concurren
     }
 
 
-def benchmark_serving(settings: ServeBenchSettings, progress: bool = True) -> dict[str, Any]:
-    """Serve the model, warm the batched path up, then run each concurrency level in turn; the report (JSON-ready)."""
+def run_levels(base: str, prompts: Sequence[str], settings: ServeBenchSettings, name: str, progress: bool) -> list[dict[str, Any]]:
+    """A warm-up round at the widest concurrency (every batch size's kernels built before timing), then each level."""
+    widest = max(settings.concurrency)
+    levels = []
+    with httpx.Client(timeout=None) as client:
+        run_level(client, base, prompts[:widest], widest, WARM_UP_TOKENS)
+        for concurrency in settings.concurrency:
+            levels.append(run_level(client, base, prompts, concurrency, settings.max_tokens))
+            if progress:
+                print(f"{name}, concurrency {concurrency}: {levels[-1]['tokens_per_s']:.1f} output tokens/s", flush=True)
+    single = next((level["tokens_per_s"] for level in levels if level["concurrency"] == 1), None)
+    for level in levels:
+        level["throughput_vs_concurrency_1"] = level["tokens_per_s"] / single if single else None
+    return levels
+
+
+def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_python: Path | None = None) -> dict[str, Any]:
+    """Serve the model, warm the batched path up, then run each concurrency level in turn; the report (JSON-ready).
+    ``vllm_python``: then vLLM's CPU build serves the same artifact the same way afterwards (``vllm_server``), and the
+    report compares the two level by level."""
     from ..serve.app import ServeConfig, create_app
     from ..serve.local import serving_in_thread
     from .e2e import environment, read_prompts
 
     if not settings.concurrency or min(settings.concurrency) < 1:
         raise QuasarError("--concurrency takes integers >= 1, e.g. 1,4,8")
+    if vllm_python is not None and not settings.artifact:
+        raise QuasarError("vLLM serves an artifact directory: give ARTIFACT, not --synthetic or the default")
     prompts = read_prompts(settings.prompts, settings.limit)
     engine, label = serving_engine(settings.artifact, settings.synthetic)
     widest = max(settings.concurrency)
     config = ServeConfig(MODEL_NAME, max_sequences=widest, max_queue=widest, draft=settings.draft, num_draft=settings.num_draft)
     load_average = os.getloadavg()
-    levels = []
-    with serving_in_thread(create_app(engine, config)) as base, httpx.Client(timeout=None) as client:
-        run_level(client, base, prompts[:widest], widest, WARM_UP_TOKENS)  # every batch size's kernels built before timing
-        for concurrency in settings.concurrency:
-            levels.append(run_level(client, base, prompts, concurrency, settings.max_tokens))
-            if progress:
-                print(f"concurrency {concurrency}: {levels[-1]['tokens_per_s']:.1f} output tokens/s", flush=True)
-    single = next((level["tokens_per_s"] for level in levels if level["concurrency"] == 1), None)
-    for level in levels:
-        level["throughput_vs_concurrency_1"] = level["tokens_per_s"] / single if single else None
-    return {
+    with serving_in_thread(create_app(engine, config)) as base:
+        levels = run_levels(base, prompts, settings, "quasar-deploy", progress)
+    report = {
         "settings": {**asdict(settings), "concurrency": list(settings.concurrency), "model": label, "prompt_count": len(prompts)},
-        "environment": {**environment(), "load_average_at_start": list(load_average), "load_average_at_end": list(os.getloadavg())},
+        "environment": {**environment(), "load_average_at_start": list(load_average)},
+        "backend": engine.lm.description,
         "levels": levels,
     }
+    if vllm_python is not None:
+        del engine  # vLLM loads its own copy of the weights
+        gc.collect()
+        with vllm_server(vllm_python, settings, widest) as (base, version):
+            vllm_levels = run_levels(base, prompts, settings, "vLLM", progress)
+        report["vllm"] = {"version": version, "levels": vllm_levels}
+        for ours, theirs in zip(levels, vllm_levels):
+            ours["vs_vllm"] = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
+    report["environment"]["load_average_at_end"] = list(os.getloadavg())
+    return report
+
+
+VLLM_START_S = 900  # vLLM's CPU build compiles and warms up its kernels at start: minutes on 2 cores
+
+
+@contextmanager
+def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str]]:
+    """vLLM's OpenAI server (its CPU build, in its own venv: docs/anchors.md) on a free 127.0.0.1 port, serving
+    ``settings.artifact`` in bf16 with the same n-gram drafting; yields its base URL and version, and stops it after."""
+    from ..serve.local import free_port, wait_healthy
+    from .anchors import _clean_environment
+
+    version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if version.returncode != 0:
+        raise QuasarError(f"{python}: cannot import vllm ({(version.stderr.strip().splitlines() or ['?'])[-1]})")
+    port = free_port()
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(settings.artifact)]
+    argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
+    argv += ["--max-num-seqs", str(max_sequences), "--max-model-len", "4096", "--seed", "0"]
+    if settings.draft == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": settings.num_draft, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        argv += ["--speculative-config", json.dumps(spec)]
+    elif settings.draft != "none":
+        raise QuasarError(f"vLLM drafts with ngram or none, not {settings.draft!r}")
+    env = _clean_environment(Path(python)) | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            try:
+                wait_healthy(base, VLLM_START_S, process)
+            except (RuntimeError, TimeoutError) as exc:
+                log.seek(0)
+                last = [line for line in log.read().splitlines() if line.strip()][-1:] or ["no output"]
+                raise QuasarError(f"vLLM's server did not start ({first_line(exc)}); its log ends: {last[0][:200]}") from None
+            yield base, version.stdout.strip()
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def _ms(value: float | None) -> str:
@@ -240,6 +310,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"{'-' if ratio is None else f'{ratio:.2f}x'} | {_ms(level['ttft_ms_p50'])} / {_ms(level['ttft_ms_p99'])} | "
             f"{_ms(level['itl_ms_p50'])} / {_ms(level['itl_ms_p99'])} | {'-' if accept is None else f'{accept:.2f}'} |"
         )
+    if "vllm" in report:
+        lines += ["", f"vLLM {report['vllm']['version']} (CPU build), the same artifact, prompts and settings, bf16:", ""]
+        lines += ["| concurrency | output tokens/s | TTFT p50 ms | inter-token p50 ms | ours vs vLLM |", "| --- | --- | --- | --- | --- |"]
+        for ours, level in zip(report["levels"], report["vllm"]["levels"]):
+            lines.append(
+                f"| {level['concurrency']} | {level['tokens_per_s']:.1f} | {_ms(level['ttft_ms_p50'])} | {_ms(level['itl_ms_p50'])} | "
+                f"{ours['vs_vllm']:.2f}x |"
+            )
     lines += ["", "Inter-token latency: gaps between streamed chunks; a chunk is one verify step's text (1 to k+1 tokens)."]
     return "\n".join(lines) + "\n"
 

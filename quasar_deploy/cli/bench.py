@@ -162,7 +162,7 @@ def _dtypes_of(path: str) -> dict[str, str]:
     from ..artifact import open_model_files
 
     dtypes = _float_vs_int8()
-    return {"w8a8": dtypes["w8a8"]} if open_model_files(path, verify=False).is_artifact else {"float": dtypes["float"]}
+    return {"w8a8": dtypes["w8a8"]} if open_model_files(path).is_artifact else {"float": dtypes["float"]}
 
 
 @bench.command("roofline")
@@ -216,9 +216,16 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
 @click.option("--draft", default="ngram", show_default=True, type=click.Choice(["none", "ngram", "layerskip"]))
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("-o", "--output", default="bench-serve", show_default=True, type=click.Path(file_okay=False), help="New report directory.")
+@click.option(
+    "--vllm-python",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="QUASAR_VLLM_PYTHON",
+    help="Then vLLM's CPU build serves ARTIFACT the same way, compared level by level: the python of its venv (docs/anchors.md).",
+)
 @json_option
-def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, output, as_json):
-    """Our server on 127.0.0.1 under streaming clients at each concurrency: tokens/s, TTFT, inter-token latency, acceptance.
+def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, output, vllm_python, as_json):
+    """Our server on 127.0.0.1 under streaming clients at each concurrency: tokens/s, TTFT, inter-token latency, acceptance;
+    with --vllm-python, vLLM's OpenAI server on the same artifact after it.
 
     ARTIFACT defaults to the demo model's W8A8 artifact (calibrated once, cached).
     """
@@ -231,7 +238,7 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
     require_new(output)
     prompts = str(prompts or BUILTIN["prompts"])
     settings = serving.ServeBenchSettings(prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic)
-    report = serving.benchmark_serving(settings, progress=not as_json)
+    report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
     _show(report, serving.write(report, output), serving.markdown, as_json, {"w8a8": _float_vs_int8()["w8a8"]})
 
 

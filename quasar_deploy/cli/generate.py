@@ -51,7 +51,7 @@ def _memory(path: str, backend: str, result) -> dict:
     measured = resident()
     if backend != "cpu":  # ONNX Runtime and the devices hold their weights their own way
         return measured
-    files = open_model_files(path, verify=False)
+    files = open_model_files(path)
     return {**measured, "estimated_mib": estimate(files).total(result.prompt_tokens + len(result.tokens)) / MIB}
 
 

@@ -5,9 +5,11 @@ Heavy imports (torch, FastAPI) happen inside the command, so ``--help`` stays in
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ..backends.registry import BACKENDS
 from .options import backend_options, options_from_env, provider_option
@@ -16,6 +18,28 @@ SERVER_DRAFTERS = ("none", "ngram", "layerskip")
 # any request may ask for the layerskip drafter, so "auto" serves on a backend that runs our torch decoder
 # (on a CPU: the cpu backend, which also verifies all requests' blocks in one batched forward)
 SERVER_NEEDS = ("layer_skip",)
+# flags our engine honours and `vllm serve` has no counterpart for: refused with --engine vllm (--max-sequences,
+# --chat-template, --tensor-parallel-size, --draft/--num-draft ngram have counterparts and are passed on)
+QUASAR_ONLY = (
+    "backend",
+    "provider",
+    "max-queue",
+    "max-body-bytes",
+    "max-num-draft",
+    "max-stop",
+    "max-stop-chars",
+    "default-max-tokens",
+    "request-timeout",
+    "body-timeout",
+    "kv-cache-mib",
+    "drain-timeout",
+)
+VLLM_ONLY = ("tensor-parallel-size", "vllm-arg")
+
+
+def seconds_option(name: str, default: float, help: str):
+    """A positive number of seconds, its default shown in --help."""
+    return click.option(name, default=default, show_default=True, type=click.FloatRange(min=0, min_open=True), help=help)
 
 
 @options_from_env
@@ -42,32 +66,92 @@ SERVER_NEEDS = ("layer_skip",)
 @click.option("--max-sequences", default=8, show_default=True, type=click.IntRange(min=1), help="Requests generated at once.")
 @click.option("--max-queue", default=32, show_default=True, type=click.IntRange(min=0), help="Requests waiting beyond those; then 429.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1), help="Larger request bodies get 413.")
+@click.option("--max-num-draft", default=16, show_default=True, type=click.IntRange(min=1), help="Largest num_draft a request may ask.")
+@click.option("--max-stop", default=16, show_default=True, type=click.IntRange(min=0), help="Most stop strings in one request.")
+@click.option(
+    "--max-stop-chars", default=1024, show_default=True, type=click.IntRange(min=0), help="Most characters of all stop strings together."
+)
+@click.option("--default-max-tokens", default=1024, show_default=True, type=click.IntRange(min=1), help="max_tokens of chats naming none.")
+@seconds_option("--request-timeout", 600.0, "Seconds a request may take from arrival, queueing included; then it ends with 504.")
+@seconds_option("--body-timeout", 30.0, "Seconds a request's body may take to arrive; then 408.")
+@click.option(
+    "--kv-cache-mib",
+    type=click.IntRange(min=1),
+    help="KV cache all running requests may hold together; a request that does not fit gets 429 "
+    "(default: half the memory available at start; on CUDA, 90% of the free device memory).",
+)
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Jinja chat template file.")
 @click.option("--drain-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0), help="SIGTERM: seconds to finish work.")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), help="--engine vllm only: passed to vllm serve.")
-def serve(
-    path, engine_name, host, port, api_key, model_name, backend, provider, draft, num_draft, tensor_parallel_size, chat_template, **limits
-):
+@click.option(
+    "--vllm-arg",
+    multiple=True,
+    help="--engine vllm only: one more argument for vllm serve, passed as given (repeatable: --vllm-arg=--max-model-len --vllm-arg=4096).",
+)
+def serve(path, engine_name, host, port, api_key, model_name, backend, provider, draft, num_draft, chat_template, **limits):
     """Serve the model at PATH over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
 
     Every option can also come from the environment: QUASAR_ and the option's name (QUASAR_PORT, QUASAR_NUM_DRAFT)."""
     from ..errors import QuasarError
+    from ..serve.vllm import served_name
 
     if engine_name == "vllm":
-        from ..serve.vllm import exec_vllm, vllm_command
-
-        exec_vllm(*vllm_command(path, host, port, api_key, model_name, draft, num_draft, tensor_parallel_size))
-        return
-    if tensor_parallel_size:
-        raise QuasarError("--tensor-parallel-size applies to --engine vllm only")
+        return serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits)
+    for name in VLLM_ONLY:
+        if limits[name.replace("-", "_")]:
+            raise QuasarError(f"--{name} applies to --engine vllm only")
     from ..engine import check_can_fork, load
     from ..serve.app import ServeConfig, create_app
+    from ..serve.protocol import RequestLimits
+    from ..serve.scheduler import default_kv_cache_bytes
     from ..serve.server import run
 
+    kv_cache_mib = limits["kv_cache_mib"]
+    config = ServeConfig(  # checked before the model loads: a bad combination of flags fails at once
+        served_name(path, model_name),
+        api_key=api_key,
+        max_body_bytes=limits["max_body_bytes"],
+        max_sequences=limits["max_sequences"],
+        max_queue=limits["max_queue"],
+        draft=draft,
+        num_draft=num_draft,
+        request_timeout=limits["request_timeout"],
+        body_timeout=limits["body_timeout"],
+        kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,
+        limits=RequestLimits(limits["max_num_draft"], limits["max_stop"], limits["max_stop_chars"], limits["default_max_tokens"]),
+    )
     engine = load(path, backend=backend, needs=SERVER_NEEDS, **backend_options(path, backend, provider, SERVER_NEEDS))
     check_can_fork(engine.lm)
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template.read_text()
-    name = model_name or Path(path).resolve().name
-    config = ServeConfig(name, api_key, limits["max_body_bytes"], limits["max_sequences"], limits["max_queue"], draft, num_draft)
+    if not kv_cache_mib:  # measured once the model holds its memory
+        config = dataclasses.replace(config, kv_cache_bytes=default_kv_cache_bytes(engine.lm))
     run(create_app(engine, config), host, port, limits["drain_timeout"])
+
+
+def serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits: dict) -> None:
+    """Replace this process with ``vllm serve``, once no flag it cannot honour was given."""
+    from ..serve.vllm import exec_vllm, vllm_command
+
+    ctx = click.get_current_context()
+    refuse_for_vllm(ctx)
+    # --max-sequences only when given: vLLM's scheduler, with its paged KV cache, sizes its own batch otherwise
+    max_sequences = limits["max_sequences"] if set_explicitly(ctx, "max_sequences") else None
+    tensor_parallel_size, extra = limits["tensor_parallel_size"], limits["vllm_arg"]
+    exec_vllm(
+        *vllm_command(path, host, port, api_key, model_name, draft, num_draft, tensor_parallel_size, max_sequences, chat_template, extra)
+    )
+
+
+def refuse_for_vllm(ctx: click.Context) -> None:
+    """``--engine vllm`` with a flag only our engine honours, set on the command line: one line, never silently ignored."""
+    from ..errors import QuasarError
+
+    for name in QUASAR_ONLY:
+        if set_explicitly(ctx, name.replace("-", "_")):
+            raise QuasarError(f"--{name} has no vLLM counterpart; drop it with --engine vllm (or pass vLLM's own with --vllm-arg)")
+
+
+def set_explicitly(ctx: click.Context, name: str) -> bool:
+    """Whether option ``name`` was given (command line or environment), not left at its default."""
+    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)

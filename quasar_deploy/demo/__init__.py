@@ -75,7 +75,7 @@ def inflation_target() -> InflationTarget:
     from ..artifact import open_model_files
     from ..inflate import body_of
 
-    return body_of(INFLATED_SHAPE, open_model_files(demo_model_path(), verify=False).spec)
+    return body_of(INFLATED_SHAPE, open_model_files(demo_model_path()).spec)
 
 
 def inflated_demo_paths() -> tuple[Path, Path]:

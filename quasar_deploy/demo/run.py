@@ -46,7 +46,7 @@ def stream_one(engine: Engine, echo: Callable[[str], None], max_new_tokens: int 
 
 def parameters_read_per_step(model: str | Path) -> int:
     """Weights one forward step reads: every linear and the lm_head (the embedding lookup reads a few rows)."""
-    spec = open_model_files(model, verify=False).spec
+    spec = open_model_files(model).spec
     shapes = expected_shapes(spec)
     names = [n for n in shapes if n.endswith("_proj.weight")] + [
         "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
@@ -80,7 +80,7 @@ def _measure(
         "artifact": str(artifact),
         "modes": measure(engines, prompts, max_new_tokens, float_modes),
         "backends": {mode: engine.lm.description for mode, engine in engines.items()},
-        "spec": asdict(open_model_files(model, verify=False).spec),
+        "spec": asdict(open_model_files(model).spec),
         "parameters_read_per_step": parameters_read_per_step(model),
     }
     del engines

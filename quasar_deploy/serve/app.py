@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,20 +23,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ..engine import Engine
+from ..errors import QuasarError
 from ..files import first_line
 from .metrics import Metrics
-from .protocol import ApiError, parse_request
+from .protocol import ApiError, RequestLimits, parse_json, parse_request
 from .responses import Shaper, sse
 from .scheduler import Done, Event, Failed, QueueFull, Scheduler, Text, Ticket
 
 DISCONNECT_POLL_S = 0.5
+RETRY_AFTER_S = "1"  # what 429 and 503 tell a client to wait: admission frees up as sequences finish, a drain ends soon
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away: only ever seen in the metrics
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """What ``quasar-deploy serve`` decides besides the engine: the served name, limits, security, default drafting."""
+    """What ``quasar-deploy serve`` decides besides the engine: the served name, limits, security, default drafting.
+
+    ``request_timeout``: seconds from arrival after which a request is ended (504), queueing included;
+    ``body_timeout``: seconds for its body to arrive (408);
+    ``kv_cache_bytes``: the KV cache all running requests may hold together (None: no accounting); ``limits``:
+    what one request may ask for."""
 
     model: str
     api_key: str | None = None
@@ -46,10 +52,20 @@ class ServeConfig:
     max_queue: int = 32
     draft: str = "ngram"
     num_draft: int = 5
+    request_timeout: float = 600.0
+    body_timeout: float = 30.0
+    kv_cache_bytes: int | None = None
+    limits: RequestLimits = RequestLimits()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft <= self.limits.max_num_draft:
+            raise QuasarError(f"--num-draft {self.num_draft} is above --max-num-draft {self.limits.max_num_draft}")
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    """The error in OpenAI's shape; 429 and 503 (capacity, draining) say when to retry, so clients back off, not hammer."""
+    retry = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else {}
+    return JSONResponse(error.body(), status_code=error.status, headers={**retry, **error.headers})
 
 
 class Guard:
@@ -86,21 +102,27 @@ class Guard:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
 
-async def read_json(request: HttpRequest, limit: int) -> Any:
-    """The body as JSON, refused with 413 past ``limit`` bytes before it is all read (a declared or a streamed length)."""
+async def read_json(request: HttpRequest, limit: int, timeout_s: float) -> Any:
+    """The body as JSON, refused with 413 past ``limit`` bytes before it is all read (a declared or a streamed length),
+    and with 408 when it has not all arrived within ``timeout_s`` (a client trickling bytes holds a connection)."""
     too_large = ApiError(413, f"the request body is larger than the limit of {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+
+    async def receive() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
     try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({first_line(exc)})") from None
+        body = await asyncio.wait_for(receive(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    return parse_json(body)
 
 
 async def next_event(request: HttpRequest, events: asyncio.Queue) -> Event | None:
@@ -116,7 +138,9 @@ async def next_event(request: HttpRequest, events: asyncio.Queue) -> Event | Non
 def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     """The server's app; the scheduler's worker runs for the app's lifespan. ``app.state.draining`` refuses new work (503)."""
     metrics = Metrics()
-    scheduler = Scheduler(engine, metrics, config.max_sequences, config.max_queue)
+    scheduler = Scheduler(
+        engine, metrics, config.max_sequences, config.max_queue, deadline_s=config.request_timeout, kv_cache_bytes=config.kv_cache_bytes
+    )
     started_at = int(time.time())
     defaults = {"draft": config.draft, "num_draft": config.num_draft}
 
@@ -145,7 +169,9 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     async def complete(request: HttpRequest, chat: bool) -> Response:
         if app.state.draining:
             raise ApiError(503, "the server is shutting down")
-        parsed = parse_request(await read_json(request, config.max_body_bytes), chat, config.model, defaults)
+        parsed = parse_request(
+            await read_json(request, config.max_body_bytes, config.body_timeout), chat, config.model, defaults, config.limits
+        )
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(event: Event) -> None:
@@ -158,13 +184,13 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         try:
             scheduler.submit(ticket)
         except QueueFull:
-            raise ApiError(429, "the server is at capacity; retry later", headers={"Retry-After": "1"}) from None
+            raise ApiError(429, "the server is at capacity; retry later") from None
         try:
             if await next_live_event(request, events, ticket) is None:
                 return Response(status_code=CLIENT_CLOSED)
             shaper = Shaper(config.model, chat)
             if parsed.stream:
-                return StreamingResponse(stream(ticket, events, shaper), media_type="text/event-stream")
+                return StreamingResponse(stream(ticket, events, shaper, parsed.include_usage), media_type="text/event-stream")
             while True:
                 event = await next_live_event(request, events, ticket)
                 if event is None:
@@ -184,17 +210,19 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
             raise event.error
         return event
 
-    async def stream(ticket: Ticket, events: asyncio.Queue, shaper: Shaper) -> AsyncIterator[str]:
+    async def stream(ticket: Ticket, events: asyncio.Queue, shaper: Shaper, include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks until ``[DONE]``; the response being cancelled (client gone) cancels the sequence."""
         try:
             if shaper.chat:
-                yield sse(shaper.chunk(""))
+                yield sse(shaper.chunk("", include_usage=include_usage))
             while True:
                 event = await events.get()
                 if isinstance(event, Text):
-                    yield sse(shaper.chunk(event.text))
+                    yield sse(shaper.chunk(event.text, include_usage=include_usage))
                 elif isinstance(event, Done):
-                    yield sse(shaper.chunk(result=event.result))
+                    yield sse(shaper.chunk(result=event.result, include_usage=include_usage))
+                    if include_usage:
+                        yield sse(shaper.usage_chunk(event.result))
                     break
                 elif isinstance(event, Failed):
                     yield sse(event.error.body())
@@ -219,7 +247,9 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         """503 while draining, so a load balancer stops sending work here before the process exits."""
-        return JSONResponse({"status": "draining" if app.state.draining else "ok"}, status_code=503 if app.state.draining else 200)
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

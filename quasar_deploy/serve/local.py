@@ -27,7 +27,8 @@ def wait_healthy(base: str, timeout: float = START_TIMEOUT_S, process: subproces
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}: {process.stderr.read().decode()[-2000:]}")
+            output = process.stderr.read().decode()[-2000:] if process.stderr else "(its output went elsewhere)"
+            raise RuntimeError(f"the server exited with {process.returncode}: {output}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return

@@ -7,16 +7,33 @@ never a quietly different completion. Fields that change nothing (``user``) are 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..files import first_line
+from ..speculative.acceptance import MIN_TEMPERATURE
+
 MAX_SEED = 2**64 - 1
+MAX_JSON_DEPTH = 32  # a request is 5 levels deep (messages, parts); a deeper body is an attack on the parser, not a request
 # drafters a request may pick: "model" would need a server-side path, which a request must not choose
 REQUEST_DRAFTERS = ("none", "ngram", "layerskip")
 # fields OpenAI defines that would change the output; refused unless falsy (0, false, null, empty)
 UNSUPPORTED = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "tools", "functions", "presence_penalty", "frequency_penalty")
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context window
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the server (``serve`` flags): each bounds the work a single client can cause,
+    so that one request cannot stall the others (a verify block of a million drafts, 60,000 stop strings to scan
+    at every token, a chat running to the end of the context window)."""
+
+    max_num_draft: int = 16
+    max_stop: int = 16
+    max_stop_chars: int = 1024  # all stop strings together
+    default_max_tokens: int = 1024  # chat requests that name no max_tokens (completions: OpenAI's 16)
 
 
 class ApiError(Exception):
@@ -43,13 +60,33 @@ def bad(param: str, message: str) -> ApiError:
 @dataclass(frozen=True)
 class Request:
     """One checked completion request: ``prompt`` is text, token ids or chat messages; ``options`` are
-    ``GenerationOptions`` fields except ``max_new_tokens``; ``max_tokens`` None runs to the context window."""
+    ``GenerationOptions`` fields except ``max_new_tokens``; ``max_tokens`` is capped at the context window later;
+    ``include_usage``: a stream ends with a usage-only chunk (``stream_options.include_usage``)."""
 
     prompt: str | list[int] | list[dict[str, str]]
     chat: bool
     stream: bool
-    max_tokens: int | None
+    max_tokens: int
     options: dict[str, Any]
+    include_usage: bool = False
+
+
+def parse_json(body: bytes) -> Any:
+    """The body as JSON, or a 400: invalid, or nested deeper than ``MAX_JSON_DEPTH`` (the parser's own recursion
+    limit included, which a body of 100,000 ``[`` reaches)."""
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({first_line(exc)})") from None
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        level = [c for v in level if isinstance(v, dict | list) for c in (v.values() if isinstance(v, dict) else v)]
+    return value
 
 
 def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None:
@@ -72,14 +109,37 @@ def _number(body: dict, name: str, low: float, high: float, low_open: bool = Fal
     return float(value)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
+def _stop(body: dict, limits: RequestLimits) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
         raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+    if len(stops) > limits.max_stop:
+        raise bad("stop", f"at most {limits.max_stop} stop strings, got {len(stops)}")
+    if sum(map(len, stops)) > limits.max_stop_chars:
+        raise bad("stop", f"the stop strings have {sum(map(len, stops))} characters in all; the limit is {limits.max_stop_chars}")
     return tuple(stops)
+
+
+def _temperature(body: dict) -> float | None:
+    value = _number(body, "temperature", 0, 2)
+    if value is not None and 0 < value < MIN_TEMPERATURE:
+        raise bad("temperature", f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 2], got {value!r}")
+    return value
+
+
+def _include_usage(body: dict) -> bool:
+    """``stream_options.include_usage``, as OpenAI defines it: allowed only with ``stream``, a boolean."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise bad("stream_options", "stream_options is only allowed when stream is true")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise bad("stream_options", "stream_options must be an object with a boolean include_usage")
+    return options.get("include_usage", False)
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -117,8 +177,9 @@ def _messages(body: dict) -> list[dict[str, str]]:
     return checked
 
 
-def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any]) -> Request:
-    """Check a decoded JSON body for /v1/completions (``chat`` False) or /v1/chat/completions; ``defaults``: draft, num_draft."""
+def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], limits: RequestLimits = RequestLimits()) -> Request:
+    """Check a decoded JSON body for /v1/completions (``chat`` False) or /v1/chat/completions; ``defaults``: draft, num_draft;
+    ``limits``: the server's bounds on one request."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") not in (None, model):
@@ -134,24 +195,25 @@ def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any]) -
         raise bad("stream", "stream must be true or false")
     max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
     max_tokens = max_tokens or _int(body, "max_tokens", 1)
-    if max_tokens is None and not chat:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
     draft = body.get("draft", defaults["draft"])
     if draft not in REQUEST_DRAFTERS:
         raise bad("draft", f"draft must be one of {', '.join(REQUEST_DRAFTERS)}, got {draft!r}")
     top_k = _int(body, "top_k", -1)
     options = {
-        "temperature": _number(body, "temperature", 0, 2),
+        "temperature": _temperature(body),
         "top_p": _number(body, "top_p", 0, 1, low_open=True),
         "top_k": None if top_k is None else max(top_k, 0),  # vLLM's -1 and our 0 both mean off
         "seed": _int(body, "seed", 0, MAX_SEED),
-        "stop": _stop(body),
+        "stop": _stop(body, limits),
         "draft": draft,
-        "num_draft": _int(body, "num_draft", 1) if draft != "none" else None,
+        "num_draft": _int(body, "num_draft", 1, limits.max_num_draft) if draft != "none" else None,
     }
     options = {name: value for name, value in options.items() if value is not None}
     options.setdefault("temperature", 1.0)  # OpenAI's default
     if draft != "none":
         options.setdefault("num_draft", defaults["num_draft"])
     prompt = _messages(body) if chat else _prompt(body)
-    return Request(prompt, chat, body.get("stream", False), max_tokens, options)
+    include_usage = _include_usage(body)
+    return Request(prompt, chat, body.get("stream", False), max_tokens, options, include_usage)

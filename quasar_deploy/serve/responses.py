@@ -44,14 +44,20 @@ class Shaper:
             )
         return {**body, "usage": usage(result)}
 
-    def chunk(self, text: str | None = None, result: GenerationResult | None = None) -> dict[str, Any]:
-        """A stream chunk with new ``text``; the last one has no text, and the ``finish_reason`` and ``usage`` of ``result``.
+    def chunk(self, text: str | None = None, result: GenerationResult | None = None, include_usage: bool = False) -> dict[str, Any]:
+        """A stream chunk with new ``text``; the last one has no text, and the ``finish_reason`` of ``result``.
 
-        For chat, the first chunk (``text`` "") announces the assistant's role as OpenAI's does."""
+        For chat, the first chunk (``text`` "") announces the assistant's role as OpenAI's does. With
+        ``include_usage`` (``stream_options``) every chunk carries ``usage: null`` and ``usage_chunk`` follows the last."""
         finish = result.finish_reason if result is not None else None
         if self.chat:
             delta = {} if text is None else {"role": "assistant", "content": ""} if text == "" else {"content": text}
             body = self._envelope("chat.completion.chunk", {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
         else:
             body = self._envelope("text_completion", {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish})
-        return {**body, "usage": usage(result)} if result is not None else body
+        return {**body, "usage": None} if include_usage else body
+
+    def usage_chunk(self, result: GenerationResult) -> dict[str, Any]:
+        """The chunk ``stream_options.include_usage`` asks for before ``[DONE]``: empty ``choices``, the whole request's usage."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", {})
+        return {**body, "choices": [], "usage": usage(result)}

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from ..cpuinfo import memory_available
 from ..engine import Engine, Generation, GenerationOptions, GenerationResult
 from ..errors import QuasarError
 from ..files import first_line
@@ -71,6 +72,29 @@ class QueueFull(Exception):
     """Every slot is busy and the waiting queue is at its bound."""
 
 
+HOST_KV_SHARE = 0.5  # of the memory available once the model is loaded: room for the process's own growth and the OS
+DEVICE_KV_SHARE = 0.9  # of a CUDA device's free memory: activations and graphs need the rest
+
+
+def default_kv_cache_bytes(lm) -> int | None:
+    """What ``serve`` lets running requests' KV caches hold when ``--kv-cache-mib`` is not given: a share of the memory
+    the caches live in, measured after loading (None: a device we cannot measure, no accounting)."""
+    device = str(getattr(lm, "device", "cpu"))
+    if device == "cpu":
+        return int(memory_available() * HOST_KV_SHARE)
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0] * DEVICE_KV_SHARE)
+    return None
+
+
+def kv_cache_bytes(lm, tokens: int) -> int | None:
+    """The KV cache bytes a sequence of ``lm`` holds at ``tokens`` positions, if its backend says (``kv_cache_bytes``)."""
+    measure = getattr(lm, "kv_cache_bytes", None)
+    return measure(tokens) if callable(measure) else None
+
+
 @dataclass(eq=False)
 class Ticket:
     """One request's place in the scheduler; ``deliver`` is called from the worker thread with each event in order."""
@@ -88,6 +112,7 @@ class Running:
 
     ticket: Ticket
     generation: Generation
+    kv_bytes: int = 0  # the KV cache reserved for it at admission: its prompt and max_tokens
     done: bool = False
     first_step_done: bool = False
     verify_steps: int = 0
@@ -95,11 +120,22 @@ class Running:
 
 
 class Scheduler:
-    """Admission (``max_sequences`` running, ``max_queue`` waiting), cancellation and the worker that steps every sequence."""
+    """Admission (``max_sequences`` running, ``max_queue`` waiting, ``kv_cache_bytes`` of KV cache for the running ones),
+    cancellation, the per-request deadline (``deadline_s`` from arrival) and the worker that steps every sequence."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_sequences: int = 8, max_queue: int = 32, prefill_tokens: int = PREFILL_TOKENS):
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: Metrics,
+        max_sequences: int = 8,
+        max_queue: int = 32,
+        prefill_tokens: int = PREFILL_TOKENS,
+        deadline_s: float | None = None,
+        kv_cache_bytes: int | None = None,
+    ):
         self.engine, self.metrics = engine, metrics
         self.max_sequences, self.max_queue, self.prefill_tokens = max_sequences, max_queue, prefill_tokens
+        self.deadline_s, self.kv_cache_bytes = deadline_s, kv_cache_bytes
         self._waiting: deque[Ticket] = deque()
         self._running: list[Running] = []
         self._wake = threading.Condition()
@@ -146,12 +182,13 @@ class Scheduler:
                 admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
                 self.metrics.queue_depth.set(len(self._waiting))
             for ticket in admitted:
-                if not ticket.cancelled:
+                if not ticket.cancelled and not self._expired(ticket):
                     self._open(ticket)
             self._drop_cancelled()
+            self._end_expired()
             self._step_all()
         for ticket in self._waiting:
-            ticket.deliver(Failed(ApiError(503, "the server is shutting down")))
+            ticket.deliver(Failed(ApiError(503, "the server is shutting down")))  # the app adds Retry-After
         self._running.clear()
         self._waiting.clear()
 
@@ -163,14 +200,51 @@ class Scheduler:
             room = self.engine.lm.max_length - len(ids)
             if room < 1:
                 raise QuasarError(f"the prompt is {len(ids)} tokens; the context window is {self.engine.lm.max_length}")
-            max_tokens = min(request.max_tokens or room, room)
+            max_tokens = min(request.max_tokens, room)
+            kv_bytes = self._admit_kv(len(ids) + max_tokens)
             generation = self.engine.open(ids, GenerationOptions(max_new_tokens=max_tokens, **request.options))
         except QuasarError as exc:
             ticket.deliver(Failed(ApiError(400, str(exc), "messages" if request.chat else "prompt")))
             return
-        self._running.append(Running(ticket, generation))
+        except ApiError as error:
+            ticket.deliver(Failed(error))
+            return
+        self._running.append(Running(ticket, generation, kv_bytes))
         self.metrics.running.set(len(self._running))
         ticket.deliver(Started(len(ids), max_tokens))
+
+    def _admit_kv(self, tokens: int) -> int:
+        """The KV cache bytes a sequence of ``tokens`` positions may grow to, if they fit beside the running ones'
+        reservations (``kv_cache_bytes``): 429 while they do not fit now, 400 if they could never fit."""
+        need = kv_cache_bytes(self.engine.lm, tokens)
+        if need is None or self.kv_cache_bytes is None:
+            return 0
+        mib = 1 << 20
+        if need > self.kv_cache_bytes:
+            raise ApiError(
+                400,
+                f"this request needs {need / mib:,.1f} MiB of KV cache ({tokens} tokens), more than the server's "
+                f"{self.kv_cache_bytes / mib:,.1f} MiB; ask for fewer max_tokens",
+                "max_tokens",
+            )
+        reserved = sum(r.kv_bytes for r in self._running)
+        if reserved + need > self.kv_cache_bytes:
+            full = f"{reserved / mib:,.1f} of {self.kv_cache_bytes / mib:,.1f} MiB"
+            raise ApiError(429, f"the server's KV cache is full ({full} reserved by running requests); retry later")
+        return need
+
+    def _expired(self, ticket: Ticket) -> bool:
+        """Whether ``ticket`` has passed its deadline; if so it is told (504), once."""
+        if self.deadline_s is None or time.monotonic() - ticket.submitted <= self.deadline_s:
+            return False
+        ticket.cancelled = True
+        ticket.deliver(Failed(ApiError(504, f"the request ran past the server's limit of {self.deadline_s:g} s", code="timeout")))
+        return True
+
+    def _end_expired(self) -> None:
+        """Running sequences past their deadline end (504 event), so one long request cannot hold a slot forever."""
+        self._running = [r for r in self._running if not self._expired(r.ticket)]
+        self.metrics.running.set(len(self._running))
 
     def _drop_cancelled(self) -> None:
         self._running = [r for r in self._running if not r.ticket.cancelled]  # a dropped generation's cache goes with it

@@ -2,6 +2,9 @@
 
 The command line is built by a pure function (tested); running it replaces this
 process. The API key travels in ``VLLM_API_KEY``, not the argv, so ``ps`` never shows it.
+The model is served under the name our engine gives it (``served_name``), so clients do not
+break when the deployment switches engines; ``serve``'s flags that vLLM has no counterpart for
+are refused by the CLI rather than ignored, and other vLLM flags pass through ``extra``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ def check_head(path: Path) -> None:
         )
 
 
+def served_name(path: str | Path, model_name: str | None = None) -> str:
+    """The model name clients send, whichever engine serves: ``model_name``, else PATH's directory name."""
+    return model_name or Path(path).resolve().name
+
+
 def vllm_command(
     path: str | Path,
     host: str,
@@ -46,21 +54,27 @@ def vllm_command(
     draft: str = "ngram",
     num_draft: int = 5,
     tensor_parallel_size: int | None = None,
+    max_sequences: int | None = None,
+    chat_template: str | Path | None = None,
+    extra: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv of ``vllm serve`` and the environment it adds; an NPU export dir gets ``--quantization ascend``."""
+    """The argv of ``vllm serve`` and the environment it adds; an NPU export dir gets ``--quantization ascend``;
+    ``extra``: further vLLM arguments, appended as given (after ours, so vLLM's own parsing has the last word)."""
     if draft not in VLLM_DRAFTERS:
         raise QuasarError(f"--engine vllm drafts with {' or '.join(VLLM_DRAFTERS)}, not {draft!r}")
     check_head(Path(path))
-    argv = ["vllm", "serve", str(path), "--host", host, "--port", str(port)]
+    argv = ["vllm", "serve", str(path), "--host", host, "--port", str(port), "--served-model-name", served_name(path, model_name)]
     if (Path(path) / NPU_EXPORT_FILE).is_file():
         argv += ["--quantization", "ascend"]
-    if model_name:
-        argv += ["--served-model-name", model_name]
     if draft == "ngram":
         argv += ["--speculative-config", json.dumps(ngram_config(num_draft))]
     if tensor_parallel_size:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    return argv, ({"VLLM_API_KEY": api_key} if api_key else {})
+    if max_sequences:
+        argv += ["--max-num-seqs", str(max_sequences)]
+    if chat_template is not None:
+        argv += ["--chat-template", str(chat_template)]
+    return [*argv, *extra], ({"VLLM_API_KEY": api_key} if api_key else {})
 
 
 def exec_vllm(argv: list[str], env: dict[str, str]) -> None:

@@ -17,6 +17,10 @@ import torch
 
 from ..errors import QuasarError
 
+# Below this, logits / temperature leave float32's range (inf - inf in the softmax: NaN probabilities, and a
+# denormal temperature is 0 in float32); 0 itself means greedy. vLLM treats temperatures under 1e-5 as greedy too.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +33,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise QuasarError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise QuasarError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise QuasarError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
@@ -59,7 +65,10 @@ class Sampler:
         return self.params.greedy
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        """Probabilities after temperature, top-k and top-p (in that order, as Hugging Face applies them), row-wise."""
+        """Probabilities after temperature, top-k and top-p (in that order, as Hugging Face applies them), row-wise.
+
+        top-p keeps at least the most probable token, as Hugging Face's does: a ``top_p`` below its probability (or
+        below float32's smallest number) means that token alone, never an empty set (whose probabilities are NaN)."""
         p = self.params
         x = logits.float() / p.temperature
         if 0 < p.top_k < x.shape[-1]:
@@ -69,6 +78,7 @@ class Sampler:
         if p.top_p < 1:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            drop_sorted[..., 0] = False
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
             probs = probs / probs.sum(-1, keepdim=True)

@@ -1,0 +1,141 @@
+"""Property-based requests against the app in-process: whatever a client sends, the answer is a JSON 2xx or 4xx, never
+a 5xx, and the server still answers the same greedy completion afterwards.
+
+Bounded for the suite (``QUASAR_FUZZ_EXAMPLES`` examples per test, 40 by default, a few seconds); a longer run
+raises it: ``QUASAR_FUZZ_EXAMPLES=5000 pytest tests/test_serve_fuzz.py`` (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from quasar_deploy.engine import Engine, load
+from quasar_deploy.serve.app import ServeConfig, create_app
+from quasar_deploy.serve.protocol import RequestLimits
+
+pytest.importorskip("fastapi")
+hypothesis = pytest.importorskip("hypothesis")
+from fastapi.testclient import TestClient  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+EXAMPLES = int(os.environ.get("QUASAR_FUZZ_EXAMPLES", "40"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
+PROMPT = "def add(a, b):\n    return"
+GREEDY = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 8, "draft": "none"}
+
+# any JSON value, a little nested
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0, 1, -1, 0.0, 1e-40, 5e-324, 1e-46, 2, 2.0000001, 2**63, 2**64]),
+    st.text(max_size=20),
+    st.sampled_from(["", "\ud800", "none", "ngram", "layerskip", "model", "tiny", "\x00", "a" * 300]),
+)
+values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8
+)
+small_ints = st.one_of(st.integers(-3, 8), values)
+messages = st.one_of(
+    values,
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.one_of(st.sampled_from(["user", "system", "assistant"]), values),
+                "content": st.one_of(st.text(max_size=40), values),
+            }
+        ),
+        max_size=3,
+    ),
+)
+prompts = st.one_of(st.text(max_size=60), st.lists(st.integers(-5, 2000), max_size=20), values)
+FIELDS = {
+    "model": st.one_of(st.just("tiny"), values),
+    "max_tokens": small_ints,
+    "max_completion_tokens": small_ints,
+    "temperature": values,
+    "top_p": values,
+    "top_k": st.one_of(st.integers(-2, 50), values),
+    "seed": values,
+    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), values),
+    "draft": st.one_of(st.sampled_from(["none", "ngram", "layerskip", "model"]), values),
+    "num_draft": small_ints,
+    "stream": st.one_of(st.booleans(), values),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.one_of(st.booleans(), values)}), values),
+    "n": values,
+    "logprobs": values,
+    "user": values,
+}
+
+
+def bodies(chat: bool):
+    required = {"messages": messages} if chat else {"prompt": prompts}
+    return st.fixed_dictionaries(required, optional={**FIELDS, **{k: values for k in ("extra", "best_of", "echo")}})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3) -> Engine:
+    engine = load(tiny_qwen3, backend="cpu")
+    engine.tokenizer.chat_template = CHAT_TEMPLATE
+    return engine
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    # small bounds, so that every valid example is quick: the fuzz is after the parser and the bounds, not throughput
+    config = ServeConfig("tiny", max_body_bytes=1 << 16, num_draft=4, limits=RequestLimits(max_num_draft=8, default_max_tokens=8))
+    with TestClient(create_app(engine, config), raise_server_exceptions=False) as client:
+        before = client.post("/v1/completions", json=GREEDY).json()["choices"][0]["text"]
+        yield client
+        assert client.post("/v1/completions", json=GREEDY).json()["choices"][0]["text"] == before  # same greedy output after
+
+
+def check(response) -> None:
+    """A 2xx or 4xx, with a JSON body (a stream: JSON events, none of them a server error)."""
+    assert response.status_code < 500, response.text
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", response.text
+        parsed = [json.loads(event) for event in events[:-1]]
+        assert not any(e.get("error", {}).get("type") == "server_error" for e in parsed), response.text
+    else:
+        body = response.json()
+        assert response.status_code < 300 or "error" in body and "\n" not in body["error"]["message"]
+
+
+def send(client, path: str, body: dict):
+    """``body`` as JSON text with escapes (``\\ud800`` reaches the server as JSON allows it, where a client's UTF-8 would fail)."""
+    return client.post(path, content=json.dumps(capped(body)).encode(), headers={"Content-Type": "application/json"})
+
+
+def capped(body: dict) -> dict:
+    """Valid large max_tokens would only make an example slow: the bounds under test are the server's."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(name), int) and not isinstance(body[name], bool) and body[name] > 8:
+            body[name] = 8
+    return body
+
+
+@FUZZ
+@given(body=bodies(chat=False))
+def test_completions_never_5xx(client, body):
+    check(send(client, "/v1/completions", body))
+
+
+@FUZZ
+@given(body=bodies(chat=True))
+def test_chat_never_5xx(client, body):
+    check(send(client, "/v1/chat/completions", body))
+
+
+@FUZZ
+@given(raw=st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode), st.integers(0, 3000).map(lambda n: b"[" * n)))
+def test_raw_bodies_never_5xx(client, raw):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        check(client.post(path, content=raw, headers={"Content-Type": "application/json"}))

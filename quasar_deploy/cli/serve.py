@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..backends.registry import BACKENDS
-from .options import backend_options, provider_option
+from .options import exact_options, load_engine, provider_option
 
 SERVER_DRAFTERS = ("none", "ngram", "layerskip")
 # any request may ask for the layerskip drafter, so "auto" serves on a backend that runs our torch decoder
@@ -44,25 +44,46 @@ SERVER_NEEDS = ("layer_skip",)
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Jinja chat template file.")
 @click.option("--drain-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0), help="SIGTERM: seconds to finish work.")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), help="--engine vllm only: passed to vllm serve.")
+@exact_options
 def serve(
-    path, engine_name, host, port, api_key, model_name, backend, provider, draft, num_draft, tensor_parallel_size, chat_template, **limits
+    path,
+    engine_name,
+    host,
+    port,
+    api_key,
+    model_name,
+    backend,
+    provider,
+    draft,
+    num_draft,
+    tensor_parallel_size,
+    chat_template,
+    verify,
+    exact_source,
+    rounds,
+    **limits,
 ):
     """Serve the model at PATH over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from ..errors import QuasarError
 
     if engine_name == "vllm":
+        if verify == "exact":
+            raise QuasarError("--verify exact runs on --engine quasar (vLLM serves the W8A8 model's own output)")
         from ..serve.vllm import exec_vllm, vllm_command
 
         exec_vllm(*vllm_command(path, host, port, api_key, model_name, draft, num_draft, tensor_parallel_size))
         return
     if tensor_parallel_size:
         raise QuasarError("--tensor-parallel-size applies to --engine vllm only")
-    from ..engine import check_can_fork, load
+    from ..engine import check_can_fork
+    from ..exact import ExactEngine
     from ..serve.app import ServeConfig, create_app
     from ..serve.server import run
 
-    engine = load(path, backend=backend, needs=SERVER_NEEDS, **backend_options(path, backend, provider, SERVER_NEEDS))
+    engine = load_engine(path, backend, provider, SERVER_NEEDS, verify, exact_source, rounds)
     check_can_fork(engine.lm)
+    if isinstance(engine, ExactEngine):  # every request's W8A8 rounds run on a sequence of its own
+        check_can_fork(engine.middle)
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template.read_text()
     name = model_name or Path(path).resolve().name

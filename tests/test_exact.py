@@ -238,23 +238,64 @@ def accept_every_draft(logits, draft, draft_probs, sampler):
     return Verdict(len(draft), [*draft, sampler.sample(sampler.distribution(logits)[len(draft)])])
 
 
-def uniform_proposals(propose):
-    """The cascade's drafts as if W8A8's tokens had been drawn uniformly: the wrong q for the float step's rejection sampling."""
-
-    def wrong(self, tokens, k, sampler):
-        draft = propose(self, tokens, k, sampler)
-        return Draft(draft.tokens, None if draft.probs is None else torch.full_like(draft.probs, 1 / draft.probs.shape[-1]))
-
-    return wrong
-
-
-def test_the_statistical_test_catches_a_wrong_float_step(monkeypatch):
-    """Power: the test above rejects the float step keeping W8A8's tokens unjudged, and judging them against a wrong q."""
-    with monkeypatch.context() as patch:
-        patch.setattr(loop, "accept", accept_every_draft)
-        assert chi_square_p_value(cascade_samples(SAMPLED["plain"], 2, trials=1000), float_joint(SAMPLED["plain"], 4)) < 1e-6
-    monkeypatch.setattr(CascadeDrafter, "propose", uniform_proposals(CascadeDrafter.propose))
+def test_the_statistical_test_catches_a_float_step_that_keeps_w8a8_tokens_unjudged(monkeypatch):
+    monkeypatch.setattr(loop, "accept", accept_every_draft)
     assert chi_square_p_value(cascade_samples(SAMPLED["plain"], 2, trials=1000), float_joint(SAMPLED["plain"], 4)) < 1e-6
+
+
+def transition_counts(params: SamplingParams, rounds: int, trials: int, length: int = 16) -> Counter:
+    """(token, next token) pairs of sampled generations: a Markov float model's output draws each next token from the
+    row of its previous one, so every emitted token is a sample of a known distribution (far more power per trial)."""
+    sampler = Sampler(params, seed=2468)
+    verifier, middle = MarkovLM(TABLES[0]), MarkovLM(TABLES[1])
+    counts: Counter = Counter()
+    for _ in range(trials):
+        spec, _ = run_cascade(verifier, middle, NgramDrafter(1, 2), [0], sampler, rounds, length, num_draft=2)
+        sequence = [0, *(t for step in spec.steps() for t in step)]
+        counts.update(zip(sequence, sequence[1:]))
+    return counts
+
+
+def transition_p_value(counts: Counter, params: SamplingParams) -> float:
+    """Chi-square p-value of the transition counts against the float model's rows (each row's total taken as given)."""
+    p = Sampler(params).distribution(TABLES[0])
+    stat, cells = 0.0, 0
+    for a in range(4):
+        total = sum(counts[(a, b)] for b in range(4))
+        for b in range(4):
+            if p[a, b] == 0:
+                if counts[(a, b)]:
+                    return 0.0
+                continue
+            expected = total * float(p[a, b])
+            stat += (counts[(a, b)] - expected) ** 2 / expected
+            cells += 1
+        cells -= 1  # each row's total is fixed
+    return float(torch.special.gammaincc(torch.tensor(cells / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("params", SAMPLED)
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_every_sampled_token_follows_the_float_models_transition(params, rounds):
+    assert transition_p_value(transition_counts(SAMPLED[params], rounds, trials=150), SAMPLED[params]) > 1e-3
+
+
+WRONG_Q = {
+    "uniform": lambda probs: torch.full_like(probs, 1 / probs.shape[-1]),  # as if W8A8's tokens were drawn uniformly
+    "a position off": lambda probs: torch.roll(probs, 1, 0),  # each token judged against its neighbour's distribution
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG_Q)
+def test_the_transition_test_catches_a_wrong_draft_distribution(monkeypatch, wrong):
+    """Power: the float step must judge W8A8's tokens against the distributions they were drawn from."""
+
+    def propose(self, tokens, k, sampler, right=CascadeDrafter.propose):
+        draft = right(self, tokens, k, sampler)
+        return Draft(draft.tokens, WRONG_Q[wrong](draft.probs))
+
+    monkeypatch.setattr(CascadeDrafter, "propose", propose)
+    assert transition_p_value(transition_counts(SAMPLED["plain"], 3, trials=150), SAMPLED["plain"]) < 1e-6
 
 
 # --- the round count: fixed, or chosen from measured costs -----------------------------------------------

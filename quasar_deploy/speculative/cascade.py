@@ -45,13 +45,15 @@ CATCH_UP_BLOCK = 64  # W8A8 catches up on tokens it missed (rounds switched off)
 class CascadeStats(LoopStats):
     """``LoopStats`` of the float verifier (its steps, its acceptance of the drafts), plus the W8A8 middle level's share.
 
-    ``middle_rounds``: W8A8 verify forwards; ``middle_s``: seconds in them (catching up included);
-    ``middle_tokens``: tokens W8A8 put into the float model's drafts; ``direct_steps``: float steps that
-    verified the inner drafter's proposal directly (r = 0).
+    ``middle_rounds``: W8A8 rounds; ``middle_s``: seconds in their forwards (per round: the c of the speed
+    model); ``middle_catch_up_s``: seconds bringing the W8A8 cache up to the sequence (its prompt, tokens it
+    missed at r = 0); ``middle_tokens``: tokens W8A8 put into the float model's drafts; ``direct_steps``:
+    float steps that verified the inner drafter's proposal directly (r = 0).
     """
 
     middle_rounds: int = 0
     middle_s: float = 0.0
+    middle_catch_up_s: float = 0.0
     middle_tokens: int = 0
     direct_steps: int = 0
 
@@ -185,8 +187,6 @@ class CascadeDrafter:
         policy: RoundPolicy,
         stats: CascadeStats,
     ):
-        if not isinstance(inner, RewindableDrafter):
-            raise QuasarError(f"{type(inner).__name__} cannot draft for exact mode: it cannot take back a rejected draft")
         self.middle, self.inner, self.num_draft, self.stop_ids = middle, inner, num_draft, frozenset(stop_ids)
         self.policy, self.stats = policy, stats
         self._cached: list[int] = []  # the tokens whose keys and values the middle cache holds
@@ -248,7 +248,8 @@ class CascadeDrafter:
             ended = time.perf_counter()
             self.policy.observe_round(len(missed) + 1 + len(proposed), ended - round_began, len(verdict.tokens))
             self.stats.middle_rounds += 1
-            self.stats.middle_s += ended - began
+            self.stats.middle_s += ended - round_began
+            self.stats.middle_catch_up_s += round_began - began
             if not sampler.greedy:  # each kept token was drawn, in effect, from W8A8's distribution at its position
                 dists.append(sampler.distribution(logits[: len(verdict.tokens)]))
             draft += verdict.tokens

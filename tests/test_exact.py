@@ -30,7 +30,7 @@ from quasar_deploy.speculative.drafters import Draft, NoDrafter
 from quasar_deploy.speculative.loop import Speculation
 from quasar_deploy.speculative.ngram import NgramDrafter
 
-from .helpers import MarkovLM, chi_square_p_value, copy_dir, reseal
+from .helpers import FAST_CALIBRATION, MarkovLM, chi_square_p_value, copy_dir, reseal
 from .serving import live_server
 
 GREEDY = Sampler(SamplingParams())
@@ -515,3 +515,23 @@ def test_exact_mode_on_onnx_runtime_is_the_float_graphs_own_output(tiny_artifact
     exact.rounds = 2
     for prompt in PROMPTS[:2]:
         assert exact.generate(prompt, max_new_tokens=24).tokens == float_ort.generate(prompt, max_new_tokens=24, draft="none").tokens
+
+
+@pytest.mark.slow
+def test_a_trained_models_greedy_output_on_the_built_in_prompts(tmp_path):
+    """The shipped model with planted outliers and its artifact: exact mode reproduces the float greedy decode of every
+    built-in benchmark prompt, where the W8A8 model's own output departs from it."""
+    from quasar_deploy import calibrate, demo
+    from quasar_deploy.bench.e2e import read_prompts
+    from quasar_deploy.calibration.data import BUILTIN
+
+    prompts = read_prompts(BUILTIN["prompts"], limit=100)
+    model = demo.demo_model_path("outlier")
+    artifact = calibrate(model, tmp_path / "w8a8", **FAST_CALIBRATION).path
+    float_engine, w8a8 = load(model, backend="cpu"), load(artifact, backend="cpu")
+    exact = load(artifact, backend="cpu", verify="exact")
+    expected = [float_engine.generate(p, max_new_tokens=64, draft="none").tokens for p in prompts]
+    assert any(w8a8.generate(p, max_new_tokens=64).tokens != e for p, e in zip(prompts, expected))
+    for rounds in (None, 2):
+        exact.rounds = rounds
+        assert [exact.generate(p, max_new_tokens=64).tokens for p in prompts] == expected

@@ -410,6 +410,13 @@ def test_greedy_output_is_the_float_models_own(exact_engine, float_greedy, tiny_
         assert any(r.stats.accepted < r.stats.drafted for r in results)
 
 
+def test_a_draft_model_drafts_inside_the_cascade(exact_engine, float_greedy, tiny_llama):
+    exact_engine.rounds = 2
+    results = [exact_engine.generate(p, max_new_tokens=40, draft="model", draft_model=tiny_llama) for p in PROMPTS]
+    assert [r.tokens for r in results] == float_greedy
+    assert sum(r.stats.loop.middle_rounds for r in results) >= 2 * len(PROMPTS)
+
+
 def test_a_seeded_sampled_generation_repeats_with_fixed_rounds(exact_engine):
     exact_engine.rounds = 2
     runs = [exact_engine.generate(PROMPTS[0], max_new_tokens=24, temperature=1.0, top_k=20, seed=7).tokens for _ in range(2)]
@@ -501,6 +508,7 @@ def test_bench_exact_mode_reports_its_step_costs_and_is_lossless(tiny_qwen3, tin
     result = CliRunner().invoke(main, [*args, "--modes", "ar-float,exact-ngram", "-o", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
+    assert "| exact-ngram |" in (tmp_path / "report.md").read_text().split("W8A8 round c ms")[1]
     assert report["lossless"] == {"exact-ngram == ar-float": True}
     figures = report["modes"]["exact-ngram"]
     assert figures["middle_rounds_per_step"] > 0 and figures["middle_round_ms"] > 0

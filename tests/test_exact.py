@@ -489,6 +489,13 @@ def test_generate_verify_exact_prints_the_float_models_output(tiny_artifact, tin
     assert result["stats"]["middle_rounds"] >= 1
 
 
+def test_the_command_lines_verify_choices_are_the_engines():
+    from quasar_deploy.cli.generate import generate
+    from quasar_deploy.engine import VERIFY_MODES
+
+    assert tuple(next(p for p in generate.params if p.name == "verify").type.choices) == VERIFY_MODES
+
+
 def test_exact_options_need_verify_exact(tiny_artifact):
     result = CliRunner().invoke(main, ["generate", str(tiny_artifact.path), "--prompt", "x", "--rounds", "2"])
     assert result.exit_code == 1 and "--rounds applies to --verify exact" in result.output

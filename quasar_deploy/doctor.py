@@ -24,10 +24,10 @@ from .kernels import (
 )
 
 
-def report(path: str | None = None) -> dict:
+def report(path: str | None = None, exact: bool = False, exact_source: str | None = None) -> dict:
     """Everything ``quasar-deploy doctor`` prints, as data (also recorded in benchmark reports); with ``path``, the
     memory that model needs on the cpu backend (``memory.estimate``, at ``memory.MEMORY_REPORT_TOKENS`` of KV cache) and the
-    backend "auto" picks for it."""
+    backend "auto" picks for it; with ``exact`` too, the memory of exact mode on that artifact (``exact_memory``)."""
     flags = cpu_flags()
     return {
         "cpu": cpu_model(),
@@ -47,6 +47,7 @@ def report(path: str | None = None) -> dict:
         "torch_decoder_backend": default_backend(("layer_skip",)),
         "cache": cache_summary(),
         **({"memory": model_memory(path), "auto_backend": auto_backend(path)} if path is not None else {}),
+        **({"exact_memory": exact_memory(path, exact_source)} if path is not None and exact else {}),
     }
 
 
@@ -91,3 +92,18 @@ def model_memory(path: str) -> dict:
     tokens = report_tokens(files.spec)
     needed = estimate(files)
     return {**needed.to_dict(), "tokens": tokens, "total": needed.total(tokens), "summary": needed.describe(tokens)}
+
+
+def exact_memory(path: str, source: str | None = None) -> dict:
+    """Exact mode holds both weight sets and both KV caches: the float checkpoint's figures (``source``, by default the
+    one the artifact at ``path`` records), the artifact's, and their sum."""
+    from .exact import float_source
+    from .memory import MIB
+
+    parts = {"float": model_memory(str(float_source(path, source))), "w8a8": model_memory(path)}
+    total = sum(part["total"] for part in parts.values())
+    summary = (
+        f"~{total / MIB:,.0f} MiB with both weight sets resident and both KV caches at {parts['w8a8']['tokens']:,} tokens: "
+        f"float {parts['float']['total'] / MIB:,.0f}, W8A8 {parts['w8a8']['total'] / MIB:,.0f} (MiB; plus ~300 MiB of libraries)"
+    )
+    return {**parts, "total": total, "summary": summary}

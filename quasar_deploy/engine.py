@@ -301,17 +301,8 @@ class Generation:
         self.lm = lm
         self.prompt = prompt
         self._max_new_tokens = options.max_new_tokens
-        self.loop_stats = LoopStats()
-        self._speculation = Speculation(
-            lm,
-            engine.drafter(options, lm),
-            prompt,
-            Sampler(options.sampling, options.seed),
-            options.num_draft,
-            options.max_new_tokens,
-            engine.stop_ids,
-            self.loop_stats,
-        )
+        self._speculation = engine.speculation(lm, prompt, options)
+        self.loop_stats = self._speculation.stats
         self._stops = StopStrings(options.stop)
         self._detokenizer = Detokenizer(engine.tokenizer, prompt)
         self._tokens: list[int] = []
@@ -505,6 +496,12 @@ class Engine:
         context = self if lm is None or lm is self.lm else SequenceContext(self, lm)
         return create_drafter(options.draft, context, dataclasses.asdict(options))
 
+    def speculation(self, lm: CausalLM, prompt: list[int], options: GenerationOptions) -> Speculation:
+        """The decoding loop of one generation of ``prompt`` on ``lm`` (the engine's sequence or one opened over its weights)."""
+        sampler = Sampler(options.sampling, options.seed)
+        drafter = self.drafter(options, lm)
+        return Speculation(lm, drafter, prompt, sampler, options.num_draft, options.max_new_tokens, self.stop_ids, LoopStats())
+
     def open(self, prompt: Sequence[int], options: GenerationOptions) -> Generation:
         """A generation of encoded ``prompt`` on a new sequence over the engine's weights, outside the engine's lock:
         the caller drives its steps (and owns the thread it drives them from)."""
@@ -556,15 +553,34 @@ def stop_ids_of(path: str | Path) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
 
+VERIFY_MODES = ("model", "exact")
+
+
 def load(
-    path: str | Path, backend: str = "auto", trust_remote_code: bool = False, needs: Collection[str] = (), **backend_options: Any
+    path: str | Path,
+    backend: str = "auto",
+    trust_remote_code: bool = False,
+    needs: Collection[str] = (),
+    verify: str = "model",
+    exact_source: str | Path | None = None,
+    **backend_options: Any,
 ) -> Engine:
     """An engine for a W8A8 artifact (W8A8 verifier), a plain Hugging Face checkpoint (float verifier) or an export at ``path``.
 
     ``backend="auto"`` picks the fastest backend here that provides ``needs`` (``backends.registry.CAPABILITIES``:
     "layer_skip" for the layerskip drafter). ``backend_options`` go to the backend's factory (e.g. ``threads``,
     ``int8_kernel`` for cpu; ``quantizer``, ``graphs`` for cuda; ``provider`` for onnxruntime).
+    ``verify="exact"``: ``path`` is an artifact and the output is its float model's own (``exact.load_exact``), the
+    float checkpoint being ``exact_source`` or, by default, the source the artifact records.
     """
+    if verify not in VERIFY_MODES:
+        raise QuasarError(f"unknown verify mode {verify!r}; choose from {', '.join(VERIFY_MODES)}")
+    if verify == "exact":
+        from .exact import load_exact
+
+        return load_exact(path, exact_source, backend, trust_remote_code, needs, **backend_options)
+    if exact_source is not None:
+        raise QuasarError("exact_source applies to verify='exact'")
     backend = resolve_backend(backend, path, needs, backend_options)
     lm = create_backend(backend, path, **backend_options)
     engine = Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)

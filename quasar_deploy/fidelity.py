@@ -108,11 +108,12 @@ def smoothing_study(
     return {"rows": rows, "layers": layers}
 
 
-def reference_of(files: ModelFiles) -> Path:
-    """The float checkpoint an artifact was calibrated from, as its manifest records it, when that path still holds it."""
+def reference_of(files: ModelFiles, option: str = "--reference MODEL_DIR") -> Path:
+    """The float checkpoint an artifact was calibrated from, as its manifest records it, when that path still holds it;
+    the error names ``option``, where the caller takes it explicitly."""
     if not files.is_artifact:
         raise QuasarError(f"{files.path}: not a W8A8 artifact (no quasar.json); calibrate it first")
     source = Path(files.manifest.get("source", {}).get("path", ""))
     if not source.parts or not (source / "config.json").is_file():
-        raise QuasarError(f"{files.path}: the source checkpoint it records ({source}) is gone; give --reference MODEL_DIR")
+        raise QuasarError(f"{files.path}: the source checkpoint it records ({source}) is gone; give {option}")
     return source

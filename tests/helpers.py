@@ -1,4 +1,5 @@
-"""What several test modules do: greedy decoding over a ``CausalLM``, ONNX Runtime sessions, copies to damage, one-line errors.
+"""What several test modules do: greedy decoding over a ``CausalLM``, ONNX Runtime sessions, copies to damage, one-line errors,
+a Markov ``CausalLM`` with known distributions and the chi-square test sampled output is checked with.
 
 Test modules import from here (and model builders from tiny.py), never from each other.
 onnx and onnxruntime are imported inside the functions that need them, so importing this module needs neither.
@@ -9,7 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
+
+import torch
 
 # The calibration settings of the shared artifacts (conftest.py), and of the tests that calibrate a variant.
 FAST_CALIBRATION = dict(num_samples=8, seq_len=64, progress=False)
@@ -90,3 +94,49 @@ def reseal(directory: Path, manifest: str = "quasar.json") -> None:
     record = json.loads((directory / manifest).read_text())
     record.pop("files")
     write_manifest(directory, manifest, record)
+
+
+class MarkovLM:
+    """A CausalLM whose next-token logits depend only on the last token: exact distributions are known."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+        self.vocab_size = table.shape[0]
+        self.max_length = 1000
+        self.ids: list[int] = []
+
+    def prefill(self, ids):
+        self.ids = list(ids)
+        return self.table[self.ids[-1]]
+
+    def verify(self, ids):
+        self.ids += list(ids)
+        return self.table[list(ids)]
+
+    def truncate(self, length):
+        del self.ids[length:]
+
+    @property
+    def length(self):
+        return len(self.ids)
+
+
+def chi_square_p_value(observed: Counter, expected: dict) -> float:
+    """p-value of observed counts against expected probabilities; cells expected below 5 are pooled."""
+    n = sum(observed.values())
+    if any(cell not in expected or expected[cell] == 0 for cell in observed):
+        return 0.0
+    obs, exp, pooled_obs, pooled_exp = [], [], 0.0, 0.0
+    for cell, prob in expected.items():
+        if prob * n >= 5:
+            obs.append(observed[cell])
+            exp.append(prob * n)
+        else:
+            pooled_obs += observed[cell]
+            pooled_exp += prob * n
+    if pooled_exp > 0:
+        obs.append(pooled_obs)
+        exp.append(pooled_exp)
+    obs_t, exp_t = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((obs_t - exp_t) ** 2 / exp_t).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))

@@ -84,9 +84,11 @@ def test_modes_keep_their_names_and_order():
         "layerskip-w8a8",
         "hf-prompt-lookup",
         "pruned-verify",
+        "exact-ngram",
         "ar-float-ort",
         "ngram-float-ort",
         "ngram-w8a8-ort",
+        "exact-ngram-ort",
     )
 
 

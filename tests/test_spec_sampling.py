@@ -21,32 +21,9 @@ from quasar_deploy.speculative.drafters import Draft
 from quasar_deploy.speculative.layerskip import LayerSkipDrafter
 from quasar_deploy.speculative.loop import speculate
 
+from .helpers import MarkovLM, chi_square_p_value
+
 V = 4
-
-
-class MarkovLM:
-    """A CausalLM whose next-token logits depend only on the last token: exact distributions are known."""
-
-    def __init__(self, table: torch.Tensor):
-        self.table = table
-        self.vocab_size = table.shape[0]
-        self.max_length = 1000
-        self.ids: list[int] = []
-
-    def prefill(self, ids):
-        self.ids = list(ids)
-        return self.table[self.ids[-1]]
-
-    def verify(self, ids):
-        self.ids += list(ids)
-        return self.table[list(ids)]
-
-    def truncate(self, length):
-        del self.ids[length:]
-
-    @property
-    def length(self):
-        return len(self.ids)
 
 
 class ShiftDrafter:
@@ -86,27 +63,6 @@ def resample_from_p(logits, draft, draft_probs, sampler):
         if sampler.uniform() >= ratio:
             return Verdict(i, [*draft[:i], sampler.sample(probs[i])])
     return Verdict(len(draft), [*draft, sampler.sample(probs[len(draft)])])
-
-
-def chi_square_p_value(observed: Counter, expected: dict) -> float:
-    """p-value of observed counts against expected probabilities; cells expected below 5 are pooled."""
-    n = sum(observed.values())
-    if any(cell not in expected or expected[cell] == 0 for cell in observed):
-        return 0.0
-    obs, exp, pooled_obs, pooled_exp = [], [], 0.0, 0.0
-    for cell, prob in expected.items():
-        if prob * n >= 5:
-            obs.append(observed[cell])
-            exp.append(prob * n)
-        else:
-            pooled_obs += observed[cell]
-            pooled_exp += prob * n
-    if pooled_exp > 0:
-        obs.append(pooled_obs)
-        exp.append(pooled_exp)
-    obs_t, exp_t = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
-    stat = ((obs_t - exp_t) ** 2 / exp_t).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
 
 
 TABLES = torch.randn(2, V, V, generator=torch.Generator().manual_seed(0)) * 1.5

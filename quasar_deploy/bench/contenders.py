@@ -16,6 +16,7 @@ from ..decoder_spec import DecoderSpec
 from ..demo import demo_model_path
 from ..engine import Engine, load, stop_ids_of
 from ..errors import QuasarError
+from ..exact import ExactEngine
 from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
 from ..tokenizer import load_tokenizer
 from .memory import check_fits
@@ -38,6 +39,7 @@ class Contenders:
     weights: str  # "trained" or "synthetic weights"
     pruned_layers: frozenset[int] = field(default_factory=frozenset)
     ort_engines: dict[str, object] = field(default_factory=dict)  # "float" / "w8a8": engines on exported ONNX graphs
+    _exact: dict[bool, ExactEngine] = field(default_factory=dict, repr=False)
 
     @cached_property
     def _engines(self) -> tuple[Engine, Engine]:
@@ -50,6 +52,15 @@ class Contenders:
     @property
     def w8a8_engine(self) -> Engine:
         return self._engines[1]
+
+    def exact_engine(self, ort: bool = False) -> ExactEngine:
+        """Exact mode over the float and W8A8 engines' own models (cpu, or ``ort``: the ONNX ones): no third copy of
+        either; the modes take turns, and each generation starts both caches afresh."""
+        if ort not in self._exact:
+            pair = (self.ort_engines["float"], self.ort_engines["w8a8"]) if ort else self._engines
+            verifier, middle = pair
+            self._exact[ort] = ExactEngine(verifier.lm, verifier.tokenizer, verifier.stop_ids, verifier.backend, middle=middle.lm)
+        return self._exact[ort]
 
 
 def _hf_model_from(path: Path):

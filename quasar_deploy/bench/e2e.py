@@ -27,9 +27,10 @@ from ..engine import GenerationStats
 from ..errors import QuasarError
 from ..kernels import default_float_dtype
 from ..memory import return_freed_memory
+from ..speculative.cascade import CascadeStats
 from . import anchors
 from .contenders import Contenders
-from .modes import ALL_MODES, LOSSLESS_PAIRS, ORT_MODES, drafter_and_precision
+from .modes import ALL_MODES, EXACT_MODES, LOSSLESS_PAIRS, ORT_MODES, drafter_and_precision, ort_precisions
 
 
 @dataclass
@@ -149,6 +150,8 @@ def hf_phase(contenders: Contenders, encoded: list[list[int]], settings: BenchSe
 
 
 def run_mode(mode: str, contenders: Contenders, ids: list[int], settings: BenchSettings) -> Run:
+    if mode in EXACT_MODES:
+        return _engine_run(contenders.exact_engine(ort=mode in ORT_MODES), ids, settings, "ngram")
     if mode in ORT_MODES:
         drafter, precision = drafter_and_precision(mode)
         return _engine_run(contenders.ort_engines[precision], ids, settings, drafter)
@@ -186,6 +189,7 @@ def _summary(runs: list[Run], baseline: dict[str, list[Run]]) -> dict:
         if steps
         else None,
         "new_tokens": sum(len(r.tokens) for r in runs),
+        **_cascade_figures(loops),
     }
     for name, base in baseline.items():
         figures[f"speedup_vs_{name}"] = _median([r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, base) if b.tokens_per_s > 0])
@@ -216,6 +220,21 @@ def _at_paper_acceptance(figures: dict[str, dict], float_modes: list[str]) -> No
         m["speedup_vs_best_float_at_paper_acceptance"] = value / max(floats) if value else None
 
 
+def _cascade_figures(loops: list[GenerationStats]) -> dict:
+    """Exact mode's measured step costs and choices: a W8A8 round's time (c, beside ``verify_step_ms``, the float step's
+    C), W8A8 rounds per float step, and the share of float steps that verified n-gram drafts directly (r = 0)."""
+    cascades = [s.loop for s in loops if isinstance(s.loop, CascadeStats)]
+    rounds = sum(s.middle_rounds for s in cascades)
+    steps = sum(s.verify_steps for s in cascades)
+    if not steps:
+        return {}
+    return {
+        "middle_round_ms": 1000 * sum(s.middle_s for s in cascades) / rounds if rounds else None,
+        "middle_rounds_per_step": rounds / steps,
+        "direct_step_share": sum(s.direct_steps for s in cascades) / steps,
+    }
+
+
 def _agreement(runs: list[Run], reference: list[Run]) -> float:
     """Share of the float model's greedy tokens reproduced at the same position."""
     same = total = 0
@@ -242,7 +261,7 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
     if unknown:
         raise QuasarError(f"unknown mode {unknown[0]!r}; choose from {', '.join(ALL_MODES)}")
     modes = [m for m in settings.modes if m != "hf-prompt-lookup" or contenders.load_hf is not None]
-    modes = [m for m in modes if m not in ORT_MODES or m.split("-")[1] in contenders.ort_engines]
+    modes = [m for m in modes if m not in ORT_MODES or set(ort_precisions(m)) <= set(contenders.ort_engines)]
     prompts = read_prompts(settings.prompts, settings.limit)
     encoded = [list(contenders.tokenizer.encode(p)) for p in prompts]
     anchor_results, skipped = _anchor_phase([m for m in modes if m in anchors.ANCHOR_MODES], settings, contenders, encoded)
@@ -264,7 +283,7 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
             runs[mode].append(run_mode(mode, contenders, ids, settings))
     baselines = {m: runs[m] for m in ("ngram-float", "ar-float") if m in runs}
     ours = [m for m in runs if m not in anchors.ANCHOR_MODES]
-    float_modes = [m for m in ours if "w8a8" not in m and m != "pruned-verify"]
+    float_modes = [m for m in ours if "w8a8" not in m and m != "pruned-verify" and m not in EXACT_MODES]
     if float_modes:  # the fastest float path on each prompt, whichever engine it is
         baselines["best-float"] = [max((runs[m][i] for m in float_modes), key=lambda r: r.tokens_per_s) for i in range(len(encoded))]
     report = {

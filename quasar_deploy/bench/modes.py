@@ -1,8 +1,9 @@
 """The end-to-end benchmark's mode names, read off the drafter table so that ``--modes`` help lists them without torch.
 
 A mode is ``<drafter>-<precision>`` on the cpu backend (drafter "none" reads "ar", for
-autoregressive), the same with ``-ort`` on exported ONNX graphs, or one of the two
-comparisons that are not a drafter on our engine (transformers' prompt lookup, a pruned verifier).
+autoregressive), the same with ``-ort`` on exported ONNX graphs, exact mode (``exact-ngram``: the
+float model's output, n-gram drafts through W8A8 rounds; both engines' weights, shared), or one of the
+two comparisons that are not a drafter on our engine (transformers' prompt lookup, a pruned verifier).
 ``ANCHOR_MODES`` are other engines in their own environments (``anchors``): llama.cpp and vLLM's CPU build.
 """
 
@@ -16,11 +17,13 @@ PRECISIONS = ("float", "w8a8")
 _DRAFTERS = tuple(name for name in DRAFTERS if name != "model")
 _AR = "ar"
 
-ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort")
+ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort", "exact-ngram-ort")
+EXACT_MODES = ("exact-ngram", "exact-ngram-ort")
 MODES = (
     *(f"{_AR if drafter == 'none' else drafter}-{precision}" for drafter in _DRAFTERS for precision in PRECISIONS),
     "hf-prompt-lookup",
     "pruned-verify",
+    "exact-ngram",
     *ORT_MODES,
 )
 ALL_MODES = (*MODES, *ANCHOR_MODES)
@@ -30,6 +33,8 @@ LOSSLESS_PAIRS = (
     ("ngram-w8a8", "ar-w8a8"),
     ("layerskip-w8a8", "ar-w8a8"),
     ("ngram-float-ort", "ar-float-ort"),
+    ("exact-ngram", "ar-float"),  # exact mode's output is the float model's own
+    ("exact-ngram-ort", "ar-float-ort"),
 )
 
 
@@ -37,3 +42,8 @@ def drafter_and_precision(mode: str) -> tuple[str, str]:
     """``"ar-w8a8"`` -> ``("none", "w8a8")``, ``"ngram-float-ort"`` -> ``("ngram", "float")``: what the engine is asked for."""
     kind, precision = mode.split("-")[:2]
     return "none" if kind == _AR else kind, precision
+
+
+def ort_precisions(mode: str) -> tuple[str, ...]:
+    """The ONNX engines (by precision) an ``-ort`` mode runs on: exact mode needs both."""
+    return PRECISIONS if mode in EXACT_MODES else (drafter_and_precision(mode)[1],)

@@ -50,6 +50,7 @@ def markdown(report: dict) -> str:
                 f"| {row['k']} | {row['ngram_float_tokens_per_s']:.1f} | {row['ngram_w8a8_tokens_per_s']:.1f} | "
                 f"{row['speedup']:.2f}x | {row['acceptance_length_w8a8']:.2f} |"
             )
+    lines += _exact_lines(report)
     lines += _anchor_lines(report)
     if s.get("timed_in_own_phase"):
         lines += ["", f"Timed in a phase of their own before the others (not interleaved): {', '.join(s['timed_in_own_phase'])}."]
@@ -61,6 +62,26 @@ def markdown(report: dict) -> str:
     if s.get("synthetic"):
         lines += ["", "Synthetic weights: timing only. Random models loop, so n-gram acceptance here says nothing about real text."]
     return "\n".join(lines) + "\n"
+
+
+def _exact_lines(report: dict) -> list[str]:
+    """Exact mode's measured step costs (docs/architecture.md, "Exact mode": C a float step, c a W8A8 round) and what
+    its adaptive choice made of them."""
+    exact = {mode: m for mode, m in report["modes"].items() if "middle_rounds_per_step" in m}
+    if not exact:
+        return []
+    lines = [
+        "",
+        "| exact mode | float step C ms | W8A8 round c ms | c/C | W8A8 rounds per float step | float steps at r = 0 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, m in exact.items():
+        c, big_c = m["middle_round_ms"], m["verify_step_ms"]
+        lines.append(
+            f"| {mode} | {_fmt(big_c, '.1f')} | {_fmt(c, '.1f')} | {_fmt(c / big_c if c and big_c else None)} | "
+            f"{m['middle_rounds_per_step']:.2f} | {100 * m['direct_step_share']:.0f}% |"
+        )
+    return lines
 
 
 def _anchor_lines(report: dict) -> list[str]:

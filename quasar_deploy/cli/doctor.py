@@ -10,12 +10,19 @@ import click
 @click.command()
 @click.argument("path", required=False, type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def doctor(path, as_json):
+@click.option("--exact", is_flag=True, help="With an artifact PATH: also the memory of --verify exact (both weight sets resident).")
+@click.option("--exact-source", type=click.Path(file_okay=False, path_type=str), help="--exact: the float checkpoint (default: recorded).")
+def doctor(path, as_json, exact, exact_source):
     """What this machine can run: CPU features, chosen kernels, every target; with PATH (an artifact or float
     checkpoint), the memory it needs on the cpu backend, from its tensor headers, and the backend auto picks for it."""
     from ..doctor import report
+    from ..errors import QuasarError
 
-    info = report(path)
+    if (exact or exact_source) and path is None:
+        raise QuasarError("--exact needs PATH, the artifact")
+    if exact_source and not exact:
+        raise QuasarError("--exact-source applies to --exact")
+    info = report(path, exact, exact_source)
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -56,3 +63,5 @@ def doctor(path, as_json):
     if path is not None:
         click.echo(f"memory         {info['memory']['summary']}")
         click.echo(f"auto runs it   on {info['auto_backend']}")
+    if exact:
+        click.echo(f"exact mode     {info['exact_memory']['summary']}")

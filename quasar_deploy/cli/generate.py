@@ -15,7 +15,7 @@ import click
 from ..backends.registry import BACKENDS, draft_needs
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
-from .options import backend_options, provider_option
+from .options import engine_descriptions, exact_options, load_engine, provider_option
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -43,16 +43,17 @@ def _print_stats(stats: dict) -> None:
         click.echo(f"{name:>18}: {value:.4g}" if isinstance(value, float) else f"{name:>18}: {value}", err=True)
 
 
-def _memory(path: str, backend: str, result) -> dict:
-    """What this process holds now, next to the cpu backend's estimate for the model at this sequence's length."""
+def _memory(paths: list[str], backend: str, result) -> dict:
+    """What this process holds now, next to the cpu backend's estimate for the models at ``paths`` (exact mode: both weight
+    sets and both caches) at this sequence's length."""
     from ..artifact import open_model_files
     from ..memory import MIB, estimate, resident
 
     measured = resident()
     if backend != "cpu":  # ONNX Runtime and the devices hold their weights their own way
         return measured
-    files = open_model_files(path)
-    return {**measured, "estimated_mib": estimate(files).total(result.prompt_tokens + len(result.tokens)) / MIB}
+    tokens = result.prompt_tokens + len(result.tokens)
+    return {**measured, "estimated_mib": sum(estimate(open_model_files(p)).total(tokens) for p in paths) / MIB}
 
 
 @click.command()
@@ -92,15 +93,15 @@ def _memory(path: str, backend: str, result) -> dict:
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", *BACKENDS]))
 @provider_option
+@exact_options
 @click.option("--stats", "show_stats", is_flag=True, help="Print speed and acceptance statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish_reason, stats) instead of streaming.")
-def generate(path, prompt, prompt_file, chat, backend, provider, show_stats, as_json, skip_layers, **options):
-    """Generate a completion with the model at PATH (W8A8 artifact or Hugging Face checkpoint)."""
-    from ..engine import load
-
+def generate(path, prompt, prompt_file, chat, backend, provider, verify, exact_source, rounds, show_stats, as_json, skip_layers, **options):
+    """Generate a completion with the model at PATH (W8A8 artifact or Hugging Face checkpoint; --verify exact: an
+    artifact, whose float model's own output is generated)."""
     text = _prompt(prompt, prompt_file, chat)
     needs = draft_needs(options["draft"])
-    engine = load(path, backend=backend, needs=needs, **backend_options(path, backend, provider, needs))
+    engine = load_engine(path, backend, provider, needs, verify, exact_source, rounds)
     stream = engine.stream(text, skip_layers=_layers(skip_layers), **options)
     if as_json:
         for _ in stream:
@@ -118,8 +119,9 @@ def generate(path, prompt, prompt_file, chat, backend, provider, show_stats, as_
             f"after {len(result.tokens)} of {options['max_new_tokens']} new tokens",
             err=True,
         )
+    models = engine_descriptions(engine)
     if as_json:
-        click.echo(json.dumps({**result.to_dict(), "backend": engine.lm.description}))
+        click.echo(json.dumps({**result.to_dict(), **models}))
     elif show_stats:
-        memory = _memory(path, engine.backend, result)
-        _print_stats({"backend": engine.lm.description, "finish_reason": result.finish_reason, **result.stats.to_dict(), **memory})
+        memory = _memory([path, *([str(engine.source)] if verify == "exact" else [])], engine.backend, result)
+        _print_stats({**models, "finish_reason": result.finish_reason, **result.stats.to_dict(), **memory})

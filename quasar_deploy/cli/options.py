@@ -59,3 +59,56 @@ def options_from_env(command: click.Command) -> click.Command:
             param.envvar = ENV_PREFIX + max(param.opts, key=len).lstrip("-").upper().replace("-", "_")
             param.show_envvar = True
     return command
+
+
+def exact_options(command):
+    """``--verify``, ``--exact-source`` and ``--rounds``: the choice between the model's own verification and exact mode."""
+    command = click.option(
+        "--rounds",
+        type=click.IntRange(min=0),
+        help="--verify exact: W8A8 rounds per float step, fixed (0: plain float verification of the drafts); "
+        "default: chosen as it runs from the measured step costs and acceptance.",
+    )(command)
+    command = click.option(
+        "--exact-source",
+        type=click.Path(file_okay=False, path_type=str),
+        help="--verify exact: the float checkpoint (default: the source the artifact records).",
+    )(command)
+    return click.option(
+        "--verify",
+        default="model",
+        show_default=True,
+        type=click.Choice(["model", "exact"]),
+        help="model: PATH verifies (a W8A8 artifact's output is its own); exact: PATH is an artifact and the output is its "
+        "float model's own, token for token (greedy) or in distribution (sampled), W8A8 drafting for it.",
+    )(command)
+
+
+def load_engine(
+    path: str,
+    backend: str,
+    provider: str | None,
+    needs: tuple[str, ...] = (),
+    verify: str = "model",
+    exact_source: str | None = None,
+    rounds: int | None = None,
+):
+    """``engine.load`` with the command line's choices; ``--exact-source`` and ``--rounds`` are refused without ``--verify exact``."""
+    from ..engine import load
+    from ..errors import QuasarError
+
+    if verify != "exact" and (exact_source is not None or rounds is not None):
+        raise QuasarError(f"{'--exact-source' if exact_source is not None else '--rounds'} applies to --verify exact")
+    options = backend_options(path, backend, provider, needs)
+    engine = load(path, backend=backend, needs=needs, verify=verify, exact_source=exact_source, **options)
+    if rounds is not None:
+        engine.rounds = rounds
+    return engine
+
+
+def engine_descriptions(engine) -> dict[str, str]:
+    """The verifier's backend description, and in exact mode the W8A8 model's beside it (what ``--json`` and ``--stats`` name)."""
+    from ..exact import ExactEngine
+
+    exact = {"middle": engine.middle.description} if isinstance(engine, ExactEngine) else {}
+    return {"backend": engine.lm.description, **exact}

@@ -12,7 +12,7 @@ import click
 from click.core import ParameterSource
 
 from ..backends.registry import BACKENDS
-from .options import backend_options, options_from_env, provider_option
+from .options import exact_options, load_engine, options_from_env, provider_option
 
 SERVER_DRAFTERS = ("none", "ngram", "layerskip")
 # any request may ask for the layerskip drafter, so "auto" serves on a backend that runs our torch decoder
@@ -88,7 +88,24 @@ def seconds_option(name: str, default: float, help: str):
     multiple=True,
     help="--engine vllm only: one more argument for vllm serve, passed as given (repeatable: --vllm-arg=--max-model-len --vllm-arg=4096).",
 )
-def serve(path, engine_name, host, port, api_key, model_name, backend, provider, draft, num_draft, chat_template, **limits):
+@exact_options
+def serve(
+    path,
+    engine_name,
+    host,
+    port,
+    api_key,
+    model_name,
+    backend,
+    provider,
+    draft,
+    num_draft,
+    chat_template,
+    verify,
+    exact_source,
+    rounds,
+    **limits,
+):
     """Serve the model at PATH over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
 
     Every option can also come from the environment: QUASAR_ and the option's name (QUASAR_PORT, QUASAR_NUM_DRAFT)."""
@@ -96,11 +113,14 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, provider,
     from ..serve.vllm import served_name
 
     if engine_name == "vllm":
+        if verify == "exact":
+            raise QuasarError("--verify exact runs on --engine quasar (vLLM serves the W8A8 model's own output)")
         return serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits)
     for name in VLLM_ONLY:
         if limits[name.replace("-", "_")]:
             raise QuasarError(f"--{name} applies to --engine vllm only")
-    from ..engine import check_can_fork, load
+    from ..engine import check_can_fork
+    from ..exact import ExactEngine
     from ..serve.app import ServeConfig, create_app
     from ..serve.protocol import RequestLimits
     from ..serve.scheduler import default_kv_cache_bytes
@@ -120,8 +140,10 @@ def serve(path, engine_name, host, port, api_key, model_name, backend, provider,
         kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,
         limits=RequestLimits(limits["max_num_draft"], limits["max_stop"], limits["max_stop_chars"], limits["default_max_tokens"]),
     )
-    engine = load(path, backend=backend, needs=SERVER_NEEDS, **backend_options(path, backend, provider, SERVER_NEEDS))
+    engine = load_engine(path, backend, provider, SERVER_NEEDS, verify, exact_source, rounds)
     check_can_fork(engine.lm)
+    if isinstance(engine, ExactEngine):  # every request's W8A8 rounds run on a sequence of its own
+        check_can_fork(engine.middle)
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template.read_text()
     if not kv_cache_mib:  # measured once the model holds its memory

@@ -50,6 +50,10 @@ class ModelDrafter:
         self._cached.append(token)
         return self._fit(self.lm.verify([token])[-1])
 
+    def rewind(self, length: int) -> None:
+        """Tokens past ``length`` may be replaced: compare them again at the next proposal (the cache rolls back there)."""
+        self._agreed = min(self._agreed, length)
+
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         k = min(k, self.lm.max_length - len(tokens) + 1)
         if k <= 0:

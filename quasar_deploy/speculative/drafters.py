@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -36,11 +36,25 @@ class Drafter(Protocol):
         """Up to ``k`` tokens likely to follow ``tokens``."""
 
 
+@runtime_checkable
+class RewindableDrafter(Drafter, Protocol):
+    """A drafter that can also propose where tokens it was shown are taken back: the exact-mode cascade shows it
+    drafts that the float model may reject (``speculative.cascade``)."""
+
+    def rewind(self, length: int) -> None:
+        """The first ``length`` tokens of what ``propose`` was shown are final; any after them may be replaced.
+
+        Called before every proposal once proposals can be taken back (``length`` never decreases)."""
+
+
 class NoDrafter:
     """Plain autoregressive decoding on the verifier: the baseline every drafter is measured against."""
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         return NO_DRAFT
+
+    def rewind(self, length: int) -> None:
+        """Nothing to take back: it keeps no state."""
 
 
 def no_drafter(context: DrafterContext, options: Mapping[str, Any]) -> NoDrafter:

@@ -38,14 +38,32 @@ class NgramDrafter:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self._latest: dict[tuple[int, ...], int] = {}
         self._indexed_to = 0  # n-grams ending at or before this position are indexed
+        # (end, n-gram, the end it replaced) for each entry a rewind may take back: kept from the first ``rewind`` on
+        self._undo: list[tuple[int, tuple[int, ...], int | None]] | None = None
 
     def _index(self, tokens: Sequence[int]) -> None:
         # An n-gram ending at ``end`` is indexed once tokens[end] exists, so a lookup of the current
         # suffix never finds itself and always has at least one token to propose.
         for end in range(self._indexed_to + 1, len(tokens)):
             for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
-                self._latest[tuple(tokens[end - n : end])] = end
+                key = tuple(tokens[end - n : end])
+                if self._undo is not None:
+                    self._undo.append((end, key, self._latest.get(key)))
+                self._latest[key] = end
         self._indexed_to = max(self._indexed_to, len(tokens) - 1)
+
+    def rewind(self, length: int) -> None:
+        """Take back every entry whose next token sits at or past ``length`` (it may be replaced), newest first, so the
+        index is what indexing only the first ``length`` tokens would have made; the entries before are final."""
+        for end, key, previous in reversed(self._undo or []):
+            if end < length:
+                break
+            if previous is None:
+                del self._latest[key]
+            else:
+                self._latest[key] = previous
+        self._undo = []
+        self._indexed_to = min(self._indexed_to, max(length - 1, 0))
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         self._index(tokens)

@@ -1,0 +1,95 @@
+"""Exact mode's engine: the float model verifies and its output is returned; its W8A8 artifact drafts through a cascade.
+
+``load(artifact, verify="exact")`` loads both weight sets on one backend: the float checkpoint
+(``exact_source``, by default the source the artifact's manifest records) as the verifier, whose
+greedy output, or sampled distribution, is what generation returns, and the artifact as the middle
+level of the cascade (``speculative.cascade``). Each generation gets its own W8A8 sequence, so the
+server's scheduler drives exact generations like any other: the float blocks of many requests still
+verify in one batched forward, each request's W8A8 rounds run on its own cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .artifact import open_model_files
+from .backends import create_backend, resolve_backend
+from .engine import Engine, GenerationOptions, check_can_fork, stop_ids_of, warm_up
+from .errors import QuasarError
+from .speculative.acceptance import Sampler
+from .speculative.cascade import CascadeDrafter, CascadeStats, RoundPolicy, check_rounds
+from .speculative.causal_lm import CausalLM
+from .speculative.draft_model import check_same_vocabulary
+from .speculative.drafters import RewindableDrafter
+from .speculative.loop import Speculation
+from .tokenizer import load_tokenizer
+
+
+@dataclass
+class ExactEngine(Engine):
+    """An ``Engine`` whose verifier ``lm`` is the float model and whose drafts come from W8A8 rounds on ``middle``.
+
+    ``rounds``: W8A8 rounds before each float step, fixed; None chooses them as it runs from the measured step
+    costs and acceptance (``cascade.RoundPolicy``). ``num_draft`` of a generation is the inner drafter's k per
+    round; a float step may take all the rounds made, up to the room left. A fixed ``rounds`` makes a seeded
+    sampled generation reproducible; adaptive rounds follow timing, so the same seed may draw other tokens
+    (each run still has the float model's distribution).
+    """
+
+    middle: CausalLM | None = None
+    rounds: int | None = None
+    source: Path | None = None  # the float checkpoint ``lm`` was loaded from
+
+    def speculation(self, lm: CausalLM, prompt: list[int], options: GenerationOptions) -> Speculation:
+        check_rounds(self.rounds)
+        inner = self.drafter(options, lm)
+        if not isinstance(inner, RewindableDrafter):
+            raise QuasarError(f"draft={options.draft!r} cannot draft for verify='exact' (it cannot take back a rejected draft)")
+        middle = self.middle if lm is self.lm else check_can_fork(self.middle).new_sequence()
+        stats = CascadeStats()
+        drafter = CascadeDrafter(middle, inner, options.num_draft, self.stop_ids, RoundPolicy(self.rounds), stats)
+        sampler = Sampler(options.sampling, options.seed)
+        # the float step may take every token the rounds made: the loop caps a draft at the room left, not at k
+        return Speculation(lm, drafter, prompt, sampler, lm.max_length, options.max_new_tokens, self.stop_ids, stats)
+
+
+def float_source(artifact: str | Path, source: str | Path | None = None) -> Path:
+    """The float checkpoint exact mode verifies with: ``source``, else the one ``artifact``'s manifest records."""
+    from .fidelity import reference_of
+
+    files = open_model_files(artifact)
+    if not files.is_artifact:
+        raise QuasarError(f"{files.path}: verify='exact' takes a W8A8 artifact (it drafts for its float model), not a float checkpoint")
+    path = Path(source) if source is not None else reference_of(files, "exact_source (--exact-source MODEL_DIR), its float checkpoint")
+    if open_model_files(path).is_artifact:
+        raise QuasarError(f"{path}: the exact source must be the float checkpoint, not a W8A8 artifact")
+    return path
+
+
+def load_exact(
+    path: str | Path,
+    source: str | Path | None = None,
+    backend: str = "auto",
+    trust_remote_code: bool = False,
+    needs: tuple[str, ...] | list[str] = (),
+    **backend_options: Any,
+) -> ExactEngine:
+    """Both weight sets resident on one backend: the float checkpoint (``float_source``) verifying, the artifact at
+    ``path`` drafting; they must share the tokenizer and the context window."""
+    source = float_source(path, source)
+    name = resolve_backend(backend, source, needs, backend_options)
+    verifier = create_backend(name, source, **backend_options)
+    middle = create_backend(name, path, **backend_options)
+    if (middle.vocab_size, middle.max_length) != (verifier.vocab_size, verifier.max_length):
+        raise QuasarError(
+            f"{path}: vocabulary {middle.vocab_size} and context {middle.max_length}, but its float source {source} has "
+            f"{verifier.vocab_size} and {verifier.max_length}; exact mode needs the artifact of that checkpoint"
+        )
+    tokenizer = load_tokenizer(source, trust_remote_code)
+    check_same_vocabulary(tokenizer.get_vocab(), load_tokenizer(path, trust_remote_code).get_vocab(), str(path))
+    engine = ExactEngine(verifier, tokenizer, stop_ids_of(source), name, middle=middle, source=source)
+    warm_up(verifier)
+    warm_up(middle)
+    return engine

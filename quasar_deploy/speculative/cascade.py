@@ -1,0 +1,270 @@
+"""Exact mode: the float model's own output at speculative speed, with its W8A8 copy as the middle level of a cascade.
+
+The cascade is a drafter for the float verifier. Each proposal runs r rounds on the
+W8A8 model: the inner drafter (n-gram) proposes, W8A8 verifies as the speculative loop
+would, and its accepted tokens plus its own next token extend the draft. The float model
+then verifies the whole draft in one forward through the ordinary loop (``loop.Speculation``,
+``acceptance.accept``), so what it emits is its own: greedy, token-identical to its own
+greedy decode; sampled, rejection sampling against the distribution each drafted token was
+drawn from. W8A8's speculative output is distributed, token by token, as W8A8's own
+sampling (its ``accept`` guarantees that), so that distribution is W8A8's, and the float
+model's rejection sampling turns it into the float model's.
+
+Every proposal starts by settling the last one against the sequence the loop now holds:
+what the float model kept of the draft is final, the W8A8 cache and the inner drafter roll
+back to it. The rounds per proposal come from ``RoundPolicy``: fixed, or chosen from the
+measured step costs and the acceptance seen so far, down to r = 0 (the inner drafter's
+proposal goes to the float model directly: plain float n-gram verification) when W8A8
+rounds do not pay. docs/architecture.md, "Exact mode", has the speed model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import QuasarError
+from .acceptance import Sampler, accept
+from .causal_lm import CausalLM
+from .drafters import NO_DRAFT, Draft, RewindableDrafter
+from .loop import LoopStats
+
+MAX_ROUNDS = 8  # the adaptive choice's ceiling: float acceptance decays geometrically with the draft's length
+SMOOTHING = 0.2  # weight of the newest observation in the running acceptance estimates
+COST_MEMORY = 0.95  # each older forward's weight in the step-cost fits: about the last 20 count
+# prior for the float model's per-token acceptance of W8A8's tokens, worth PRIOR_TOKENS observations (top-1 agreement of
+# a calibrated artifact with its float model is near 0.98; a lower prior keeps the first choices cautious)
+PRIOR_ACCEPTANCE, PRIOR_TOKENS = 0.9, 10
+CATCH_UP_BLOCK = 64  # W8A8 catches up on tokens it missed (rounds switched off) this many per forward, bounding the logits
+
+
+@dataclass
+class CascadeStats(LoopStats):
+    """``LoopStats`` of the float verifier (its steps, its acceptance of the drafts), plus the W8A8 middle level's share.
+
+    ``middle_rounds``: W8A8 rounds; ``middle_s``: seconds in their forwards (per round: the c of the speed
+    model); ``middle_catch_up_s``: seconds bringing the W8A8 cache up to the sequence (its prompt, tokens it
+    missed at r = 0); ``middle_tokens``: tokens W8A8 put into the float model's drafts; ``direct_steps``:
+    float steps that verified the inner drafter's proposal directly (r = 0).
+    """
+
+    middle_rounds: int = 0
+    middle_s: float = 0.0
+    middle_catch_up_s: float = 0.0
+    middle_tokens: int = 0
+    direct_steps: int = 0
+
+
+def expected_tokens(draft_length: float, acceptance: float) -> float:
+    """Tokens a float step emits on a draft of ``draft_length`` tokens that it accepts token by token with probability
+    ``acceptance``: the accepted prefix (its expectation is a geometric sum) plus the float model's own next token."""
+    if acceptance >= 1:
+        return 1 + draft_length
+    return 1 + acceptance * (1 - acceptance**draft_length) / (1 - acceptance)
+
+
+class StepCost:
+    """A model's seconds per verify forward as ``fixed + per_position * positions``, fitted by least squares to the
+    forwards seen, recent ones weighing more (``COST_MEMORY``).
+
+    Positions matter: a float step on a long cascade draft reads the weights once, as a short one
+    does, but computes every position, and on a CPU that share is large.
+    """
+
+    def __init__(self):
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self._n > 0
+
+    def observe(self, positions: int, seconds: float) -> None:
+        keep = COST_MEMORY
+        self._n = keep * self._n + 1
+        self._x = keep * self._x + positions
+        self._y = keep * self._y + seconds
+        self._xx = keep * self._xx + positions * positions
+        self._xy = keep * self._xy + positions * seconds
+
+    def __call__(self, positions: float) -> float:
+        """Predicted seconds for ``positions``; a line through the origin where the fit's intercept comes out negative,
+        the mean where every forward had the same length or the fit's slope comes out negative."""
+        n, x, y = self._n, self._x, self._y
+        spread = self._xx - x * x / n
+        slope = (self._xy - x * y / n) / spread if spread > 1e-9 * n else 0.0
+        if slope <= 0:
+            return y / n
+        fixed = (y - slope * x) / n
+        if fixed < 0:
+            return self._xy / self._xx * positions
+        return fixed + slope * positions
+
+
+class RoundPolicy:
+    """How many W8A8 rounds to run before each float step: ``rounds`` when fixed, else the count that maximises the
+    predicted tokens per second.
+
+    Estimates: c(n) and C(n), a W8A8 and a float forward's seconds on n positions (``StepCost``);
+    P, the inner drafter's mean proposal length; L, the tokens a verify keeps of its proposal plus its
+    own; a, the float model's per-token acceptance of W8A8's tokens. r = 0 emits L tokens per C(1 + P);
+    r rounds draft about r L tokens, of which the float step keeps ``expected_tokens(r L, a)``, for
+    r c(1 + P) + C(1 + r L). Until both costs have been measured it runs one round, to measure them.
+    """
+
+    def __init__(self, rounds: int | None = None, max_rounds: int = MAX_ROUNDS):
+        check_rounds(rounds)
+        self.rounds, self.max_rounds = rounds, max_rounds
+        self.middle_cost, self.verify_cost = StepCost(), StepCost()
+        self.tokens_per_verify: float | None = None
+        self.proposal_length: float | None = None
+        self._kept, self._tried = PRIOR_ACCEPTANCE * PRIOR_TOKENS, float(PRIOR_TOKENS)
+
+    @property
+    def acceptance(self) -> float:
+        return self._kept / self._tried
+
+    def choose(self) -> int:
+        if self.rounds is not None:
+            return self.rounds
+        if not (self.middle_cost.measured and self.verify_cost.measured and self.tokens_per_verify is not None):
+            return 1
+        return max(range(self.max_rounds + 1), key=lambda r: (self.rate(r), -r))
+
+    def rate(self, rounds: int) -> float:
+        """Predicted tokens per second with ``rounds`` W8A8 rounds per float step (the estimates must be set)."""
+        length, block = self.tokens_per_verify, 1 + self.proposal_length
+        if rounds == 0:
+            return length / self.verify_cost(block)
+        drafted = rounds * length
+        return expected_tokens(drafted, self.acceptance) / (rounds * self.middle_cost(block) + self.verify_cost(1 + drafted))
+
+    def observe_proposal(self, length: int) -> None:
+        """The inner drafter proposed ``length`` tokens."""
+        self.proposal_length = _average(self.proposal_length, length)
+
+    def observe_round(self, positions: int, seconds: float, tokens: int) -> None:
+        """A W8A8 round took ``seconds`` on ``positions`` and kept ``tokens`` (accepted proposal plus its own)."""
+        self.middle_cost.observe(positions, seconds)
+        self.tokens_per_verify = _average(self.tokens_per_verify, tokens)
+
+    def observe_step(self, positions: int, seconds: float, kept: int, drafted: int, from_middle: bool) -> None:
+        """A float step took ``seconds`` on ``positions`` and kept ``kept`` of ``drafted`` tokens, which W8A8 made
+        (``from_middle``) or the inner drafter proposed directly."""
+        self.verify_cost.observe(positions, seconds)
+        if from_middle:
+            self._kept += kept
+            self._tried += kept + (kept < drafted)  # the rejected token, if one was
+        else:
+            self.tokens_per_verify = _average(self.tokens_per_verify, kept + 1)
+
+
+def _average(current: float | None, value: float) -> float:
+    return value if current is None else current + SMOOTHING * (value - current)
+
+
+def check_rounds(rounds: int | None) -> None:
+    if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0):
+        raise QuasarError(f"rounds must be an integer >= 0, or None (chosen as it runs), got {rounds!r}")
+
+
+class CascadeDrafter:
+    """Drafts for the float verifier with W8A8 rounds over an inner drafter's proposals (module docstring).
+
+    ``middle`` is this sequence's W8A8 model (its own cache); ``num_draft`` is the inner drafter's k per
+    round; ``k`` of ``propose`` is the most the float step may take (the loop's room). ``stats`` is the
+    loop's: the float steps' times are read from it, the middle level's share written to it.
+    """
+
+    def __init__(
+        self,
+        middle: CausalLM,
+        inner: RewindableDrafter,
+        num_draft: int,
+        stop_ids: Collection[int],
+        policy: RoundPolicy,
+        stats: CascadeStats,
+    ):
+        self.middle, self.inner, self.num_draft, self.stop_ids = middle, inner, num_draft, frozenset(stop_ids)
+        self.policy, self.stats = policy, stats
+        self._cached: list[int] = []  # the tokens whose keys and values the middle cache holds
+        self._final = 0  # tokens of the sequence known final at the last proposal
+        self._draft: list[int] = []  # the last proposal
+        self._from_middle = False  # whether W8A8 rounds made it
+        self._seen_steps, self._seen_s = 0, 0.0  # the loop's verify counters at the last proposal
+
+    def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        self._settle(tokens)
+        rounds = self.policy.choose()
+        if rounds == 0:
+            self.stats.direct_steps += 1
+            draft = self.inner.propose(tokens, min(self.num_draft, k), sampler)
+            self._draft, self._from_middle = draft.tokens[:k], False
+            self.policy.observe_proposal(len(self._draft))
+            return draft
+        draft, dists = self._rounds(list(tokens), k, rounds, sampler)
+        self._draft, self._from_middle = draft, True
+        self.stats.middle_tokens += len(draft)
+        return Draft(draft, torch.cat(dists) if dists else None)
+
+    def _settle(self, tokens: Sequence[int]) -> None:
+        """Judge the last proposal by what the loop kept of it; roll the middle cache and the inner drafter back to that."""
+        kept = 0
+        while kept < len(self._draft) and self._final + kept < len(tokens) and tokens[self._final + kept] == self._draft[kept]:
+            kept += 1
+        steps, seconds = self.stats.verify_steps, self.stats.verify_s
+        if steps == self._seen_steps + 1:  # one float step on the last proposal (none: this is the first)
+            self.policy.observe_step(1 + len(self._draft), seconds - self._seen_s, kept, len(self._draft), self._from_middle)
+        self._seen_steps, self._seen_s = steps, seconds
+        final = self._final + kept  # past it, the float model's own token replaced (or followed) the draft
+        if len(self._cached) > final:
+            del self._cached[final:]
+            self.middle.truncate(final)
+        self.inner.rewind(final)
+        self._final = len(tokens)
+
+    def _rounds(self, tokens: list[int], limit: int, rounds: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to ``rounds`` W8A8 rounds, the draft at most ``limit`` tokens; the draft and (sampling) each token's distribution."""
+        draft: list[int] = []
+        dists: list[torch.Tensor] = []
+        for _ in range(rounds):
+            room = limit - len(draft)
+            if room <= 0 or any(t in self.stop_ids for t in draft):
+                break
+            sequence = tokens + draft
+            k = min(self.num_draft, room - 1)  # a round keeps at most k + 1 tokens
+            proposal = self.inner.propose(sequence, k, sampler) if k > 0 else NO_DRAFT
+            proposed = proposal.tokens[:k]
+            self.policy.observe_proposal(len(proposed))
+            began = time.perf_counter()
+            missed = self._catch_up(sequence)
+            round_began = time.perf_counter()
+            logits = self.middle.verify([*missed, sequence[-1], *proposed])[len(missed) :]
+            verdict = accept(logits, proposed, proposal.probs[:k] if proposal.probs is not None else None, sampler)
+            self._cached += [*missed, sequence[-1], *proposed[: verdict.accepted]]
+            self.middle.truncate(len(self._cached))
+            ended = time.perf_counter()
+            self.policy.observe_round(len(missed) + 1 + len(proposed), ended - round_began, len(verdict.tokens))
+            self.stats.middle_rounds += 1
+            self.stats.middle_s += ended - round_began
+            self.stats.middle_catch_up_s += round_began - began
+            if not sampler.greedy:  # each kept token was drawn, in effect, from W8A8's distribution at its position
+                dists.append(sampler.distribution(logits[: len(verdict.tokens)]))
+            draft += verdict.tokens
+        return draft, dists
+
+    def _catch_up(self, sequence: list[int]) -> list[int]:
+        """The tokens of ``sequence`` but its last that the middle cache still misses, at most ``CATCH_UP_BLOCK``: the round
+        feeds them ahead of its block (one, the float model's own token, after a draft it took whole). A cache that is
+        empty is prefilled, one that fell further behind (rounds switched off) catches up a block at a time."""
+        if not self._cached:
+            self.middle.prefill(sequence[:-1])
+            self._cached = sequence[:-1]
+        missed = sequence[len(self._cached) : -1]
+        while len(missed) > CATCH_UP_BLOCK:
+            self.middle.verify(missed[:CATCH_UP_BLOCK])
+            self._cached += missed[:CATCH_UP_BLOCK]
+            missed = missed[CATCH_UP_BLOCK:]
+        return missed

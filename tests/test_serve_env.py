@@ -22,6 +22,8 @@ def value_for(option: click.Option, tmp_path) -> str:
         return "0" if option.default else "1"
     if isinstance(kind, click.Choice):
         return next(c for c in reversed(kind.choices) if c != option.default)
+    if isinstance(kind, click.Path) and not kind.file_okay:
+        return str(tmp_path)
     if isinstance(kind, click.Path):
         file = tmp_path / f"{option.name}.txt"
         file.write_text("{{ messages }}")
@@ -42,7 +44,7 @@ def test_each_option_reads_its_variable(option, monkeypatch, tmp_path):
     raw = value_for(option, tmp_path)
     monkeypatch.setenv(env_name(option), raw)
     context = serve.make_context("serve", ["model-dir"])
-    want = option.type_cast_value(context, raw)
+    want = option.type_cast_value(context, option.type.split_envvar_value(raw) if option.multiple else raw)
     assert context.params[option.name] == want and want != option.default
 
 

@@ -59,10 +59,10 @@ from .synthetic import (
 )
 
 
-def _session(model_or_path: Path | onnx.ModelProto, threads: int, precise: bool = False) -> ort.InferenceSession:
-    """A CPU session with the backend's options; ``precise`` forces ORT's u8 x u8 re-encoding of int8 weights (where
-    the backend's options do not hold it already)."""
-    options = session_options(threads)
+def _session(model_or_path: Path | onnx.ModelProto, threads: int, precise: bool = False, head_beside: bool = False) -> ort.InferenceSession:
+    """A CPU session with the backend's options (``head_beside``: as for a graph whose head runs on torch); ``precise``
+    forces ORT's u8 x u8 re-encoding of int8 weights (where the backend's options do not hold it already)."""
+    options = session_options(threads, head_beside)
     if precise and PRECISE_INT8_OPTION not in exact_int8_entries():
         options.add_session_config_entry(*PRECISE_INT8_OPTION)
     source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path.SerializeToString()
@@ -166,17 +166,17 @@ SESSION_FACTOR = 1.2
 SESSION_BUILD_FACTOR = 1.6
 
 
-def step_peak_bytes(spec: DecoderSpec, with_torch: bool, int8_lm_head: bool = False, bf16_head: bool = False) -> int:
+def step_peak_bytes(spec: DecoderSpec, with_torch: bool, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
     """The float graph is built, then its session; then the W8A8 graph and its session beside the float session (a graph
-    build holds ``GRAPH_BUILD_FACTOR`` times the embedding table), and with ``bf16_head`` a second W8A8 graph whose head
-    is outside (bounded by the first); then the torch engines, when they run too, beside all sessions."""
+    build holds ``GRAPH_BUILD_FACTOR`` times the embedding table; a graph whose head is outside holds less, with its
+    head beside it); then the torch engines (float linears of ``float_itemsize`` bytes), when they run too, beside
+    both sessions."""
     float_graph, w8a8_graph = _graph_bytes(spec)
     build = GRAPH_BUILD_FACTOR * 4 * spec.vocab_size * spec.hidden_size
     float_session = SESSION_FACTOR * float_graph
-    w8a8_sessions = (2 if bf16_head else 1) * SESSION_BUILD_FACTOR * w8a8_graph
-    sessions = float_session + w8a8_sessions  # the W8A8 sessions' builds, or what they then hold
+    sessions = float_session + SESSION_BUILD_FACTOR * w8a8_graph  # the W8A8 session's build, or what it then holds
     graphs = int(max(build, SESSION_BUILD_FACTOR * float_graph, float_session + build, sessions)) + LIBRARIES_BYTES
-    return max(graphs, int(sessions) + engines_peak_bytes(spec, int8_lm_head)) if with_torch else graphs
+    return max(graphs, int(sessions) + engines_peak_bytes(spec, int8_lm_head, float_itemsize)) if with_torch else graphs
 
 
 def write_synthetic_graph(directory: Path, spec: DecoderSpec, source: RandomTensors, name: str, head_outside: bool = False) -> None:
@@ -197,9 +197,9 @@ def _head_beside(session: ort.InferenceSession, feed: dict, head: Linear) -> Cal
     return run
 
 
-def _ort_session(directory: Path, threads: int) -> ort.InferenceSession:
+def _ort_session(directory: Path, threads: int, head_beside: bool = False) -> ort.InferenceSession:
     """A session of the graph in ``directory``, the heap its build freed handed back (the next graph is built beside it)."""
-    session = _session(directory / "model.onnx", threads)
+    session = _session(directory / "model.onnx", threads, head_beside=head_beside)
     return_freed_memory()
     return session
 
@@ -222,13 +222,13 @@ def step(
     spec = synthetic_spec(shape)
     dtype = default_float_dtype("cpu")
     bf16 = dtype == torch.bfloat16
-    check_fits(step_peak_bytes(spec, with_torch, int8_lm_head, bf16), f"bench onnx step --synthetic {shape}")
+    check_fits(step_peak_bytes(spec, with_torch, int8_lm_head, dtype.itemsize), f"bench onnx step --synthetic {shape}")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, tokens)
     steps: dict[str, Callable[[], float]] = {}
-    sources = {"ORT fp32": (spec, RandomTensors(spec)), "ORT W8A8 integer": w8a8_source(shape, int8_lm_head=int8_lm_head)}
-    if bf16 and not int8_lm_head:  # what auto runs on this CPU: the graph without its head, the head in bf16 on torch
-        sources["ORT W8A8 + bf16 head (auto)"] = w8a8_source(shape)
+    # the W8A8 graph auto runs here: on a bf16 CPU without its float head, the head in bf16 on torch beside it
+    w8a8_label = "ORT W8A8 + bf16 head (auto)" if bf16 and not int8_lm_head else "ORT W8A8 integer"
+    sources = {"ORT fp32": (spec, RandomTensors(spec)), w8a8_label: w8a8_source(shape, int8_lm_head=int8_lm_head)}
     with tempfile.TemporaryDirectory() as tmp:
         for label, (source_spec, source) in sources.items():  # one at a time, each beside the sessions already built
             directory = Path(tmp) / label.split(" (")[0].replace(" ", "-").replace("+", "")
@@ -236,7 +236,7 @@ def step(
             outside = "head" in label
             write_synthetic_graph(directory, source_spec, source, label, head_outside=outside)
             return_freed_memory()
-            session, feed = _ort_session(directory, threads), _ort_feed(spec, ids, context, rng)
+            session, feed = _ort_session(directory, threads, outside), _ort_feed(spec, ids, context, rng)
             steps[label] = (
                 _head_beside(session, feed, _synthetic_head(spec, source)) if outside else partial(timed, partial(session.run, None, feed))
             )

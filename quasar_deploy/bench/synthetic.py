@@ -169,16 +169,16 @@ def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = Fal
     return int8_linears + (head + 4 * spec.vocab_size if int8_lm_head else float_itemsize * head)
 
 
-def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False) -> int:
-    """Peak resident bytes of ``synthetic_decoders(kernels=...)``, plus the libraries: packed float linears, the packed
-    float32 head, the one bf16 table and the int8 linears (the float twin's build holds less: its head is packed a
+def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
+    """Peak resident bytes of ``synthetic_decoders(kernels=...)``, plus the libraries: packed float linears and head (of
+    ``float_itemsize`` bytes: 4 float32, 2 bf16), the one bf16 table and the int8 linears (the float twin's build holds less: its head is packed a
     block of rows at a time from the bf16 table, ``model.Linear``). An int8 head is drawn (bf16) and quantized through
     three float32 copies at once (``scheme.quantize_weight``), more than the int8 head it leaves.
     """
     float_linears, int8_linears = _linear_bytes(spec)
     table = spec.vocab_size * spec.hidden_size
     stored = STORED_DTYPE.itemsize
-    engines = float_linears + (4 + stored) * table + int8_linears
+    engines = float_linears * float_itemsize // 4 + (float_itemsize + stored) * table + int8_linears
     if int8_lm_head:
         engines += (stored + 3 * 4) * table
     return engines + LIBRARIES_BYTES

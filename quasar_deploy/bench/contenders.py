@@ -12,6 +12,7 @@ import torch
 
 from ..artifact import open_model_files
 from ..backends.torch_backend import TorchCausalLM
+from ..cache import head_outside
 from ..decoder_spec import DecoderSpec
 from ..demo import demo_model_path
 from ..engine import Engine, load, stop_ids_of
@@ -77,7 +78,8 @@ def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[
     if unavailable("onnxruntime") is not None:
         return {}
     float_dir = export(model, "onnx", workdir / "float-onnx", precision="float")
-    w8a8_dir = export(artifact, "onnx", workdir / "w8a8-onnx", precision="w8a8")
+    # as auto exports it on this CPU: on a bf16 CPU without the float head, which runs in bf16 beside the graph
+    w8a8_dir = export(artifact, "onnx", workdir / "w8a8-onnx", precision="w8a8", head_outside=head_outside(Path(artifact)))
     return {"float": load(float_dir, backend="onnxruntime"), "w8a8": load(w8a8_dir, backend="onnxruntime")}
 
 

@@ -171,9 +171,10 @@ def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = Fal
 
 def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
     """Peak resident bytes of ``synthetic_decoders(kernels=...)``, plus the libraries: packed float linears and head (of
-    ``float_itemsize`` bytes: 4 float32, 2 bf16), the one bf16 table and the int8 linears (the float twin's build holds less: its head is packed a
-    block of rows at a time from the bf16 table, ``model.Linear``). An int8 head is drawn (bf16) and quantized through
-    three float32 copies at once (``scheme.quantize_weight``), more than the int8 head it leaves.
+    ``float_itemsize`` bytes: 4 float32, 2 bf16), the one bf16 table and the int8 linears (the float twin's build
+    holds less: its head is packed a block of rows at a time from the bf16 table, ``model.Linear``). An int8 head is
+    drawn (bf16) and quantized through three float32 copies at once (``scheme.quantize_weight``), more than the int8
+    head it leaves.
     """
     float_linears, int8_linears = _linear_bytes(spec)
     table = spec.vocab_size * spec.hidden_size

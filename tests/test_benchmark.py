@@ -194,7 +194,9 @@ def test_speedups_are_also_modelled_at_the_papers_acceptance():
         "ngram-float": {"tokens_per_s": 90.0, "acceptance_length": 3.0, "tokens_per_s_at_paper_acceptance": PAPER_ACCEPTANCE / step},
         "ngram-w8a8": {"tokens_per_s": 150.0, "acceptance_length": 3.0, "tokens_per_s_at_paper_acceptance": PAPER_ACCEPTANCE / (step / 2)},
     }
+    figures["llamacpp-q8_0"] = {"tokens_per_s": 70.0, "acceptance_length": None}  # an anchor: no step cost to model
     _at_paper_acceptance(figures, ["ar-float", "ngram-float"])
+    assert "speedup_vs_best_float_at_paper_acceptance" not in figures["llamacpp-q8_0"]
     assert figures["ngram-float"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(1.0)  # 56 tok/s beats 30
     assert figures["ngram-w8a8"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(2.0)
     assert figures["ar-float"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(30 / 56)

@@ -216,6 +216,8 @@ def _at_paper_acceptance(figures: dict[str, dict], float_modes: list[str]) -> No
     if not floats:
         return
     for m in figures.values():
+        if m.get("acceptance_length") is None:  # another engine (an anchor, transformers): its step cost is unknown
+            continue
         value = modelled(m)
         m["speedup_vs_best_float_at_paper_acceptance"] = value / max(floats) if value else None
 

@@ -249,6 +249,7 @@ VLLM_START_S = 900  # vLLM's CPU build compiles and warms up its kernels at star
 def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str]]:
     """vLLM's OpenAI server (its CPU build, in its own venv: docs/anchors.md) on a free 127.0.0.1 port, serving
     ``settings.artifact`` in bf16 with the same n-gram drafting; yields its base URL and version, and stops it after."""
+    from ..artifact import open_model_files
     from ..serve.local import free_port, wait_healthy
     from .anchors import _clean_environment
 
@@ -258,7 +259,8 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
     port = free_port()
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(settings.artifact)]
     argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
-    argv += ["--max-num-seqs", str(max_sequences), "--max-model-len", "4096", "--seed", "0"]
+    context = min(4096, open_model_files(settings.artifact).spec.max_position_embeddings)
+    argv += ["--max-num-seqs", str(max_sequences), "--max-model-len", str(context), "--seed", "0"]
     if settings.draft == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": settings.num_draft, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
         argv += ["--speculative-config", json.dumps(spec)]
@@ -273,8 +275,9 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
                 wait_healthy(base, VLLM_START_S, process)
             except (RuntimeError, TimeoutError) as exc:
                 log.seek(0)
-                last = [line for line in log.read().splitlines() if line.strip()][-1:] or ["no output"]
-                raise QuasarError(f"vLLM's server did not start ({first_line(exc)}); its log ends: {last[0][:200]}") from None
+                lines = [line for line in log.read().splitlines() if line.strip()] or ["no output"]
+                why = next((line for line in reversed(lines) if "Error" in line or "error:" in line), lines[-1])
+                raise QuasarError(f"vLLM's server did not start ({first_line(exc)}); its log says: {why.strip()[:300]}") from None
             yield base, version.stdout.strip()
         finally:
             process.terminate()

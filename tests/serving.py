@@ -9,7 +9,17 @@ import httpx
 from quasar_deploy.serve.local import free_port, serving_in_thread, wait_healthy
 
 live_server = serving_in_thread
-__all__ = ["free_port", "live_server", "metric", "slow_engine", "wait_healthy"]
+__all__ = ["CHAT_TEMPLATE", "chat_engine", "free_port", "live_server", "metric", "slow_engine", "wait_healthy"]
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
+
+
+def chat_engine(model):
+    """``model`` on the cpu backend with ``CHAT_TEMPLATE`` (the tiny models' tokenizer has none): the server tests' engine."""
+    from quasar_deploy.engine import load
+
+    engine = load(model, backend="cpu")
+    engine.tokenizer.chat_template = CHAT_TEMPLATE
+    return engine
 
 
 def metric(base: str, name: str, headers: dict | None = None) -> float:

@@ -11,25 +11,22 @@ import httpx
 import openai
 import pytest
 
-from quasar_deploy.engine import Engine, load
+from quasar_deploy.engine import Engine
 from quasar_deploy.serve.app import ServeConfig, create_app
 
-from .serving import live_server, metric, slow_engine
+from .serving import chat_engine, live_server, metric, slow_engine
 
 pytest.importorskip("fastapi")
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
 PROMPTS = [f"def f{i}(x):\n    return x + {i}\n\n\ndef f{i}(" for i in range(8)]
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3) -> Engine:
-    engine = load(tiny_qwen3, backend="cpu")
-    engine.tokenizer.chat_template = CHAT_TEMPLATE
-    return engine
+    return chat_engine(tiny_qwen3)
 
 
 @pytest.fixture(scope="module")

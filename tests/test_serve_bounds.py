@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from quasar_deploy.cli import main
-from quasar_deploy.engine import Engine, load
+from quasar_deploy.engine import Engine
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.serve import vllm
 from quasar_deploy.serve.app import ServeConfig, create_app
@@ -26,20 +26,17 @@ from quasar_deploy.serve.protocol import RequestLimits, parse_request
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
 
 from .helpers import assert_one_line_error
-from .serving import live_server, slow_engine
+from .serving import CHAT_TEMPLATE, chat_engine, live_server, slow_engine
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib("
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3) -> Engine:
-    engine = load(tiny_qwen3, backend="cpu")
-    engine.tokenizer.chat_template = CHAT_TEMPLATE
-    return engine
+    return chat_engine(tiny_qwen3)
 
 
 @pytest.fixture(scope="module")

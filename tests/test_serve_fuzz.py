@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from quasar_deploy.engine import Engine, load
+from quasar_deploy.engine import Engine
 from quasar_deploy.serve.app import ServeConfig, create_app
 from quasar_deploy.serve.protocol import RequestLimits
 
@@ -22,9 +22,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from .serving import chat_engine  # noqa: E402
+
 EXAMPLES = int(os.environ.get("QUASAR_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
 PROMPT = "def add(a, b):\n    return"
 GREEDY = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 8, "draft": "none"}
 
@@ -81,9 +82,7 @@ def bodies(chat: bool):
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3) -> Engine:
-    engine = load(tiny_qwen3, backend="cpu")
-    engine.tokenizer.chat_template = CHAT_TEMPLATE
-    return engine
+    return chat_engine(tiny_qwen3)
 
 
 @pytest.fixture(scope="module")

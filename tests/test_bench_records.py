@@ -106,3 +106,11 @@ def test_verify_step_and_gpu_records_render(monkeypatch):
         "GPU verify step, qwen3-8b (synthetic weights), 6 tokens on a 512-token cache: W8A8 vs bf16": ("1.75x", gpu),
         "GPU n-gram end to end, demo (trained): W8A8 vs bf16": ("1.30x", gpu),
     }
+
+
+def test_a_fidelity_record_renders_its_summing_up_line():
+    lines = ["27 positions: max |logit diff| 1e-05 (max |logit| 15.6), top-1 agreement 1.0000, greedy identical for 16/16 tokens"]
+    lines.append("ONNX Runtime vs torch, all 1 prompts of x.jsonl: greedy text identical on 1, mean common prefix 16.0/16 tokens")
+    record = {"command": "bench onnx fidelity", "machine": {"cpu": "CPU"}, "figures": {"lines": lines}, "date": "2026-12-01T00:00:00+00:00"}
+    rows = current([record | {"file": "f.json"}])["CPU: CPU"]
+    assert rows["ONNX Runtime vs torch, all 1 prompts of x.jsonl"][0] == "greedy text identical on 1, mean common prefix 16.0/16 tokens"

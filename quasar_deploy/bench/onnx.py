@@ -38,7 +38,7 @@ except ImportError:
 from ..backends.onnxruntime import PRECISE_INT8_OPTION, exact_int8_entries, session_options
 from ..cpuinfo import cpu_model
 from ..decoder_spec import DecoderSpec, expected_shapes
-from ..exporters import ONNX_HIDDEN_OUTPUT
+from ..exporters import ONNX_HEAD_FILE, ONNX_HIDDEN_OUTPUT
 from ..exporters.onnx import source_graph, write_graph
 from ..exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder
 from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
@@ -302,7 +302,10 @@ def fidelity(
     from ..calibration.data import read_texts
     from ..tokenizer import load_tokenizer
 
-    onnx_lm, torch_lm = load_onnx(exported, threads=threads), load_cpu(source, int8_kernel="reference", threads=threads)
+    # the torch reference computes the head as the export does: in the graph, float32; beside it, in the CPU's float dtype
+    head_dtype = None if (Path(exported) / ONNX_HEAD_FILE).is_file() else "float32"
+    onnx_lm = load_onnx(exported, threads=threads)
+    torch_lm = load_cpu(source, int8_kernel="reference", threads=threads, float_dtype=head_dtype)
     tokenizer = load_tokenizer(source)
     texts = (read_texts(prompts) if prompts else list(FIDELITY_PROMPTS))[:limit]
     identical = prefix = agree = positions = 0
@@ -323,7 +326,8 @@ def fidelity(
             f"top-1 agreement {top1.mean().item():.4f}, greedy identical for {same}/{steps} tokens"
         )
     yield (
-        f"all {len(texts)} prompts: greedy text identical on {identical}, mean common prefix {prefix / len(texts):.1f}/{steps} tokens, "
+        f"ONNX Runtime vs torch, all {len(texts)} prompts of {Path(prompts).name if prompts else 'the built-in three'}: "
+        f"greedy text identical on {identical}, mean common prefix {prefix / len(texts):.1f}/{steps} tokens, "
         f"teacher-forced top-1 agreement {agree / positions:.4f}"
     )
 

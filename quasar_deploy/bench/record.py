@@ -134,6 +134,12 @@ def _lines(f: dict) -> list[Quantity]:
     return [(line.split(":")[0].strip() if ":" in line else line.strip(), line.strip()) for line in f["lines"]]
 
 
+def _fidelity(f: dict) -> list[Quantity]:
+    """``bench onnx fidelity``: its summing-up line (the per-prompt lines stay in the record)."""
+    last = f["lines"][-1]
+    return [(last.split(":")[0].strip(), last.split(":", 1)[1].strip())]
+
+
 HEADLINES: dict[str, Callable[[dict], list[Quantity]]] = {
     "bench verify-step": _verify_step,
     "bench e2e": _e2e,
@@ -144,6 +150,7 @@ HEADLINES: dict[str, Callable[[dict], list[Quantity]]] = {
     "bench gpu": _gpu,
     "bench onnx layers": _lines,
     "bench onnx step": _lines,
+    "bench onnx fidelity": _fidelity,
 }
 
 

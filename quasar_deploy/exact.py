@@ -76,12 +76,13 @@ def load_exact(
     needs: tuple[str, ...] | list[str] = (),
     **backend_options: Any,
 ) -> ExactEngine:
-    """Both weight sets resident on one backend: the float checkpoint (``float_source``) verifying, the artifact at
-    ``path`` drafting; they must share the tokenizer and the context window."""
+    """Both weight sets resident: the float checkpoint (``float_source``) verifying, the artifact at ``path`` drafting;
+    they must share the tokenizer and the context window. With ``backend="auto"`` each goes where auto sends it: on a CPU
+    with native bf16, the float model to the cpu backend (bf16) and the artifact to ONNX Runtime."""
     source = float_source(path, source)
     name = resolve_backend(backend, source, needs, backend_options)
     verifier = create_backend(name, source, **backend_options)
-    middle = create_backend(name, path, **backend_options)
+    middle = create_backend(resolve_backend(backend, path, needs, backend_options), path, **backend_options)
     if (middle.vocab_size, middle.max_length) != (verifier.vocab_size, verifier.max_length):
         raise QuasarError(
             f"{path}: vocabulary {middle.vocab_size} and context {middle.max_length}, but its float source {source} has "

@@ -89,6 +89,7 @@ def test_modes_keep_their_names_and_order():
         "ngram-float-ort",
         "ngram-w8a8-ort",
         "exact-ngram-ort",
+        "exact-ngram-ort-draft",
     )
 
 

@@ -348,6 +348,17 @@ def test_rounds_fall_back_to_zero_where_they_do_not_pay():
     assert RoundPolicy(rounds=2).choose() == 2
 
 
+def test_rounds_must_promise_the_margin_over_plain_verification(monkeypatch):
+    """A predicted gain under ``ROUNDS_MARGIN`` is no gain: the model leaves out the W8A8 cache's catch-up."""
+    policy = policy_with(1 / 3, 1.0, 1.4, 1, 0.985)
+    best = max(range(policy.max_rounds + 1), key=policy.rate)
+    gain = policy.rate(best) / policy.rate(0)
+    monkeypatch.setattr(cascade, "ROUNDS_MARGIN", gain * 1.01)
+    assert policy.choose() == 0
+    monkeypatch.setattr(cascade, "ROUNDS_MARGIN", gain * 0.99)
+    assert policy.choose() == best
+
+
 def run_timed(monkeypatch, middle_cost: float, inner, n: int = 60):
     """A generation whose float step costs 1.0 and W8A8 round ``middle_cost`` of fake time (both loop and cascade read it)."""
     clock = Clock()
@@ -520,6 +531,31 @@ def test_bench_exact_mode_reports_its_step_costs_and_is_lossless(tiny_qwen3, tin
     figures = report["modes"]["exact-ngram"]
     assert figures["middle_rounds_per_step"] > 0 and figures["middle_round_ms"] > 0
     assert 0 <= figures["direct_step_share"] <= 1 and figures["verify_step_ms"] > 0
+
+
+def test_auto_places_each_model_where_auto_sends_it(tiny_artifact, tiny_qwen3, monkeypatch):
+    """Where the CPU computes bf16 (faked here: the placement, not the numerics, is under test), auto sends the float
+    checkpoint to the cpu backend and the artifact to ONNX Runtime; the output is still the float model's own."""
+    pytest.importorskip("onnxruntime")
+    from quasar_deploy.backends import registry
+
+    monkeypatch.setattr(registry, "bf16_float", lambda path: not (path / "quasar.json").is_file())
+    exact = load(tiny_artifact.path, verify="exact")
+    assert exact.lm.description.startswith("cpu float") and exact.middle.description.startswith("onnxruntime")
+    float_cpu = load(tiny_qwen3, backend="cpu")
+    exact.rounds = 2
+    for prompt in PROMPTS[:2]:
+        assert exact.generate(prompt, max_new_tokens=24).tokens == float_cpu.generate(prompt, max_new_tokens=24, draft="none").tokens
+
+
+def test_bench_exact_mode_with_onnx_runtime_drafting_is_lossless(tiny_qwen3, tiny_artifact, tmp_path):
+    pytest.importorskip("onnxruntime")
+    args = ["bench", "e2e", str(tiny_artifact.path), "--reference", str(tiny_qwen3), "--limit", "2", "--max-new-tokens", "12"]
+    result = CliRunner().invoke(main, [*args, "--modes", "ar-float,exact-ngram-ort-draft", "-o", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)["figures"]  # stderr carries the exports' progress
+    assert report["lossless"] == {"exact-ngram-ort-draft == ar-float": True}
+    assert report["modes"]["exact-ngram-ort-draft"]["verify_step_ms"] > 0
 
 
 def test_exact_mode_on_onnx_runtime_is_the_float_graphs_own_output(tiny_artifact, tiny_qwen3):

@@ -40,7 +40,7 @@ class Contenders:
     weights: str  # "trained" or "synthetic weights"
     pruned_layers: frozenset[int] = field(default_factory=frozenset)
     ort_engines: dict[str, object] = field(default_factory=dict)  # "float" / "w8a8": engines on exported ONNX graphs
-    _exact: dict[bool, ExactEngine] = field(default_factory=dict, repr=False)
+    _exact: dict[str, ExactEngine] = field(default_factory=dict, repr=False)
 
     @cached_property
     def _engines(self) -> tuple[Engine, Engine]:
@@ -54,14 +54,15 @@ class Contenders:
     def w8a8_engine(self) -> Engine:
         return self._engines[1]
 
-    def exact_engine(self, ort: bool = False) -> ExactEngine:
-        """Exact mode over the float and W8A8 engines' own models (cpu, or ``ort``: the ONNX ones): no third copy of
-        either; the modes take turns, and each generation starts both caches afresh."""
-        if ort not in self._exact:
-            pair = (self.ort_engines["float"], self.ort_engines["w8a8"]) if ort else self._engines
-            verifier, middle = pair
-            self._exact[ort] = ExactEngine(verifier.lm, verifier.tokenizer, verifier.stop_ids, verifier.backend, middle=middle.lm)
-        return self._exact[ort]
+    def exact_engine(self, pair: str = "cpu") -> ExactEngine:
+        """Exact mode over the float and W8A8 engines' own models (``modes.EXACT_MODES``: "cpu", "ort" for the ONNX ones,
+        "ort-draft" for the cpu float verifier with ONNX Runtime's W8A8): no third copy of either; the modes take turns,
+        and each generation starts both caches afresh."""
+        if pair not in self._exact:
+            verifier = self.ort_engines["float"] if pair == "ort" else self.float_engine
+            middle = self.w8a8_engine if pair == "cpu" else self.ort_engines["w8a8"]
+            self._exact[pair] = ExactEngine(verifier.lm, verifier.tokenizer, verifier.stop_ids, verifier.backend, middle=middle.lm)
+        return self._exact[pair]
 
 
 def _hf_model_from(path: Path):

@@ -151,7 +151,7 @@ def hf_phase(contenders: Contenders, encoded: list[list[int]], settings: BenchSe
 
 def run_mode(mode: str, contenders: Contenders, ids: list[int], settings: BenchSettings) -> Run:
     if mode in EXACT_MODES:
-        return _engine_run(contenders.exact_engine(ort=mode in ORT_MODES), ids, settings, "ngram")
+        return _engine_run(contenders.exact_engine(EXACT_MODES[mode]), ids, settings, "ngram")
     if mode in ORT_MODES:
         drafter, precision = drafter_and_precision(mode)
         return _engine_run(contenders.ort_engines[precision], ids, settings, drafter)

@@ -17,8 +17,10 @@ PRECISIONS = ("float", "w8a8")
 _DRAFTERS = tuple(name for name in DRAFTERS if name != "model")
 _AR = "ar"
 
-ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort", "exact-ngram-ort")
-EXACT_MODES = ("exact-ngram", "exact-ngram-ort")
+ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort", "exact-ngram-ort", "exact-ngram-ort-draft")
+# exact mode's float verifier and W8A8 drafter: both on the cpu backend, both on ONNX Runtime, or the cpu backend's float
+# verifier (bf16 where the CPU computes it) with ONNX Runtime's W8A8 drafting, the pair "auto" loads on a bf16 CPU
+EXACT_MODES = {"exact-ngram": "cpu", "exact-ngram-ort": "ort", "exact-ngram-ort-draft": "ort-draft"}
 MODES = (
     *(f"{_AR if drafter == 'none' else drafter}-{precision}" for drafter in _DRAFTERS for precision in PRECISIONS),
     "hf-prompt-lookup",
@@ -35,6 +37,7 @@ LOSSLESS_PAIRS = (
     ("ngram-float-ort", "ar-float-ort"),
     ("exact-ngram", "ar-float"),  # exact mode's output is the float model's own
     ("exact-ngram-ort", "ar-float-ort"),
+    ("exact-ngram-ort-draft", "ar-float"),
 )
 
 
@@ -45,5 +48,7 @@ def drafter_and_precision(mode: str) -> tuple[str, str]:
 
 
 def ort_precisions(mode: str) -> tuple[str, ...]:
-    """The ONNX engines (by precision) an ``-ort`` mode runs on: exact mode needs both."""
-    return PRECISIONS if mode in EXACT_MODES else (drafter_and_precision(mode)[1],)
+    """The ONNX engines (by precision) an ``-ort`` mode runs on: exact mode both, or only the W8A8 one that drafts."""
+    if mode in EXACT_MODES:
+        return ("w8a8",) if EXACT_MODES[mode] == "ort-draft" else PRECISIONS
+    return (drafter_and_precision(mode)[1],)

@@ -38,6 +38,9 @@ COST_MEMORY = 0.95  # each older forward's weight in the step-cost fits: about t
 # prior for the float model's per-token acceptance of W8A8's tokens, worth PRIOR_TOKENS observations (top-1 agreement of
 # a calibrated artifact with its float model is near 0.98; a lower prior keeps the first choices cautious)
 PRIOR_ACCEPTANCE, PRIOR_TOKENS = 0.9, 10
+# rounds must promise this much more than plain float verification of the drafts: the model leaves out the W8A8 cache's
+# catch-up after rounds were off, and its estimates are noisy, so a marginal gain predicted is a loss measured
+ROUNDS_MARGIN = 1.1
 CATCH_UP_BLOCK = 64  # W8A8 catches up on tokens it missed (rounds switched off) this many per forward, bounding the logits
 
 
@@ -131,7 +134,8 @@ class RoundPolicy:
             return self.rounds
         if not (self.middle_cost.measured and self.verify_cost.measured and self.tokens_per_verify is not None):
             return 1
-        return max(range(self.max_rounds + 1), key=lambda r: (self.rate(r), -r))
+        best = max(range(self.max_rounds + 1), key=lambda r: (self.rate(r), -r))
+        return best if self.rate(best) >= ROUNDS_MARGIN * self.rate(0) else 0
 
     def rate(self, rounds: int) -> float:
         """Predicted tokens per second with ``rounds`` W8A8 rounds per float step (the estimates must be set)."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from quasar_deploy.engine import Engine, load
+from quasar_deploy.errors import QuasarError
 from quasar_deploy.kernels import float_linear, onednn_available
 from quasar_deploy.serve.metrics import Metrics
 from quasar_deploy.serve.protocol import Request
@@ -30,9 +31,17 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["w8a8", "float"])
+@pytest.fixture(scope="module", params=["w8a8", "float", "w8a8-bf16", "float-bf16"])
 def engine(request, tiny_artifact, tiny_qwen3) -> Engine:
-    return load(tiny_artifact.path if request.param == "w8a8" else tiny_qwen3, backend="cpu")
+    """Each model in float32, and in bf16 as a bf16 CPU runs it (a W8A8 model's head, a float model wholly): batch
+    invariance must hold for both dtypes."""
+    path = tiny_artifact.path if request.param.startswith("w8a8") else tiny_qwen3
+    if not request.param.endswith("bf16"):
+        return load(path, backend="cpu")
+    try:
+        return load(path, backend="cpu", float_dtype="bfloat16")
+    except QuasarError as exc:  # the product refuses bf16 on such a CPU, so there is nothing to serve in it
+        pytest.skip(str(exc))
 
 
 def test_onednn_rows_do_not_depend_on_the_row_count():

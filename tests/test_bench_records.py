@@ -114,3 +114,22 @@ def test_a_fidelity_record_renders_its_summing_up_line():
     record = {"command": "bench onnx fidelity", "machine": {"cpu": "CPU"}, "figures": {"lines": lines}, "date": "2026-12-01T00:00:00+00:00"}
     rows = current([record | {"file": "f.json"}])["CPU: CPU"]
     assert rows["ONNX Runtime vs torch, all 1 prompts of x.jsonl"][0] == "greedy text identical on 1, mean common prefix 16.0/16 tokens"
+
+
+def test_onnx_step_lines_render_one_quantity_per_contender_and_paths_by_name():
+    from quasar_deploy.bench.record import _last_parts, _lines
+
+    lines = ["qwen3-0.6b (synthetic weights), 6-token verify, 2 threads; AMD EPYC, float dtype bfloat16"]
+    lines += [
+        "  ORT fp32                      110.0 ms (median)",
+        "  ORT W8A8 + bf16 head (auto)     53.6 ms (median)   1.48x the best float",
+    ]
+    lines += ["  ideal W8A8 speed-up by weight bytes read, against bfloat16 float: 1.58x"]
+    what = "qwen3-0.6b (synthetic weights), 6-token verify, 2 threads"
+    assert _lines({"lines": lines}) == [
+        (f"{what}: ORT fp32", "110.0 ms (median)"),
+        (f"{what}: ORT W8A8 + bf16 head (auto)", "53.6 ms (median) 1.48x the best float"),
+        (f"{what}: ideal W8A8 speed-up by weight bytes read, against bfloat16 float", "1.58x"),
+    ]
+    assert _last_parts("/home/me/models/q06") == "q06" and _last_parts(["llamacpp=/opt/v/bin/python"]) == ["llamacpp=python"]
+    assert _last_parts("../data/x.jsonl") == "../data/x.jsonl" and _last_parts(8) == 8

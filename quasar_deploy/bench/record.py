@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -101,8 +102,14 @@ def _e2e(f: dict) -> list[Quantity]:
 
 def _serve(f: dict) -> list[Quantity]:
     s = f["settings"]
-    what = f"server, {s['model']}, {s['draft']} drafting, {s['max_tokens']} tokens per request"
-    return [(f"{what}: {level['concurrency']} clients, output tokens/s", f"{level['tokens_per_s']:.1f}") for level in f["levels"]]
+    what = f"server, {Path(s['model']).name}, {s['draft']} drafting, {s['max_tokens']} tokens per request"
+    rows = [(f"{what}: {level['concurrency']} clients, output tokens/s", f"{level['tokens_per_s']:.1f}") for level in f["levels"]]
+    if "vllm" in f:
+        vllm = f"{what}: vLLM {f['vllm']['version']} (CPU build) serving it"
+        rows += [
+            (f"{vllm}, {level['concurrency']} clients, output tokens/s", f"{level['tokens_per_s']:.1f}") for level in f["vllm"]["levels"]
+        ]
+    return rows
 
 
 def _roofline(f: dict) -> list[Quantity]:
@@ -130,8 +137,15 @@ def _kernels(f: dict) -> list[Quantity]:
 
 
 def _lines(f: dict) -> list[Quantity]:
-    """Subcommands that report lines of text (``bench onnx``): the lines, each its own quantity."""
-    return [(line.split(":")[0].strip() if ":" in line else line.strip(), line.strip()) for line in f["lines"]]
+    """Subcommands that report lines of text (``bench onnx``): the first line says what ran; each later one is a
+    contender's figure (its label, then two spaces or more, then the figure) or a ``name: value`` line."""
+    what, *rest = (line.strip() for line in f["lines"])
+    what = what.split(";")[0]
+    rows = []
+    for line in rest:
+        label, _, value = re.split(r"(\s{2,}|: )", line, maxsplit=1) if re.search(r"\s{2,}|: ", line) else (line, "", "")
+        rows.append((f"{what}: {label}", " ".join(value.split())))
+    return rows
 
 
 def _fidelity(f: dict) -> list[Quantity]:
@@ -169,8 +183,19 @@ def current(records: list[dict]) -> dict[str, dict[str, tuple[str, dict]]]:
 
 
 def _set(options: dict) -> list[tuple[str, object]]:
-    """The options a run set (flags off and empty values left out)."""
-    return [(k, v) for k, v in options.items() if v not in (None, False, (), [], "")]
+    """The options a run set (flags off and empty values left out), a path by its last part: where it lay on the
+    measuring machine says nothing to a reader."""
+    return [(k, _last_parts(v)) for k, v in options.items() if v not in (None, False, (), [], "")]
+
+
+def _last_parts(value: object) -> object:
+    """An absolute path (alone, after ``name=``, or in a list) as its file or directory name."""
+    if isinstance(value, (list, tuple)):
+        return [_last_parts(v) for v in value]
+    if isinstance(value, str) and "/" in value:
+        name, sep, path = value.rpartition("=") if "=" in value else ("", "", value)
+        return f"{name}{sep}{Path(path).name}" if path.startswith(("/", "~")) else value
+    return value
 
 
 def render(records: list[dict]) -> str:

@@ -100,11 +100,9 @@ def head_outside(model: Path) -> bool:
     """Whether ``model``'s cached export leaves its float lm_head to the backend: a W8A8 artifact on a CPU whose float
     dtype is bf16 (its head then runs on torch's bf16 kernel, as on the cpu backend; ORT's CPU kernels have no bf16
     MatMul, and a float32 head would read twice the bytes)."""
-    import torch
+    from .kernels import cpu_computes_bf16
 
-    from .kernels import default_float_dtype
-
-    return (model / MANIFEST).is_file() and default_float_dtype("cpu") == torch.bfloat16
+    return (model / MANIFEST).is_file() and cpu_computes_bf16()
 
 
 def onnx_export_path(model: Path) -> Path:

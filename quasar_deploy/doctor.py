@@ -16,6 +16,7 @@ from .kernels import (
     default_float_dtype,
     default_float_kernel,
     default_int8_kernel,
+    dtype_name,
     fbgemm_available,
     float_probe,
     onednn_available,
@@ -65,7 +66,7 @@ def probes() -> dict:
         "float32_ms": round(probe.float32_ms, 3),
         "bfloat16_ms": round(probe.bfloat16_ms, 3),
         "bf16_row_invariant": probe.bf16_row_invariant,
-        "float_dtype": str(default_float_dtype("cpu")).removeprefix("torch."),
+        "float_dtype": dtype_name(default_float_dtype("cpu")),
         "float_dtype_why": f"set by {FLOAT_DTYPE_ENV}={chosen}" if chosen else probe.reason,
     }
 

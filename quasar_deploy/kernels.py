@@ -191,6 +191,17 @@ def default_float_dtype(device: str = "cpu", name: str | None = None) -> torch.d
     return dtype
 
 
+def cpu_computes_bf16() -> bool:
+    """Whether float parts compute in bf16 on this CPU (``default_float_dtype``): what the backend choice, the ONNX
+    export's head and the benchmarks' contenders follow."""
+    return default_float_dtype("cpu") == torch.bfloat16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the name ``default_float_dtype`` takes and reports print."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _onednn_packs(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
 
@@ -341,7 +352,9 @@ __all__ = [
     "FLOAT_KERNELS",
     "FloatProbe",
     "check_int8_kernel",
+    "cpu_computes_bf16",
     "default_float_dtype",
+    "dtype_name",
     "float_probe",
     "onednn_int8_exact",
     "INT8_KERNELS",

@@ -222,16 +222,23 @@ def load_head(directory: Path) -> tuple[Linear, str]:
     that dtype's name. The file was verified with the rest of the export."""
     from safetensors.torch import load_file
 
-    from ..kernels import default_float_dtype, default_float_kernel
+    from ..kernels import dtype_name
     from ..model import check_finite
 
     tensors = load_file(str(directory / HEAD_FILE))
     for name, tensor in tensors.items():
         check_finite(f"{HEAD_FILE}:{name}", tensor)
-    dtype = default_float_dtype("cpu")
-    head = Linear(tensors["weight"], tensors.get("bias"), dtype)
+    head = head_beside(tensors["weight"], tensors.get("bias"))
+    return head, dtype_name(head.dtype)
+
+
+def head_beside(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A float lm_head as it runs beside a graph: torch's float kernel (oneDNN, packed) in the CPU's float dtype."""
+    from ..kernels import default_float_dtype, default_float_kernel
+
+    head = Linear(weight, bias, default_float_dtype("cpu"))
     head.prepare(default_float_kernel("cpu"))
-    return head, str(dtype).removeprefix("torch.")
+    return head
 
 
 class OnnxCausalLM:

@@ -116,12 +116,10 @@ def fits_onnxruntime(path: Path) -> bool:
 def bf16_float(path: Path) -> bool:
     """A float checkpoint on a CPU whose float dtype is bf16: the cpu backend runs it in bf16, ORT's CPU kernels only in
     float32 (twice the bytes per step), so "auto" keeps it off ONNX Runtime."""
-    import torch
-
     from ..integrity import MANIFEST
-    from ..kernels import default_float_dtype
+    from ..kernels import cpu_computes_bf16
 
-    return not (path / MANIFEST).is_file() and default_float_dtype("cpu") == torch.bfloat16
+    return not (path / MANIFEST).is_file() and cpu_computes_bf16()
 
 
 def suits_onnxruntime(path: Path) -> bool:
@@ -137,9 +135,7 @@ def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str
     directory = Path(path)
     target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
     if target is None:
-        return next(
-            n for n in candidates(needs, options) if n != "onnxruntime" or (fits_onnxruntime(directory) and not bf16_float(directory))
-        )
+        return next(n for n in candidates(needs, options) if n != "onnxruntime" or suits_onnxruntime(directory))
     if target == "npu":
         raise QuasarError(
             f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "

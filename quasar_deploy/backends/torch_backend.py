@@ -10,7 +10,7 @@ import torch
 from ..artifact import ModelFiles, open_model_files
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
+from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name
 from ..memory import kv_cache_bytes
 from ..model import KEY_CHUNK, Decoder, KVCache, round_up
 
@@ -132,6 +132,6 @@ def cpu_causal_lm(
     lm_class = BatchingTorchCausalLM if float_kernel == "onednn" else TorchCausalLM
     return lm_class(
         decoder,
-        description=f"cpu {kind}, {torch.get_num_threads()} threads (float dtype {str(decoder.lm_head.dtype).removeprefix('torch.')}, "
+        description=f"cpu {kind}, {torch.get_num_threads()} threads (float dtype {dtype_name(decoder.lm_head.dtype)}, "
         f"float kernel {float_kernel}, int8 kernel {int8_kernel})",
     )

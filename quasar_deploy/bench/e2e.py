@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..backends.torch_backend import TorchCausalLM
 from ..engine import GenerationStats
 from ..errors import QuasarError
-from ..kernels import default_float_dtype
+from ..kernels import default_float_dtype, dtype_name
 from ..memory import return_freed_memory
 from ..speculative.cascade import CascadeStats
 from . import anchors
@@ -300,7 +300,7 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
         "modes": {m: _summary(r, baselines) for m, r in runs.items()},
     }
     _at_paper_acceptance(report["modes"], float_modes)
-    report["settings"]["float_dtype"] = str(default_float_dtype("cpu")).removeprefix("torch.")
+    report["settings"]["float_dtype"] = dtype_name(default_float_dtype("cpu"))
     if anchor_results:
         report["anchors"] = _anchor_report(anchor_results, runs, [m for m in ours if "w8a8" in m])
     if skipped:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..cpuinfo import cpu_model
 from ..decoder_spec import DecoderSpec
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
+from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name
 from ..model import Decoder
 from .memory import check_fits
 from .synthetic import LIBRARIES_BYTES, RandomTensors, engines_peak_bytes, step_read_bytes, synthetic_decoders, synthetic_spec
@@ -100,7 +100,7 @@ def verify_step(
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, spec.vocab_size, (context,), generator=generator)
     ids = torch.randint(0, spec.vocab_size, (tokens,), generator=generator)
-    contenders = {**{_name(d): m for d, m in models.items()}, "w8a8": quant_model}
+    contenders = {**{dtype_name(d): m for d, m in models.items()}, "w8a8": quant_model}
     caches = {}
     for name, model in contenders.items():
         caches[name] = model.new_cache(context + tokens)
@@ -113,7 +113,7 @@ def verify_step(
     medians = {name: 1000 * statistics.median(t) for name, t in times.items()}
     best = min((n for n in contenders if n != "w8a8"), key=medians.__getitem__)
     ratios = [f / q for f, q in zip(times[best], times["w8a8"])]
-    best_model = next(m for d, m in models.items() if _name(d) == best)
+    best_model = next(m for d, m in models.items() if dtype_name(d) == best)
     ideal = weight_bytes(best_model) / weight_bytes(quant_model)
     ratio = statistics.median(ratios)
     return VerifyStepResult(
@@ -124,7 +124,7 @@ def verify_step(
         float_kernel=float_kernel,
         int8_kernel=int8_kernel,
         int8_lm_head=int8_lm_head,
-        head_dtype=_name(head_dtype),
+        head_dtype=dtype_name(head_dtype),
         threads=torch.get_num_threads(),
         float_ms={n: medians[n] for n in contenders if n != "w8a8"},
         best_float=best,
@@ -134,10 +134,6 @@ def verify_step(
         ideal_ratio=ideal,
         fraction_of_ideal=ratio / ideal,
     )
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def describe_verify_step(result: VerifyStepResult) -> str:

@@ -35,13 +35,13 @@ try:
 except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
-from ..backends.onnxruntime import PRECISE_INT8_OPTION, exact_int8_entries, session_options
+from ..backends.onnxruntime import PRECISE_INT8_OPTION, exact_int8_entries, head_beside, session_options
 from ..cpuinfo import cpu_model
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..exporters import ONNX_HEAD_FILE, ONNX_HIDDEN_OUTPUT
 from ..exporters.onnx import source_graph, write_graph
 from ..exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
+from ..kernels import cpu_computes_bf16, default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name
 from ..memory import EMBEDDINGS, return_freed_memory
 from ..model import Linear
 from ..scheme import QMAX, quantize_weight, reference_linear
@@ -221,31 +221,29 @@ def step(
     ratios against the round's fastest float contender."""
     spec = synthetic_spec(shape)
     dtype = default_float_dtype("cpu")
-    bf16 = dtype == torch.bfloat16
     check_fits(step_peak_bytes(spec, with_torch, int8_lm_head, dtype.itemsize), f"bench onnx step --synthetic {shape}")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, tokens)
     steps: dict[str, Callable[[], float]] = {}
     # the W8A8 graph auto runs here: on a bf16 CPU without its float head, the head in bf16 on torch beside it
-    w8a8_label = "ORT W8A8 + bf16 head (auto)" if bf16 and not int8_lm_head else "ORT W8A8 integer"
-    sources = {"ORT fp32": (spec, RandomTensors(spec)), w8a8_label: w8a8_source(shape, int8_lm_head=int8_lm_head)}
+    outside = cpu_computes_bf16() and not int8_lm_head
+    w8a8_label = "ORT W8A8 + bf16 head (auto)" if outside else "ORT W8A8 integer"
+    sources = {"ORT fp32": (spec, RandomTensors(spec), False), w8a8_label: (*w8a8_source(shape, int8_lm_head=int8_lm_head), outside)}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, (source_spec, source) in sources.items():  # one at a time, each beside the sessions already built
-            directory = Path(tmp) / label.split(" (")[0].replace(" ", "-").replace("+", "")
+        for i, (label, (source_spec, source, head_outside)) in enumerate(sources.items()):  # each beside the sessions built
+            directory = Path(tmp) / str(i)
             directory.mkdir()
-            outside = "head" in label
-            write_synthetic_graph(directory, source_spec, source, label, head_outside=outside)
+            write_synthetic_graph(directory, source_spec, source, label, head_outside=head_outside)
             return_freed_memory()
-            session, feed = _ort_session(directory, threads, outside), _ort_feed(spec, ids, context, rng)
-            steps[label] = (
-                _head_beside(session, feed, _synthetic_head(spec, source)) if outside else partial(timed, partial(session.run, None, feed))
-            )
+            session, feed = _ort_session(directory, threads, head_outside), _ort_feed(spec, ids, context, rng)
+            plain = partial(timed, partial(session.run, None, feed))
+            steps[label] = _head_beside(session, feed, _synthetic_head(spec, source)) if head_outside else plain
     float_bytes = step_read_bytes(spec, quantized=False, float_itemsize=dtype.itemsize)
     ideal = float_bytes / step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
     if with_torch:
         kernels = default_float_kernel(), default_int8_kernel()
         decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head, dtype=dtype)
-        labels = (f"torch float {_name(dtype)} {kernels[0]}", f"torch W8A8 {kernels[1]}")
+        labels = (f"torch float {dtype_name(dtype)} {kernels[0]}", f"torch W8A8 {kernels[1]}")
         for label, decoder in zip(labels, decoders):
             cache = decoder.new_cache(context + tokens)
             decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), cache)
@@ -263,24 +261,17 @@ def step(
     head = "an int8" if int8_lm_head else "a float"
     yield (
         f"{shape} (synthetic weights, W8A8 with {head} lm_head), {tokens}-token verify on a {context}-token cache, "
-        f"{threads} threads, {repeats} rounds; {cpu_model()}, float dtype {_name(dtype)}"
+        f"{threads} threads, {repeats} rounds; {cpu_model()}, float dtype {dtype_name(dtype)}"
     )
     for label, series in times.items():
         speedup = "" if label in floats else f"   {statistics.median(b / t for b, t in zip(best_float, series)):.2f}x the best float"
         yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
-    yield f"  ideal W8A8 speed-up by weight bytes read, against {_name(dtype)} float: {ideal:.2f}x"
+    yield f"  ideal W8A8 speed-up by weight bytes read, against {dtype_name(dtype)} float: {ideal:.2f}x"
 
 
 def _synthetic_head(spec: DecoderSpec, source: RandomTensors) -> Linear:
-    """The float lm_head of ``source`` (its table where tied) in bf16 on oneDNN, as ``backends.onnxruntime.load_head``
-    builds it from an export's head file."""
-    head = Linear(source.tensor(EMBEDDINGS if spec.tie_word_embeddings else "lm_head.weight"), dtype=torch.bfloat16)
-    head.prepare(default_float_kernel())
-    return head
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """The float lm_head of ``source`` (its table where tied), built as the backend builds an export's head file."""
+    return head_beside(source.tensor(EMBEDDINGS if spec.tie_word_embeddings else "lm_head.weight"))
 
 
 def _greedy(lm, prompt: list[int], steps: int) -> list[int]:

@@ -151,9 +151,9 @@ W8A8 = "int8 weights, int8 per-token activations"
 def _float_vs_int8() -> dict[str, str]:
     """What the float and W8A8 contenders compute in here: the CPU's float dtype (``kernels.default_float_dtype``), which
     is also the W8A8 model's float lm_head's."""
-    from ..kernels import default_float_dtype
+    from ..kernels import default_float_dtype, dtype_name
 
-    dtype = str(default_float_dtype("cpu")).removeprefix("torch.")
+    dtype = dtype_name(default_float_dtype("cpu"))
     return {"float": dtype, "w8a8": f"{W8A8}, {dtype} lm_head"}
 
 

@@ -319,7 +319,7 @@ def prefill_mask(spec: DecoderSpec, length: int, device: torch.device | str) -> 
 
 
 # Attention after the prefill runs in fixed shapes, so that a row computes the same bits whatever block or batch it is in:
-QUERY_ROWS = 16  # a block's query rows, in pieces of this many (the last piece padded)
+QUERY_ROWS = 8  # a block's query rows, in pieces of this many (the last piece padded)
 KEY_CHUNK = 256  # keys are read up to a multiple of this, and values summed in chunks of exactly this many
 
 

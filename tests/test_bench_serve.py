@@ -33,6 +33,7 @@ def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
         assert level["itl_ms_p50"] is None or level["itl_ms_p50"] <= level["itl_ms_p99"]
         assert level["acceptance_length"] is None or 1 <= level["acceptance_length"] <= 6
     assert report["levels"][0]["throughput_vs_concurrency_1"] == 1.0
+    assert report["backend"].startswith("cpu W8A8, ")  # named by the startup line of the server process it ran
     assert len(report["environment"]["load_average_at_start"]) == 3
     assert "| 2 | 2 |" in (out / "report.md").read_text() and "| 2 | 2 |" in result.output
     again = CliRunner().invoke(main, [*args, "-o", str(out)])  # the report directory is never overwritten

@@ -12,12 +12,12 @@ uvicorn thread, the scheduler thread); the clients are threads too, and mostly w
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
 import queue
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -30,9 +30,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..engine import Engine, load, warm_up
+from ..engine import Engine, warm_up
 from ..errors import QuasarError
 from ..files import atomic_directory, first_line
+from ..serve.local import free_port
 
 WARM_UP_TOKENS = 8
 MODEL_NAME = "bench"
@@ -88,24 +89,16 @@ class WideVocabulary:
         return "".join(parts)
 
 
-def serving_engine(artifact: str | None, synthetic: str | None) -> tuple[Engine, str]:
-    """The engine to serve and how the report names it: an artifact (default: the demo model's) or a synthetic shape."""
-    if synthetic:
-        from ..backends.torch_backend import cpu_causal_lm
-        from ..demo import demo_model_path
-        from ..tokenizer import load_tokenizer
-        from .synthetic import synthetic_w8a8_decoder
+def synthetic_engine(shape: str) -> tuple[Engine, str]:
+    """An engine over W8A8 random weights of a published shape, and how the report names it (timing only)."""
+    from ..backends.torch_backend import cpu_causal_lm
+    from ..demo import demo_model_path
+    from ..tokenizer import load_tokenizer
+    from .synthetic import synthetic_w8a8_decoder
 
-        lm = cpu_causal_lm(synthetic_w8a8_decoder(synthetic), kind="W8A8 synthetic")
-        warm_up(lm)
-        return Engine(
-            lm, WideVocabulary(load_tokenizer(demo_model_path())), frozenset(), "cpu"
-        ), f"synthetic {synthetic} W8A8 (random weights)"
-    if artifact is None:
-        from ..demo import demo_artifact
-
-        artifact = str(demo_artifact(progress=False))
-    return load(artifact, backend="cpu"), artifact
+    lm = cpu_causal_lm(synthetic_w8a8_decoder(shape), kind="W8A8 synthetic")
+    warm_up(lm)
+    return Engine(lm, WideVocabulary(load_tokenizer(demo_model_path())), frozenset(), "cpu"), f"synthetic {shape} W8A8 (random weights)"
 
 
 def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> RequestTiming:
@@ -207,10 +200,12 @@ def run_levels(base: str, prompts: Sequence[str], settings: ServeBenchSettings, 
 
 def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_python: Path | None = None) -> dict[str, Any]:
     """Serve the model, warm the batched path up, then run each concurrency level in turn; the report (JSON-ready).
+
+    An artifact is served as a user deploys it, by ``quasar-deploy serve`` in a process of its own (``quasar_server``),
+    as vLLM's server is: the clients' threads then share neither its interpreter nor its OpenMP threads. A synthetic
+    model exists only in this process, so its server runs here, in threads beside the clients.
     ``vllm_python``: then vLLM's CPU build serves the same artifact the same way afterwards (``vllm_server``), and the
     report compares the two level by level."""
-    from ..serve.app import ServeConfig, create_app
-    from ..serve.local import serving_in_thread
     from .e2e import environment, read_prompts
 
     if not settings.concurrency or min(settings.concurrency) < 1:
@@ -218,21 +213,18 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
     if vllm_python is not None and not settings.artifact:
         raise QuasarError("vLLM serves an artifact directory: give ARTIFACT, not --synthetic or the default")
     prompts = read_prompts(settings.prompts, settings.limit)
-    engine, label = serving_engine(settings.artifact, settings.synthetic)
     widest = max(settings.concurrency)
-    config = ServeConfig(MODEL_NAME, max_sequences=widest, max_queue=widest, draft=settings.draft, num_draft=settings.num_draft)
     load_average = os.getloadavg()
-    with serving_in_thread(create_app(engine, config)) as base:
+    server = synthetic_server(settings, widest) if settings.synthetic else quasar_server(settings, widest)
+    with server as (base, label, backend):
         levels = run_levels(base, prompts, settings, "quasar-deploy", progress)
     report = {
         "settings": {**asdict(settings), "concurrency": list(settings.concurrency), "model": label, "prompt_count": len(prompts)},
         "environment": {**environment(), "load_average_at_start": list(load_average)},
-        "backend": engine.lm.description,
+        "backend": backend,
         "levels": levels,
     }
     if vllm_python is not None:
-        del engine  # vLLM loads its own copy of the weights
-        gc.collect()
         with vllm_server(vllm_python, settings, widest) as (base, version):
             vllm_levels = run_levels(base, prompts, settings, "vLLM", progress)
         report["vllm"] = {"version": version, "levels": vllm_levels}
@@ -240,6 +232,43 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
             ours["vs_vllm"] = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
     report["environment"]["load_average_at_end"] = list(os.getloadavg())
     return report
+
+
+@contextmanager
+def synthetic_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str, str]]:
+    """Our server on a synthetic model, in threads of this process: its base URL, the model's label, the backend."""
+    from ..serve.app import ServeConfig, create_app
+    from ..serve.local import serving_in_thread
+
+    engine, label = synthetic_engine(settings.synthetic)
+    config = ServeConfig(
+        MODEL_NAME, max_sequences=max_sequences, max_queue=max_sequences, draft=settings.draft, num_draft=settings.num_draft
+    )
+    with serving_in_thread(create_app(engine, config)) as base:
+        yield base, label, engine.lm.description
+
+
+QUASAR_START_S = 900  # loading and warming up an 8B artifact on 2 cores takes minutes
+STARTED = f"serving {MODEL_NAME} on "  # the start of the line `quasar-deploy serve` prints once its model is loaded
+
+
+@contextmanager
+def quasar_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str, str]]:
+    """``quasar-deploy serve`` on the artifact (the demo model's by default) on the cpu backend, in its own process: its
+    base URL, the artifact and the backend its startup line names."""
+    if settings.artifact is None:
+        from ..demo import demo_artifact
+
+        artifact = str(demo_artifact(progress=False))
+    else:
+        artifact = settings.artifact
+    port = free_port()
+    argv = [sys.executable, "-c", "from quasar_deploy.cli import main; main()", "serve", artifact, "--backend", "cpu"]
+    argv += ["--port", str(port), "--model-name", MODEL_NAME, "--max-sequences", str(max_sequences), "--max-queue", str(max_sequences)]
+    argv += ["--draft", settings.draft, "--num-draft", str(settings.num_draft)]
+    with server_process(argv, os.environ.copy(), port, QUASAR_START_S, "quasar-deploy") as (base, log):
+        backend = next((line.removeprefix(STARTED) for line in log() if line.startswith(STARTED)), "?")
+        yield base, artifact, backend
 
 
 VLLM_START_S = 900  # vLLM's CPU build compiles and warms up its kernels at start: minutes on 2 cores
@@ -250,7 +279,6 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
     """vLLM's OpenAI server (its CPU build, in its own venv: docs/anchors.md) on a free 127.0.0.1 port, serving
     ``settings.artifact`` in bf16 with the same n-gram drafting; yields its base URL and version, and stops it after."""
     from ..artifact import open_model_files
-    from ..serve.local import free_port, wait_healthy
     from .anchors import _clean_environment
 
     version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
@@ -267,18 +295,32 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
     elif settings.draft != "none":
         raise QuasarError(f"vLLM drafts with ngram or none, not {settings.draft!r}")
     env = _clean_environment(Path(python)) | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    with server_process(argv, env, port, VLLM_START_S, "vLLM") as (base, _):
+        yield base, version.stdout.strip()
+
+
+@contextmanager
+def server_process(argv: list[str], env: dict[str, str], port: int, start_s: float, name: str) -> Iterator[tuple[str, Any]]:
+    """``argv`` serving on ``port`` in a process of its own, until it answers /health (or fails in one line, quoting its
+    log); yields its base URL and a function returning its log lines so far, and stops it after."""
+    from ..serve.local import wait_healthy
+
     with tempfile.TemporaryFile("w+") as log:
+
+        def lines() -> list[str]:
+            log.seek(0)
+            return [line for line in log.read().splitlines() if line.strip()]
+
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
             try:
-                wait_healthy(base, VLLM_START_S, process)
+                wait_healthy(base, start_s, process)
             except (RuntimeError, TimeoutError) as exc:
-                log.seek(0)
-                lines = [line for line in log.read().splitlines() if line.strip()] or ["no output"]
-                why = next((line for line in reversed(lines) if "Error" in line or "error:" in line), lines[-1])
-                raise QuasarError(f"vLLM's server did not start ({first_line(exc)}); its log says: {why.strip()[:300]}") from None
-            yield base, version.stdout.strip()
+                said = lines() or ["no output"]
+                why = next((line for line in reversed(said) if "Error" in line or "error:" in line), said[-1])
+                raise QuasarError(f"{name}'s server did not start ({first_line(exc)}); its log says: {why.strip()[:300]}") from None
+            yield base, lines
         finally:
             process.terminate()
             try:

@@ -148,7 +148,10 @@ def serve(
         engine.tokenizer.chat_template = chat_template.read_text()
     if not kv_cache_mib:  # measured once the model holds its memory
         config = dataclasses.replace(config, kv_cache_bytes=default_kv_cache_bytes(engine.lm))
-    run(create_app(engine, config), host, port, limits["drain_timeout"])
+    app = create_app(engine, config)
+    # what serves, before uvicorn's own lines: the backend auto chose, its threads and kernels (bench serve reads it)
+    click.echo(f"serving {config.model} on {engine.lm.description}", err=True)
+    run(app, host, port, limits["drain_timeout"])
 
 
 def serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits: dict) -> None:

@@ -31,6 +31,7 @@ from ..cpuinfo import memory_available
 from ..engine import Engine, Generation, GenerationOptions, GenerationResult
 from ..errors import QuasarError
 from ..files import first_line
+from ..openmp import release_openmp_pool
 from ..speculative.causal_lm import BatchVerifyingLM
 from .metrics import Metrics
 from .protocol import ApiError, Request
@@ -142,6 +143,9 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="quasar-scheduler", daemon=True)
         self._batcher = engine.lm if isinstance(engine.lm, BatchVerifyingLM) else None
+        # this thread loaded the model; the worker thread runs it from here on, at full speed only once this thread's
+        # OpenMP pool is gone (openmp.py)
+        release_openmp_pool()
 
     def start(self) -> None:
         self._thread.start()

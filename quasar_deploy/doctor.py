@@ -19,6 +19,7 @@ from .kernels import (
     dtype_name,
     fbgemm_available,
     float_probe,
+    int8_probe,
     onednn_available,
     onednn_int8_exact,
     vnni_available,
@@ -59,9 +60,12 @@ def probes() -> dict:
 
     probe = float_probe()
     chosen = os.environ.get(FLOAT_DTYPE_ENV)
+    int8 = int8_probe()
     return {
         "fbgemm_int8_sums_32bit": vnni_available(),
         "onednn_int8_exact": onednn_int8_exact(),
+        "int8_ms": {name: round(ms, 3) for name, ms in int8.ms.items()},
+        "int8_kernel_why": int8.reason if int8.ms else "no 32-bit int8 kernel here: FBGEMM's split kernel",
         "onnxruntime_int8_options": [f"{k}={v}" for k, v in exact_int8_entries()] if unavailable("onnxruntime") is None else None,
         "float32_ms": round(probe.float32_ms, 3),
         "bfloat16_ms": round(probe.bfloat16_ms, 3),

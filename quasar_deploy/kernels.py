@@ -21,7 +21,7 @@ accumulation; they differ only in speed and in where they run):
   FBGEMM's kernel accumulates u8*s8 products straight into 32 bits and cannot overflow:
   the full-range int8 rows plus pinning rows -127 and 128 (scale 1, zero point 127), M+2
   rows of compute; the accumulation is recovered as above (exact while |acc| < 2^23).
-  Chosen by default where running it once shows 32-bit sums (``vnni_available``); tested bit-identical to the
+  Offered where running it once shows 32-bit sums (``vnni_available``); tested bit-identical to the
   reference there.
 - ``onednn-vnni``: oneDNN's u8 x s8 int8 linear (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86
   int8 path uses), fed the int8 codes shifted to uint8 (zero point 128) with unit scales, so its float32 output is
@@ -29,9 +29,10 @@ accumulation; they differ only in speed and in where they run):
   scaling follows in the reference's order. Exact at any K where oneDNN multiplies with VNNI (32-bit lanes);
   without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only where running it
   once shows exact sums (``onednn_int8_exact``).
-  No pinning rows and no float64 recovery: per linear faster than fbgemm-vnni from M = 4 rows up, slower at M = 1
-  (``bench kernels --int8-kernels onednn-vnni,fbgemm-vnni``), but whole verify steps were within run-to-run noise
-  of fbgemm-vnni's (docs/architecture.md), so it is offered, not the default. Tested bit-identical to the reference.
+  No pinning rows and no float64 recovery. Tested bit-identical to the reference.
+
+Where both 32-bit kernels are exact, the default is the one a timing on a verify step's shape finds faster
+(``int8_probe``): both compute the same bits, so the choice moves speed, never an output.
 - ``cuda`` / ``npu`` kernels live with their backends.
 
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
@@ -105,10 +106,64 @@ def _sums_exactly(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> boo
         return False
 
 
+PROBE_ROWS = (6, 48)  # a verify block, and a batched serving step of 8 sequences
+
+
+@dataclass(frozen=True)
+class Int8Probe:
+    """What timing the exact 32-bit int8 kernels once showed (``int8_probe``): ms of one call at each of ``PROBE_ROWS``,
+    summed, per kernel that sums exactly here."""
+
+    ms: dict[str, float]
+
+    @property
+    def kernel(self) -> str:
+        return min(self.ms, key=self.ms.__getitem__)
+
+    @property
+    def reason(self) -> str:
+        if len(self.ms) == 1:
+            return "the only exact 32-bit int8 kernel here"
+        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
+        return f"the faster at {' and '.join(map(str, PROBE_ROWS))} rows ({times})"
+
+
+@functools.cache
+def int8_probe() -> Int8Probe:
+    """Times ``fbgemm-vnni`` and ``onednn-vnni`` (those that sum exactly here) on one linear of a verify step's shape,
+    once per process. Both compute the same bits (exact), so the choice changes speed only, never an output; which is
+    faster depends on the CPU and the row count (oneDNN has measured faster at 48 rows and in prefills on Zen 4, FBGEMM
+    at one row), so it is timed rather than assumed."""
+    kernels = [name for name, exact in (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact())) if exact]
+    if len(kernels) < 2:
+        return Int8Probe({name: 0.0 for name in kernels})
+    generator = torch.Generator().manual_seed(0)
+    wq = torch.randint(-127, 128, (3072, 1024), generator=generator, dtype=torch.int8)
+    w_scale = torch.full((3072, 1), 0.01)
+    x = torch.randn(max(PROBE_ROWS), 1024, generator=generator)
+    ms = {}
+    for name in kernels:
+        linear = int8_linear(wq, w_scale, None, None, name)
+        total = 0.0
+        for rows in PROBE_ROWS:
+            linear(x[:rows])
+            runs = []
+            for _ in range(5):
+                start = time.perf_counter()
+                linear(x[:rows])
+                runs.append(time.perf_counter() - start)
+            total += min(runs) * 1e3
+        ms[name] = total
+    return Int8Probe(ms)
+
+
 def default_int8_kernel(device: str = "cpu") -> str:
+    """The fastest exact int8 kernel here: of the 32-bit ones, the one ``int8_probe`` timed faster; on AVX2 without
+    VNNI, ``fbgemm`` (split); ``reference`` off the CPU or without FBGEMM."""
     if device != "cpu" or not fbgemm_available():
         return "reference"
-    return "fbgemm-vnni" if vnni_available() else "fbgemm"
+    probe = int8_probe()
+    return probe.kernel if probe.ms else "fbgemm"
 
 
 def default_float_kernel(device: str = "cpu") -> str:
@@ -246,8 +301,8 @@ def _activation_scale(x: torch.Tensor, input_scale: torch.Tensor | None) -> torc
 def _scaled(acc: torch.Tensor, scale: torch.Tensor, w_row: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The scheme's epilogue, in the reference's order: float32(acc) * activation scale * weight scale (+ bias); every
     kernel ends here, so all of them round as the reference does."""
-    y = acc.float() * scale * w_row
-    return y + bias if bias is not None else y
+    y = acc.float().mul_(scale).mul_(w_row)  # in place: acc is the kernel's own temporary (a prefill's are megabytes)
+    return y.add_(bias) if bias is not None else y
 
 
 def _reference(wq, w_scale, bias, input_scale) -> LinearFn:
@@ -289,10 +344,10 @@ def _fbgemm(wq, w_scale, bias, input_scale, split: bool) -> LinearFn:
         rows = q.shape[0]
         if not split:
             out = torch.ops.quantized.linear_dynamic(torch.cat([q, pin]), packed, False)
-            return torch.round(out[:rows].double() * inv_w)
+            return out[:rows].double().mul_(inv_w).round_()
         high = torch.floor(q * 0.5)
         out = torch.ops.quantized.linear_dynamic(torch.cat([high, q - 2.0 * high, pin]), packed, True)
-        halves = torch.round(out[: 2 * rows].double() * inv_w)
+        halves = out[: 2 * rows].double().mul_(inv_w).round_()
         return 2.0 * halves[:rows] + halves[rows:]
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -310,7 +365,7 @@ def _onednn_int8(wq, w_scale, bias, input_scale) -> LinearFn:
 
     def run(x: torch.Tensor) -> torch.Tensor:
         scale = _activation_scale(x, input_scale)
-        codes = (quantize_activation(x, scale) + ZERO_POINT).to(torch.uint8)
+        codes = quantize_activation(x, scale).add_(ZERO_POINT).to(torch.uint8)
         acc = torch.ops.onednn.qlinear_pointwise(
             codes, 1.0, ZERO_POINT, packed, unit_scales, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
         )
@@ -351,11 +406,13 @@ __all__ = [
     "FLOAT_DTYPES",
     "FLOAT_KERNELS",
     "FloatProbe",
+    "Int8Probe",
     "check_int8_kernel",
     "cpu_computes_bf16",
     "default_float_dtype",
     "dtype_name",
     "float_probe",
+    "int8_probe",
     "onednn_int8_exact",
     "INT8_KERNELS",
     "QMAX",

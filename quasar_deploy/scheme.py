@@ -48,12 +48,13 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def per_token_scale(x: torch.Tensor) -> torch.Tensor:
     """scale = rowmax|x| / 127, shape [rows, 1]; all-zero rows get a harmless tiny scale."""
-    return (x.float().abs().amax(dim=-1, keepdim=True) / QMAX).clamp(min=1e-12)
+    low, high = torch.aminmax(x.float(), dim=-1, keepdim=True)  # max |x| in one pass, without a temporary |x| the size of x
+    return (torch.maximum(high, -low) / QMAX).clamp(min=1e-12)
 
 
 def quantize_activation(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even, saturate to [-127, 127]; returns integer values as float32."""
-    return torch.round(x.float() / scale).clamp(-QMAX, QMAX)
+    return (x.float() / scale).round_().clamp_(-QMAX, QMAX)  # one new tensor, rounded and clamped in place
 
 
 def int8_matmul_exact(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:

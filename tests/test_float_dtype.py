@@ -100,14 +100,33 @@ def test_the_int8_probe_tells_a_saturating_kernel_from_an_exact_one():
     assert kernels._sums_exactly(lambda wq, w_scale: kernels._reference(wq, w_scale, None, None))
 
 
-def test_the_default_int8_kernel_follows_the_probe(monkeypatch):
+def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
     monkeypatch.setattr(kernels, "fbgemm_available", lambda: True)
-    monkeypatch.setattr(kernels, "vnni_available", lambda: True)
-    assert kernels.default_int8_kernel("cpu") == "fbgemm-vnni"
+    for timed, chosen in (
+        ({"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, "onednn-vnni"),
+        ({"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, "fbgemm-vnni"),
+        ({"fbgemm-vnni": 0.0}, "fbgemm-vnni"),  # the only exact 32-bit kernel: not timed
+        ({}, "fbgemm"),  # none sums in 32 bits (AVX2): the split kernel
+    ):
+        monkeypatch.setattr(kernels, "int8_probe", lambda timed=timed: kernels.Int8Probe(timed))
+        assert kernels.default_int8_kernel("cpu") == chosen
+    assert "onednn-vnni 1.00 ms" in kernels.Int8Probe({"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}).reason
     monkeypatch.setattr(kernels, "vnni_available", lambda: False)
-    assert kernels.default_int8_kernel("cpu") == "fbgemm"
     with pytest.raises(QuasarError, match="fbgemm-vnni kernel needs"):
         kernels.check_int8_kernel("fbgemm-vnni")
+
+
+@pytest.mark.parametrize("fbgemm, onednn", [(True, False), (False, True), (False, False)])
+def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgemm, onednn):
+    monkeypatch.setattr(kernels, "vnni_available", lambda: fbgemm)
+    monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: onednn)
+    kernels.int8_probe.cache_clear()
+    try:
+        probe = kernels.int8_probe()
+    finally:
+        kernels.int8_probe.cache_clear()  # the next caller probes this CPU itself
+    expected = [name for name, exact in (("fbgemm-vnni", fbgemm), ("onednn-vnni", onednn)) if exact]
+    assert list(probe.ms) == expected and all(ms == 0.0 for ms in probe.ms.values())
 
 
 def _bf16_runs_here() -> bool:

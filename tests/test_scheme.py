@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from quasar_deploy.cpuinfo import cpu_flags
-from quasar_deploy.kernels import default_int8_kernel, fbgemm_available, int8_linear, onednn_int8_available, vnni_available
+from quasar_deploy.kernels import (
+    default_int8_kernel,
+    fbgemm_available,
+    int8_linear,
+    int8_probe,
+    onednn_int8_available,
+    onednn_int8_exact,
+    vnni_available,
+)
 from quasar_deploy.scheme import int8_matmul_exact, per_token_scale, quantize_activation, quantize_weight, reference_linear
 
 
@@ -77,7 +85,10 @@ def test_onednn_kernel_is_exact_past_float32s_integer_range():
 
 
 def test_the_default_int8_kernel_follows_the_cpu():
-    expected = "reference" if not fbgemm_available() else "fbgemm-vnni" if vnni_available() else "fbgemm"
+    exact = [name for name, ok in (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact())) if ok]
+    probe = int8_probe()
+    assert sorted(probe.ms) == sorted(exact)  # every exact 32-bit kernel timed, and no other
+    expected = "reference" if not fbgemm_available() else probe.kernel if exact else "fbgemm"
     assert default_int8_kernel("cpu") == expected and default_int8_kernel("cuda") == "reference"
 
 

@@ -30,7 +30,7 @@ def doctor(path, as_json, exact, exact_source):
     click.echo(f"openmp waits   {info['omp_wait_policy']}")
     click.echo(f"isa listed     {' '.join(info['isa']) or 'none detected'} (/proc/cpuinfo; kernels are chosen by running them)")
     click.echo(f"torch          {info['torch']} (python {info['python']})")
-    click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; fbgemm {'available' if info['fbgemm'] else 'missing'})")
+    click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; {info['probes']['int8_kernel_why']})")
     click.echo(f"float kernel   {info['float_kernel']} (oneDNN {'available' if info['onednn'] else 'missing'})")
     probes = info["probes"]
     click.echo(

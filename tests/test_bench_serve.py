@@ -71,6 +71,9 @@ if args[0] == "-c":
 if {fail}:
     print("error: this stand-in refuses to start")
     sys.exit(3)
+if "--no-enable-prefix-caching" not in args:  # the bench's prompts repeat across levels: vLLM must not reuse their KV
+    print("error: prefix caching left on")
+    sys.exit(4)
 options = dict(zip(args[2::2], args[3::2]))
 from quasar_deploy.cli import main
 

@@ -289,6 +289,9 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
     argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
     context = min(4096, open_model_files(settings.artifact).spec.max_position_embeddings)
     argv += ["--max-num-seqs", str(max_sequences), "--max-model-len", str(context), "--seed", "0"]
+    # every level sends the warm-up's prompts again: with its prefix cache (on by default) vLLM would prefill each prompt
+    # once per run instead of once per request, which distinct requests do not get and our server does not do
+    argv += ["--no-enable-prefix-caching"]
     if settings.draft == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": settings.num_draft, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
         argv += ["--speculative-config", json.dumps(spec)]

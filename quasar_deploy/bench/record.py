@@ -103,13 +103,16 @@ def _e2e(f: dict) -> list[Quantity]:
 def _serve(f: dict) -> list[Quantity]:
     s = f["settings"]
     what = f"server, {Path(s['model']).name}, {s['draft']} drafting, {s['max_tokens']} tokens per request"
-    rows = [(f"{what}: {level['concurrency']} clients, output tokens/s", f"{level['tokens_per_s']:.1f}") for level in f["levels"]]
+    rows = [_serve_level(f"{what}: ours", level) for level in f["levels"]]
     if "vllm" in f:
-        vllm = f"{what}: vLLM {f['vllm']['version']} (CPU build) serving it"
-        rows += [
-            (f"{vllm}, {level['concurrency']} clients, output tokens/s", f"{level['tokens_per_s']:.1f}") for level in f["vllm"]["levels"]
-        ]
+        rows += [_serve_level(f"{what}: vLLM {f['vllm']['version']} (CPU build) serving it", level) for level in f["vllm"]["levels"]]
     return rows
+
+
+def _serve_level(what: str, level: dict) -> Quantity:
+    """One concurrency level: what clients got (output tokens/s) and waited for (the median time to the first token)."""
+    ttft = "-" if level["ttft_ms_p50"] is None else f"{level['ttft_ms_p50']:.0f} ms"
+    return f"{what}, {level['concurrency']} clients: output tokens/s, TTFT p50", f"{level['tokens_per_s']:.1f}, {ttft}"
 
 
 def _roofline(f: dict) -> list[Quantity]:

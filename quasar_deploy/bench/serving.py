@@ -6,8 +6,9 @@ saw: output tokens per second over the level's wall time, time to first token, a
 gaps between streamed chunks (inter-token latency; a chunk is one verify step's text, 1 to
 k+1 tokens, as vLLM's serving benchmark counts it), plus the server's own mean acceptance
 length over the level (from /metrics). Throughput at each level over throughput at
-concurrency 1 is what batched verify steps are for. The server runs in this process (one
-uvicorn thread, the scheduler thread); the clients are threads too, and mostly wait.
+concurrency 1 is what batched verify steps are for. The clients are threads of this process
+and mostly wait; the server runs in a process of its own (``quasar_server``), except on a
+synthetic model, which exists only here.
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def test_rounds_fall_back_to_zero_where_they_do_not_pay():
 
 
 def test_rounds_must_promise_the_margin_over_plain_verification(monkeypatch):
-    """A predicted gain under ``ROUNDS_MARGIN`` is no gain: the model leaves out the W8A8 cache's catch-up."""
+    """A predicted gain under ``ROUNDS_MARGIN`` is no gain: the estimates are noisy."""
     policy = policy_with(1 / 3, 1.0, 1.4, 1, 0.985)
     best = max(range(policy.max_rounds + 1), key=policy.rate)
     gain = policy.rate(best) / policy.rate(0)
@@ -357,6 +357,15 @@ def test_rounds_must_promise_the_margin_over_plain_verification(monkeypatch):
     assert policy.choose() == 0
     monkeypatch.setattr(cascade, "ROUNDS_MARGIN", gain * 0.99)
     assert policy.choose() == best
+
+
+def test_rounds_charge_the_w8a8_caches_catch_up_to_the_tokens_left():
+    policy = policy_with(1 / 3, 1.0, 1.4, 1, 0.985)  # rounds pay where W8A8's cache is up to date
+    policy.middle_cost.observe(200, 100 / 3)  # with its 2-position rounds at 1/3 s: a W8A8 forward costs n / 6 s
+    assert policy.middle_cost(2) == pytest.approx(1 / 3) and policy.middle_cost(200) == pytest.approx(100 / 3)
+    assert policy.choose() >= 4
+    assert policy.choose(behind=200, remaining=10) == 0  # 33 s to catch up, repaid by no 10 tokens
+    assert policy.choose(behind=200, remaining=100_000) >= 4  # spread over a long generation, it is repaid
 
 
 def run_timed(monkeypatch, middle_cost: float, inner, n: int = 60):
@@ -375,6 +384,32 @@ def test_adaptive_rounds_fall_back_to_plain_float_verification_when_w8a8_rounds_
     stats = run_timed(monkeypatch, 1.0, ScriptedDrafter(None))  # W8A8 no cheaper, drafts always right: rounds only cost
     assert stats.middle_rounds == 1  # the one round that measured it
     assert stats.direct_steps >= stats.verify_steps - 2
+
+
+def test_a_policy_shared_by_generations_spares_the_next_one_rounds_that_do_not_pay(monkeypatch):
+    """What one generation measured decides the next one's first proposals: no W8A8 round, no W8A8 prefill."""
+    clock = Clock()
+    monkeypatch.setattr(cascade, "time", clock)
+    monkeypatch.setattr(loop, "time", clock)
+    policy, counts = RoundPolicy(), []
+    for _ in range(2):
+        verifier, middle = PrefixLM(clock=clock, cost=1.0), PrefixLM(clock=clock, cost=1.0)  # W8A8 no cheaper
+        prefills = []
+        middle.prefill = lambda ids, middle=middle, prefills=prefills: prefills.append(ids) or PrefixLM.prefill(middle, ids)
+        stats = CascadeStats()
+        drafter = CascadeDrafter(middle, ScriptedDrafter(None), 5, (), policy, stats)
+        spec = Speculation(verifier, drafter, PROMPT, GREEDY, verifier.max_length, 40, (), stats)
+        assert [t for step in spec.steps() for t in step] == reference(PROMPT, 40)
+        counts.append((stats.middle_rounds, len(prefills)))
+    assert counts == [(1, 1), (0, 0)]  # the first measured W8A8 once; the second never touched it
+
+
+def test_an_exact_engine_shares_its_chosen_rounds_policy_and_not_a_fixed_one(exact_engine):
+    exact_engine.rounds = None
+    assert exact_engine.round_policy() is exact_engine.round_policy()
+    exact_engine.rounds = 2
+    assert exact_engine.round_policy() is not exact_engine.round_policy() and exact_engine.round_policy().rounds == 2
+    exact_engine.rounds = None
 
 
 def test_adaptive_rounds_run_where_they_pay(monkeypatch):

@@ -13,9 +13,10 @@ model's rejection sampling turns it into the float model's.
 Every proposal starts by settling the last one against the sequence the loop now holds:
 what the float model kept of the draft is final, the W8A8 cache and the inner drafter roll
 back to it. The rounds per proposal come from ``RoundPolicy``: fixed, or chosen from the
-measured step costs and the acceptance seen so far, down to r = 0 (the inner drafter's
-proposal goes to the float model directly: plain float n-gram verification) when W8A8
-rounds do not pay. docs/architecture.md, "Exact mode", has the speed model.
+measured step costs and the acceptance seen so far (by this generation and, through an
+engine's shared policy, the ones before it), down to r = 0 (the inner drafter's proposal goes
+to the float model directly: plain float n-gram verification) when W8A8 rounds do not pay.
+docs/architecture.md, "Exact mode", has the speed model.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ COST_MEMORY = 0.95  # each older forward's weight in the step-cost fits: about t
 # prior for the float model's per-token acceptance of W8A8's tokens, worth PRIOR_TOKENS observations (top-1 agreement of
 # a calibrated artifact with its float model is near 0.98; a lower prior keeps the first choices cautious)
 PRIOR_ACCEPTANCE, PRIOR_TOKENS = 0.9, 10
-# rounds must promise this much more than plain float verification of the drafts: the model leaves out the W8A8 cache's
-# catch-up after rounds were off, and its estimates are noisy, so a marginal gain predicted is a loss measured
+# rounds must promise this much more than plain float verification of the drafts: the estimates are noisy, so a marginal
+# gain predicted is a loss measured
 ROUNDS_MARGIN = 1.1
 CATCH_UP_BLOCK = 64  # W8A8 catches up on tokens it missed (rounds switched off) this many per forward, bounding the logits
 
@@ -129,21 +130,30 @@ class RoundPolicy:
     def acceptance(self) -> float:
         return self._kept / self._tried
 
-    def choose(self) -> int:
+    def choose(self, behind: int = 0, remaining: int | None = None) -> int:
+        """The rounds for the next proposal. ``behind``: positions the W8A8 cache must take in before a round can run
+        (the prompt, for a generation whose W8A8 cache is empty; the tokens made while rounds were off); ``remaining``:
+        the tokens the generation may still make, over which that one-time cost is spread."""
         if self.rounds is not None:
             return self.rounds
         if not (self.middle_cost.measured and self.verify_cost.measured and self.tokens_per_verify is not None):
             return 1
-        best = max(range(self.max_rounds + 1), key=lambda r: (self.rate(r), -r))
-        return best if self.rate(best) >= ROUNDS_MARGIN * self.rate(0) else 0
+        best = max(range(self.max_rounds + 1), key=lambda r: (self.rate(r, behind, remaining), -r))
+        return best if self.rate(best, behind, remaining) >= ROUNDS_MARGIN * self.rate(0) else 0
 
-    def rate(self, rounds: int) -> float:
-        """Predicted tokens per second with ``rounds`` W8A8 rounds per float step (the estimates must be set)."""
+    def rate(self, rounds: int, behind: int = 0, remaining: int | None = None) -> float:
+        """Predicted tokens per second with ``rounds`` W8A8 rounds per float step (the estimates must be set), the
+        catch-up of ``behind`` positions charged to the float steps left in ``remaining`` tokens (``choose``)."""
         length, block = self.tokens_per_verify, 1 + self.proposal_length
         if rounds == 0:
             return length / self.verify_cost(block)
         drafted = rounds * length
-        return expected_tokens(drafted, self.acceptance) / (rounds * self.middle_cost(block) + self.verify_cost(1 + drafted))
+        tokens = expected_tokens(drafted, self.acceptance)
+        seconds = rounds * self.middle_cost(block) + self.verify_cost(1 + drafted)
+        if behind > 0:
+            steps_left = max(1.0, (remaining if remaining is not None else tokens) / tokens)
+            seconds += self.middle_cost(behind) / steps_left
+        return tokens / seconds
 
     def observe_proposal(self, length: int) -> None:
         """The inner drafter proposed ``length`` tokens."""
@@ -201,7 +211,7 @@ class CascadeDrafter:
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         self._settle(tokens)
-        rounds = self.policy.choose()
+        rounds = self.policy.choose(behind=len(tokens) - 1 - len(self._cached), remaining=k)
         if rounds == 0:
             self.stats.direct_steps += 1
             draft = self.inner.propose(tokens, min(self.num_draft, k), sampler)

@@ -90,12 +90,14 @@ def load_exact(
     **backend_options: Any,
 ) -> ExactEngine:
     """Both weight sets resident: the float checkpoint (``float_source``) verifying, the artifact at ``path`` drafting;
-    they must share the tokenizer and the context window. With ``backend="auto"`` each goes where auto sends it: on a CPU
-    with native bf16, the float model to the cpu backend (bf16) and the artifact to ONNX Runtime."""
+    they must share the tokenizer and the context window. Both go on one backend: ``backend``, or with "auto" the one
+    auto picks for the float checkpoint (on a CPU with native bf16, the cpu backend). The artifact alone would go to ONNX
+    Runtime there, but exact mode measured slower with it (0.86x the best float n-gram mode on the inflated demo's
+    HumanEval prompts, against 0.97x with both on the cpu backend, in one ``bench e2e`` run): docs/architecture.md."""
     source = float_source(path, source)
     name = resolve_backend(backend, source, needs, backend_options)
     verifier = create_backend(name, source, **backend_options)
-    middle = create_backend(resolve_backend(backend, path, needs, backend_options), path, **backend_options)
+    middle = create_backend(name, path, **backend_options)
     if (middle.vocab_size, middle.max_length) != (verifier.vocab_size, verifier.max_length):
         raise QuasarError(
             f"{path}: vocabulary {middle.vocab_size} and context {middle.max_length}, but its float source {source} has "

@@ -568,15 +568,17 @@ def test_bench_exact_mode_reports_its_step_costs_and_is_lossless(tiny_qwen3, tin
     assert 0 <= figures["direct_step_share"] <= 1 and figures["verify_step_ms"] > 0
 
 
-def test_auto_places_each_model_where_auto_sends_it(tiny_artifact, tiny_qwen3, monkeypatch):
+def test_auto_places_both_models_where_it_sends_the_float_one(tiny_artifact, tiny_qwen3, monkeypatch):
     """Where the CPU computes bf16 (faked here: the placement, not the numerics, is under test), auto sends the float
-    checkpoint to the cpu backend and the artifact to ONNX Runtime; the output is still the float model's own."""
+    checkpoint to the cpu backend and the artifact with it, though alone the artifact would go to ONNX Runtime; the
+    output is still the float model's own."""
     pytest.importorskip("onnxruntime")
     from quasar_deploy.backends import registry
 
     monkeypatch.setattr(registry, "bf16_float", lambda path: not (path / "quasar.json").is_file())
+    assert load(tiny_artifact.path).lm.description.startswith("onnxruntime")  # the artifact alone
     exact = load(tiny_artifact.path, verify="exact")
-    assert exact.lm.description.startswith("cpu float") and exact.middle.description.startswith("onnxruntime")
+    assert exact.lm.description.startswith("cpu float") and exact.middle.description.startswith("cpu W8A8")
     float_cpu = load(tiny_qwen3, backend="cpu")
     exact.rounds = 2
     for prompt in PROMPTS[:2]:

@@ -30,10 +30,10 @@ accumulation; they differ only in speed and in where they run):
   without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only where running it
   once shows exact sums (``onednn_int8_exact``).
   No pinning rows and no float64 recovery. Tested bit-identical to the reference.
+- ``cuda`` / ``npu`` kernels live with their backends.
 
 Where both 32-bit kernels are exact, the default is the one a timing on a verify step's shape finds faster
 (``int8_probe``): both compute the same bits, so the choice moves speed, never an output.
-- ``cuda`` / ``npu`` kernels live with their backends.
 
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
 once for oneDNN, measured faster than MKL at small M on AMD parts). Only ``onednn`` is
@@ -118,10 +118,13 @@ class Int8Probe:
 
     @property
     def kernel(self) -> str:
-        return min(self.ms, key=self.ms.__getitem__)
+        """The faster 32-bit kernel; with none here (AVX2 without VNNI), FBGEMM's split kernel."""
+        return min(self.ms, key=self.ms.__getitem__) if self.ms else "fbgemm"
 
     @property
     def reason(self) -> str:
+        if not self.ms:
+            return "no 32-bit int8 kernel here: FBGEMM's split kernel"
         if len(self.ms) == 1:
             return "the only exact 32-bit int8 kernel here"
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
@@ -144,17 +147,19 @@ def int8_probe() -> Int8Probe:
     ms = {}
     for name in kernels:
         linear = int8_linear(wq, w_scale, None, None, name)
-        total = 0.0
-        for rows in PROBE_ROWS:
-            linear(x[:rows])
-            runs = []
-            for _ in range(5):
-                start = time.perf_counter()
-                linear(x[:rows])
-                runs.append(time.perf_counter() - start)
-            total += min(runs) * 1e3
-        ms[name] = total
+        ms[name] = sum(_fastest_ms(linear, x[:rows]) for rows in PROBE_ROWS)
     return Int8Probe(ms)
+
+
+def _fastest_ms(linear: LinearFn, rows: torch.Tensor, runs: int = 5) -> float:
+    """The fastest of ``runs`` calls of ``linear`` on ``rows``, in ms, after one untimed call (the probes' timing)."""
+    linear(rows)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        linear(rows)
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
 
 
 def default_int8_kernel(device: str = "cpu") -> str:
@@ -162,8 +167,7 @@ def default_int8_kernel(device: str = "cpu") -> str:
     VNNI, ``fbgemm`` (split); ``reference`` off the CPU or without FBGEMM."""
     if device != "cpu" or not fbgemm_available():
         return "reference"
-    probe = int8_probe()
-    return probe.kernel if probe.ms else "fbgemm"
+    return int8_probe().kernel
 
 
 def default_float_kernel(device: str = "cpu") -> str:
@@ -214,15 +218,7 @@ def float_probe() -> FloatProbe:
     weight, x = torch.randn(4096, 1024, generator=generator), torch.randn(48, 1024, generator=generator)
     times = {}
     for dtype in (torch.float32, torch.bfloat16):
-        linear = float_linear(weight.to(dtype), None, "onednn")
-        rows = x[:6].to(dtype)
-        linear(rows)
-        runs = []
-        for _ in range(5):
-            start = time.perf_counter()
-            linear(rows)
-            runs.append(time.perf_counter() - start)
-        times[dtype] = min(runs) * 1e3
+        times[dtype] = _fastest_ms(float_linear(weight.to(dtype), None, "onednn"), x[:6].to(dtype))
     bf16 = float_linear(weight.bfloat16(), None, "onednn")
     rows = x.bfloat16()
     whole = bf16(rows)

@@ -111,6 +111,7 @@ def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
         monkeypatch.setattr(kernels, "int8_probe", lambda timed=timed: kernels.Int8Probe(timed))
         assert kernels.default_int8_kernel("cpu") == chosen
     assert "onednn-vnni 1.00 ms" in kernels.Int8Probe({"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}).reason
+    assert "split kernel" in kernels.Int8Probe({}).reason
     monkeypatch.setattr(kernels, "vnni_available", lambda: False)
     with pytest.raises(QuasarError, match="fbgemm-vnni kernel needs"):
         kernels.check_int8_kernel("fbgemm-vnni")

@@ -56,11 +56,11 @@ def allow_spinning(environ=os.environ) -> str:
     return "0" if environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else "1"
 
 
-def session_options(threads: int | None = None, head_beside: bool = False):
+def session_options(threads: int | None = None, head_on_torch: bool = False):
     """The options every ORT session of ours gets: ``threads`` intra-op threads (default: the CPUs this process may use;
     ORT's own default counts the host's cores), ``exact_int8_entries``, and the spinning policy of ``allow_spinning``.
 
-    ``head_beside``: the graph's lm_head runs on torch right after each call (``load_head``), so ORT's threads must
+    ``head_on_torch``: the graph's lm_head runs on torch right after each call (``load_head``), so ORT's threads must
     sleep at once: spinning, they hold the cores torch's head needs (``bench onnx step`` times that arrangement)."""
     import onnxruntime as ort
 
@@ -68,7 +68,7 @@ def session_options(threads: int | None = None, head_beside: bool = False):
     options.intra_op_num_threads = threads or default_threads()
     for entry in exact_int8_entries():
         options.add_session_config_entry(*entry)
-    options.add_session_config_entry(SPINNING_OPTION, "0" if head_beside else allow_spinning())
+    options.add_session_config_entry(SPINNING_OPTION, "0" if head_on_torch else allow_spinning())
     return options
 
 
@@ -409,7 +409,7 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     else:
         path, config, linear_format = cached_export(path)
     providers = choose_providers(provider, ort.get_available_providers())
-    options = session_options(threads, head_beside=head_outside(config))
+    options = session_options(threads, head_on_torch=head_outside(config))
     try:
         with_options = [(name, tensorrt_options(config) if name == "TensorrtExecutionProvider" else {}) for name in providers]
         session = ort.InferenceSession(str(path / config["model"]["decoder"]["filename"]), options, providers=with_options)

@@ -59,10 +59,12 @@ from .synthetic import (
 )
 
 
-def _session(model_or_path: Path | onnx.ModelProto, threads: int, precise: bool = False, head_beside: bool = False) -> ort.InferenceSession:
-    """A CPU session with the backend's options (``head_beside``: as for a graph whose head runs on torch); ``precise``
+def _session(
+    model_or_path: Path | onnx.ModelProto, threads: int, precise: bool = False, head_on_torch: bool = False
+) -> ort.InferenceSession:
+    """A CPU session with the backend's options (``head_on_torch``: as for a graph whose head runs on torch); ``precise``
     forces ORT's u8 x u8 re-encoding of int8 weights (where the backend's options do not hold it already)."""
-    options = session_options(threads, head_beside)
+    options = session_options(threads, head_on_torch)
     if precise and PRECISE_INT8_OPTION not in exact_int8_entries():
         options.add_session_config_entry(*PRECISE_INT8_OPTION)
     source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path.SerializeToString()
@@ -186,7 +188,7 @@ def write_synthetic_graph(directory: Path, spec: DecoderSpec, source: RandomTens
     write_graph(directory, lambda data: source_graph(spec, source, name, data, head_outside=head_outside)[0], external=True)
 
 
-def _head_beside(session: ort.InferenceSession, feed: dict, head: Linear) -> Callable[[], float]:
+def _step_with_head(session: ort.InferenceSession, feed: dict, head: Linear) -> Callable[[], float]:
     """A step of a graph ending in ``hidden_states`` followed by ``head``, as the backend runs it: seconds."""
 
     def run() -> float:
@@ -197,9 +199,9 @@ def _head_beside(session: ort.InferenceSession, feed: dict, head: Linear) -> Cal
     return run
 
 
-def _ort_session(directory: Path, threads: int, head_beside: bool = False) -> ort.InferenceSession:
+def _ort_session(directory: Path, threads: int, head_on_torch: bool = False) -> ort.InferenceSession:
     """A session of the graph in ``directory``, the heap its build freed handed back (the next graph is built beside it)."""
-    session = _session(directory / "model.onnx", threads, head_beside=head_beside)
+    session = _session(directory / "model.onnx", threads, head_on_torch=head_on_torch)
     return_freed_memory()
     return session
 
@@ -237,7 +239,7 @@ def step(
             return_freed_memory()
             session, feed = _ort_session(directory, threads, head_outside), _ort_feed(spec, ids, context, rng)
             plain = partial(timed, partial(session.run, None, feed))
-            steps[label] = _head_beside(session, feed, _synthetic_head(spec, source)) if head_outside else plain
+            steps[label] = _step_with_head(session, feed, _synthetic_head(spec, source)) if head_outside else plain
     float_bytes = step_read_bytes(spec, quantized=False, float_itemsize=dtype.itemsize)
     ideal = float_bytes / step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
     if with_torch:

@@ -163,7 +163,11 @@ def test_the_cpu_paths_step_times_every_contender_round_robin(small_shape, monke
     assert "W8A8 with an int8 lm_head" in lines[0]
     labels = ["ORT fp32", "ORT W8A8 integer", "torch float", "torch W8A8"]
     assert [next(i for i, line in enumerate(lines) if label in line) for label in labels] == [1, 2, 3, 4]
-    assert all("the best float" in lines[i] for i in (2, 4)) and "ideal W8A8 speed-up" in lines[-1]
+    assert all("the best float" in lines[i] for i in (2, 4)) and "ideal W8A8 speed-up" in lines[5]
+    # exact mode modelled from these costs: each W8A8 contender as the middle level under the torch float verifier
+    assert "exact mode at acceptance 1.4" in lines[6] and "torch float" in lines[6]
+    assert [line.split(" per float step")[0].split()[-1].isdigit() for line in lines[7:]] == [True, True]
+    assert "ORT W8A8 integer" in lines[7] and "torch W8A8" in lines[8] and all(line.endswith("verification") for line in lines[7:])
     monkeypatch.setattr(memory, "memory_available", lambda: bench_onnx.step_peak_bytes(synthetic.synthetic_spec(small_shape), True) - 1)
     with pytest.raises(QuasarError, match="needs ~"):
         next(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
@@ -256,7 +260,7 @@ def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape,
     monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
     monkeypatch.setattr(kernels, "float_probe", lambda: kernels.FloatProbe(4.0, 1.5, True))
     lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
-    assert "float dtype bfloat16" in lines[0] and "against bfloat16 float" in lines[-1]
+    assert "float dtype bfloat16" in lines[0] and "against bfloat16 float" in lines[5]
     labels = ["ORT fp32", "ORT W8A8 + bf16 head (auto)", "torch float bfloat16", "torch W8A8"]
     assert [next(i for i, line in enumerate(lines) if label in line) for label in labels] == [1, 2, 3, 4]
     assert all("the best float" in lines[i] for i in (2, 4)) and not any("W8A8 integer" in line for line in lines)

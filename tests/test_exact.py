@@ -342,6 +342,19 @@ def test_rounds_pay_where_w8a8_is_cheap_and_ngram_acceptance_low():
     assert policy.rate(4) > 1.5 * policy.rate(0)
 
 
+def test_the_gain_at_another_acceptance_is_the_policys_own_speed_model():
+    """bench's exact-mode figure at the paper's acceptance: the same model, from the costs and acceptance measured at
+    the run's own (code-heavy: L = 2.8)."""
+    policy = policy_with(0.5, 1.0, 2.8, 5, 0.985)
+    at_paper = policy_with(0.5, 1.0, 1.4, 5, 0.985)  # the same costs and acceptance, measured at L = 1.4
+    rounds, gain = policy.gain_at(1.4)
+    assert rounds == at_paper.choose() > 0 and gain == pytest.approx(at_paper.rate(rounds) / at_paper.rate(0))
+    assert policy.gain_at(2.8) == (policy.choose(), pytest.approx(policy.rate(policy.choose()) / policy.rate(0)))
+    assert policy.tokens_per_verify == 2.8  # the policy's own estimate is left as measured
+    assert policy_with(1.0, 1.0, 1.4, 5, 0.985).gain_at(1.4) == (0, 1.0)  # W8A8 no cheaper: no rounds
+    assert RoundPolicy().gain_at(1.4) is None  # nothing measured yet
+
+
 def test_rounds_fall_back_to_zero_where_they_do_not_pay():
     assert policy_with(1.0, 1.0, 2.8, 5, 0.985).choose() == 0  # W8A8 no cheaper than the float model
     assert policy_with(1 / 3, 1.0, 1.4, 1, 0.5).choose() == 0  # W8A8 too often overruled

@@ -27,7 +27,7 @@ from ..engine import GenerationStats
 from ..errors import QuasarError
 from ..kernels import default_float_dtype, dtype_name
 from ..memory import return_freed_memory
-from ..speculative.cascade import CascadeStats
+from ..speculative.cascade import CascadeStats, RoundPolicy
 from . import anchors
 from .contenders import Contenders
 from .modes import ALL_MODES, EXACT_MODES, LOSSLESS_PAIRS, ORT_MODES, drafter_and_precision, ort_precisions
@@ -222,6 +222,23 @@ def _at_paper_acceptance(figures: dict[str, dict], float_modes: list[str]) -> No
         m["speedup_vs_best_float_at_paper_acceptance"] = value / max(floats) if value else None
 
 
+def _exact_at_paper_acceptance(figures: dict, policy: RoundPolicy, plain: dict | None) -> None:
+    """Exact mode at ``PAPER_ACCEPTANCE``: a cascade step is not a verify of PAPER_ACCEPTANCE tokens, so its speed is
+    modelled by its own speed model (``RoundPolicy.gain_at``) from what the run measured: W8A8 round and float step
+    costs, the inner drafter's proposal length, the float model's acceptance of W8A8's tokens. It is the gain of the
+    rounds the policy would choose there over plain float n-gram verification on the same float model (r = 0), times
+    that mode's own modelled speed (``plain``, when it ran; else the policy's fitted float step)."""
+    modelled = policy.gain_at(PAPER_ACCEPTANCE)
+    if modelled is None:
+        return
+    rounds, gain = modelled
+    figures["rounds_at_paper_acceptance"] = rounds
+    figures["gain_over_float_ngram_at_paper_acceptance"] = gain
+    figures["float_acceptance_of_w8a8_tokens"] = policy.acceptance
+    base = plain.get("tokens_per_s_at_paper_acceptance") if plain else None
+    figures["tokens_per_s_at_paper_acceptance"] = gain * (base or PAPER_ACCEPTANCE / policy.verify_cost(1 + policy.proposal_length))
+
+
 def _cascade_figures(loops: list[GenerationStats]) -> dict:
     """Exact mode's measured step costs and choices: a W8A8 round's time (c, beside ``verify_step_ms``, the float step's
     C), W8A8 rounds per float step, and the share of float steps that verified n-gram drafts directly (r = 0)."""
@@ -299,6 +316,10 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
         "environment": environment(),
         "modes": {m: _summary(r, baselines) for m, r in runs.items()},
     }
+    for mode in runs:
+        if mode in EXACT_MODES:
+            plain = report["modes"].get("ngram-float-ort" if EXACT_MODES[mode] == "ort" else "ngram-float")
+            _exact_at_paper_acceptance(report["modes"][mode], contenders.exact_engine(EXACT_MODES[mode]).round_policy(), plain)
     _at_paper_acceptance(report["modes"], float_modes)
     report["settings"]["float_dtype"] = dtype_name(default_float_dtype("cpu"))
     if anchor_results:

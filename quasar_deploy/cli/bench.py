@@ -370,13 +370,20 @@ def onnx_layers(size, depth, rows, threads, repeats, as_json):
 @onnx_repeats_option
 @click.option("--torch/--no-torch", "with_torch", default=True, show_default=True, help="Time the cpu backend's decoders too.")
 @click.option("--int8-lm-head", is_flag=True, help="The W8A8 contenders with an int8 lm_head (calibrate --int8-lm-head).")
+@click.option(
+    "--w8a8-acceptance",
+    type=click.FloatRange(0, 1, max_open=True),
+    help="Exact mode's model: the float model's per-token acceptance of W8A8's tokens (default 0.985; random weights cannot "
+    "measure it, bench e2e's exact modes measure it on a real model).",
+)
 @json_option
-def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, as_json):
+def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, w8a8_acceptance, as_json):
     """A k+1-token verify on a warm cache, ONNX Runtime float and W8A8 graphs and the cpu backend's float and W8A8
-    decoders, timed round robin; speed-ups against each round's best float."""
+    decoders, timed round robin; speed-ups against each round's best float; with the cpu backend's, exact mode modelled
+    at the paper's acceptance from those step costs."""
     from ..bench.onnx import step
 
-    _lines(step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head), as_json, _float_vs_int8())
+    _lines(step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, w8a8_acceptance), as_json, _float_vs_int8())
 
 
 @onnx.command("fidelity")

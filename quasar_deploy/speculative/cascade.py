@@ -70,6 +70,36 @@ def expected_tokens(draft_length: float, acceptance: float) -> float:
     return 1 + acceptance * (1 - acceptance**draft_length) / (1 - acceptance)
 
 
+def cascade_rate(
+    rounds: int, tokens_per_verify: float, proposal_length: float, acceptance: float, middle_cost: StepCost, verify_cost: StepCost
+) -> float:
+    """The speed model (``RoundPolicy``): tokens per second with ``rounds`` W8A8 rounds per float step, each verify of
+    the inner drafter's ``proposal_length`` tokens keeping ``tokens_per_verify``, the float step accepting each W8A8
+    token with probability ``acceptance``; r = 0 is plain float verification of the inner drafter's proposals."""
+    block = 1 + proposal_length
+    if rounds == 0:
+        return tokens_per_verify / verify_cost(block)
+    drafted = rounds * tokens_per_verify
+    return expected_tokens(drafted, acceptance) / (rounds * middle_cost(block) + verify_cost(1 + drafted))
+
+
+def modelled_gain(
+    tokens_per_verify: float,
+    proposal_length: float,
+    acceptance: float,
+    middle_cost: StepCost,
+    verify_cost: StepCost,
+    max_rounds: int = MAX_ROUNDS,
+) -> tuple[int, float]:
+    """The rounds ``RoundPolicy.choose`` would run, and their rate over r = 0's: exact mode's speed-up over plain float
+    verification of the same drafts, where these estimates hold (rounds promising less than ``ROUNDS_MARGIN`` are not
+    run: 0 rounds, a gain of 1)."""
+    args = (tokens_per_verify, proposal_length, acceptance, middle_cost, verify_cost)
+    best = max(range(max_rounds + 1), key=lambda r: (cascade_rate(r, *args), -r))
+    gain = cascade_rate(best, *args) / cascade_rate(0, *args)
+    return (best, gain) if gain >= ROUNDS_MARGIN else (0, 1.0)
+
+
 class StepCost:
     """A model's seconds per verify forward as ``fixed + per_position * positions``, fitted by least squares to the
     forwards seen, recent ones weighing more (``COST_MEMORY``).
@@ -144,16 +174,20 @@ class RoundPolicy:
     def rate(self, rounds: int, behind: int = 0, remaining: int | None = None) -> float:
         """Predicted tokens per second with ``rounds`` W8A8 rounds per float step (the estimates must be set), the
         catch-up of ``behind`` positions charged to the float steps left in ``remaining`` tokens (``choose``)."""
-        length, block = self.tokens_per_verify, 1 + self.proposal_length
-        if rounds == 0:
-            return length / self.verify_cost(block)
-        drafted = rounds * length
-        tokens = expected_tokens(drafted, self.acceptance)
-        seconds = rounds * self.middle_cost(block) + self.verify_cost(1 + drafted)
-        if behind > 0:
-            steps_left = max(1.0, (remaining if remaining is not None else tokens) / tokens)
-            seconds += self.middle_cost(behind) / steps_left
-        return tokens / seconds
+        rate = cascade_rate(rounds, self.tokens_per_verify, self.proposal_length, self.acceptance, self.middle_cost, self.verify_cost)
+        if rounds == 0 or behind <= 0:  # r = 0 needs no W8A8 cache
+            return rate
+        tokens = expected_tokens(rounds * self.tokens_per_verify, self.acceptance)
+        steps_left = max(1.0, (remaining if remaining is not None else tokens) / tokens)
+        return tokens / (tokens / rate + self.middle_cost(behind) / steps_left)
+
+    def gain_at(self, tokens_per_verify: float) -> tuple[int, float] | None:
+        """``modelled_gain`` from this policy's measured step costs, proposal length and float acceptance of W8A8's tokens,
+        at another ``tokens_per_verify`` (bench: the speed model at the paper's acceptance); None before both costs and a
+        proposal have been measured."""
+        if not (self.middle_cost.measured and self.verify_cost.measured and self.proposal_length is not None):
+            return None
+        return modelled_gain(tokens_per_verify, self.proposal_length, self.acceptance, self.middle_cost, self.verify_cost, self.max_rounds)
 
     def observe_proposal(self, length: int) -> None:
         """The inner drafter proposed ``length`` tokens."""

@@ -148,13 +148,13 @@ def _emit(figures: dict, text: Callable[[], str], as_json: bool, dtypes: dict[st
 W8A8 = "int8 weights, int8 per-token activations"
 
 
-def _float_vs_int8() -> dict[str, str]:
+def _float_vs_int8(int8_lm_head: bool = False) -> dict[str, str]:
     """What the float and W8A8 contenders compute in here: the CPU's float dtype (``kernels.default_float_dtype``), which
-    is also the W8A8 model's float lm_head's."""
+    is also the W8A8 model's float lm_head's (unless ``int8_lm_head``)."""
     from ..kernels import default_float_dtype, dtype_name
 
     dtype = dtype_name(default_float_dtype("cpu"))
-    return {"float": dtype, "w8a8": f"{W8A8}, {dtype} lm_head"}
+    return {"float": dtype, "w8a8": f"{W8A8}, {'int8' if int8_lm_head else dtype} lm_head"}
 
 
 def _dtypes_of(path: str) -> dict[str, str]:
@@ -383,7 +383,8 @@ def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head
     at the paper's acceptance from those step costs."""
     from ..bench.onnx import step
 
-    _lines(step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, w8a8_acceptance), as_json, _float_vs_int8())
+    lines = step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, w8a8_acceptance)
+    _lines(lines, as_json, _float_vs_int8(int8_lm_head))
 
 
 @onnx.command("fidelity")

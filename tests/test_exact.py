@@ -390,6 +390,7 @@ def run_timed(monkeypatch, middle_cost: float, inner, n: int = 60):
     spec, stats = run_cascade(verifier, middle, inner, PROMPT, GREEDY, None, n, num_draft=5)
     out = [t for step in spec.steps() for t in step]
     assert out == reference(PROMPT, n)
+    run_timed.policy = spec.drafter.policy
     return stats
 
 
@@ -429,6 +430,38 @@ def test_adaptive_rounds_run_where_they_pay(monkeypatch):
     stats = run_timed(monkeypatch, 0.05, NoDrafter())  # nothing to draft from, W8A8 20x cheaper: it drafts
     assert stats.direct_steps == 0
     assert stats.middle_rounds > 3 * stats.verify_steps
+    # every cost is the model's own here (the W8A8 prefill, charged apart, is left out of the cycles): the cycles with
+    # rounds made what their predictions promised, up to the running estimates of L and a
+    assert 0.8 < run_timed.policy.efficiency < 1.25
+
+
+def test_the_w8a8_caches_catch_up_is_timed_into_its_cost_fit(monkeypatch):
+    """The prefill of the W8A8 cache is one long forward: its time prices the next catch-up better than an extrapolation
+    of short rounds would."""
+    seen = []
+    observe = StepCost.observe
+    monkeypatch.setattr(StepCost, "observe", lambda self, n, s: (seen.append((self, n)), observe(self, n, s)))
+    run_timed(monkeypatch, 0.05, NoDrafter(), n=12)
+    middle = [n for cost, n in seen if cost is run_timed.policy.middle_cost]
+    # the prefill (the prompt and the float model's first token: all but the pending one), then the rounds' blocks
+    assert middle[0] == len(PROMPT) and all(n >= 1 for n in middle[1:])
+
+
+def test_rounds_promising_more_than_they_made_are_scaled_back():
+    """``efficiency``: costs the model leaves out (drafting, bookkeeping, a runtime waking after another's) show in the
+    cycles' realized rate; a promise scaled by what earlier promises made must still clear the margin."""
+    policy = policy_with(1 / 3, 1.0, 1.4, 1, 0.985)
+    rounds = policy.choose()
+    assert rounds >= 4 and policy.efficiency == 1.0
+    gain = policy.rate(rounds) / policy.rate(0)
+    for _ in range(10):  # each cycle made half its promise
+        policy.observe_cycle(policy.rate(rounds), 5, 10 / policy.rate(rounds))
+    assert policy.efficiency == pytest.approx(0.5)
+    assert 0.5 * gain < cascade.ROUNDS_MARGIN and policy.choose() == 0
+    assert policy.gain_at(1.4) == (0, 1.0)  # the bench's figure at the paper's acceptance carries it too
+    for _ in range(200):  # later cycles made their promise: the old shortfall fades
+        policy.observe_cycle(policy.rate(rounds), 10, 10 / policy.rate(rounds))
+    assert policy.efficiency == pytest.approx(1.0, abs=0.01) and policy.choose() == rounds
 
 
 # --- the engine: both weight sets, the float model's output ----------------------------------------------

@@ -22,7 +22,7 @@ docs/architecture.md, "Exact mode", has the speed model.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,13 +90,14 @@ def modelled_gain(
     middle_cost: StepCost,
     verify_cost: StepCost,
     max_rounds: int = MAX_ROUNDS,
+    efficiency: float = 1.0,
 ) -> tuple[int, float]:
     """The rounds ``RoundPolicy.choose`` would run, and their rate over r = 0's: exact mode's speed-up over plain float
-    verification of the same drafts, where these estimates hold (rounds promising less than ``ROUNDS_MARGIN`` are not
-    run: 0 rounds, a gain of 1)."""
+    verification of the same drafts, where these estimates hold, the rounds' rate scaled by ``efficiency``
+    (``RoundPolicy.efficiency``); rounds promising less than ``ROUNDS_MARGIN`` are not run: 0 rounds, a gain of 1."""
     args = (tokens_per_verify, proposal_length, acceptance, middle_cost, verify_cost)
     best = max(range(max_rounds + 1), key=lambda r: (cascade_rate(r, *args), -r))
-    gain = cascade_rate(best, *args) / cascade_rate(0, *args)
+    gain = efficiency * cascade_rate(best, *args) / cascade_rate(0, *args)
     return (best, gain) if gain >= ROUNDS_MARGIN else (0, 1.0)
 
 
@@ -155,10 +156,23 @@ class RoundPolicy:
         self.tokens_per_verify: float | None = None
         self.proposal_length: float | None = None
         self._kept, self._tried = PRIOR_ACCEPTANCE * PRIOR_TOKENS, float(PRIOR_TOKENS)
+        self._made, self._promised = 0.0, 0.0  # tokens cycles with rounds made, and what their predicted rates promised
+
+    @property
+    def efficiency(self) -> float:
+        """Tokens the cycles with W8A8 rounds made over those their predicted rates promised in the time they took (1.0
+        before any): the model leaves costs out (the rounds' drafting and bookkeeping, the caches' rollback, a runtime
+        waking after another's), and its cost fits can be flat where every forward had one length."""
+        return self._made / self._promised if self._promised > 0 else 1.0
 
     @property
     def acceptance(self) -> float:
         return self._kept / self._tried
+
+    @property
+    def rates_known(self) -> bool:
+        """Both step costs and the tokens per verify measured: ``rate`` can predict."""
+        return self.middle_cost.measured and self.verify_cost.measured and self.tokens_per_verify is not None
 
     def choose(self, behind: int = 0, remaining: int | None = None) -> int:
         """The rounds for the next proposal. ``behind``: positions the W8A8 cache must take in before a round can run
@@ -166,10 +180,10 @@ class RoundPolicy:
         the tokens the generation may still make, over which that one-time cost is spread."""
         if self.rounds is not None:
             return self.rounds
-        if not (self.middle_cost.measured and self.verify_cost.measured and self.tokens_per_verify is not None):
+        if not self.rates_known:
             return 1
         best = max(range(self.max_rounds + 1), key=lambda r: (self.rate(r, behind, remaining), -r))
-        return best if self.rate(best, behind, remaining) >= ROUNDS_MARGIN * self.rate(0) else 0
+        return best if self.efficiency * self.rate(best, behind, remaining) >= ROUNDS_MARGIN * self.rate(0) else 0
 
     def rate(self, rounds: int, behind: int = 0, remaining: int | None = None) -> float:
         """Predicted tokens per second with ``rounds`` W8A8 rounds per float step (the estimates must be set), the
@@ -182,12 +196,13 @@ class RoundPolicy:
         return tokens / (tokens / rate + self.middle_cost(behind) / steps_left)
 
     def gain_at(self, tokens_per_verify: float) -> tuple[int, float] | None:
-        """``modelled_gain`` from this policy's measured step costs, proposal length and float acceptance of W8A8's tokens,
-        at another ``tokens_per_verify`` (bench: the speed model at the paper's acceptance); None before both costs and a
+        """``modelled_gain`` from this policy's measured step costs, proposal length, float acceptance of W8A8's tokens
+        and efficiency, at another ``tokens_per_verify`` (bench: the speed model at the paper's acceptance); None before both costs and a
         proposal have been measured."""
         if not (self.middle_cost.measured and self.verify_cost.measured and self.proposal_length is not None):
             return None
-        return modelled_gain(tokens_per_verify, self.proposal_length, self.acceptance, self.middle_cost, self.verify_cost, self.max_rounds)
+        args = (tokens_per_verify, self.proposal_length, self.acceptance, self.middle_cost, self.verify_cost)
+        return modelled_gain(*args, self.max_rounds, self.efficiency)
 
     def observe_proposal(self, length: int) -> None:
         """The inner drafter proposed ``length`` tokens."""
@@ -197,6 +212,13 @@ class RoundPolicy:
         """A W8A8 round took ``seconds`` on ``positions`` and kept ``tokens`` (accepted proposal plus its own)."""
         self.middle_cost.observe(positions, seconds)
         self.tokens_per_verify = _average(self.tokens_per_verify, tokens)
+
+    def observe_cycle(self, predicted_rate: float, tokens: int, seconds: float) -> None:
+        """A proposal with W8A8 rounds, predicted at ``predicted_rate`` tokens per second (its catch-up left out), made
+        ``tokens`` in ``seconds``: its rounds (but their catch-up) and its float step (``efficiency``; recent cycles
+        weigh more)."""
+        self._made = COST_MEMORY * self._made + tokens
+        self._promised = COST_MEMORY * self._promised + predicted_rate * seconds
 
     def observe_step(self, positions: int, seconds: float, kept: int, drafted: int, from_middle: bool) -> None:
         """A float step took ``seconds`` on ``positions`` and kept ``kept`` of ``drafted`` tokens, which W8A8 made
@@ -242,6 +264,7 @@ class CascadeDrafter:
         self._draft: list[int] = []  # the last proposal
         self._from_middle = False  # whether W8A8 rounds made it
         self._seen_steps, self._seen_s = 0, 0.0  # the loop's verify counters at the last proposal
+        self._cycle: tuple[float, float] | None = None  # the last proposal with rounds: its predicted rate, its rounds' seconds
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         self._settle(tokens)
@@ -252,7 +275,11 @@ class CascadeDrafter:
             self._draft, self._from_middle = draft.tokens[:k], False
             self.policy.observe_proposal(len(self._draft))
             return draft
+        predicted = self.policy.rate(rounds) if self.policy.rates_known else None  # the catch-up is charged apart
+        began, caught_up = time.perf_counter(), self.stats.middle_catch_up_s
         draft, dists = self._rounds(list(tokens), k, rounds, sampler)
+        rounds_s = time.perf_counter() - began - (self.stats.middle_catch_up_s - caught_up)
+        self._cycle = (predicted, rounds_s) if predicted is not None else None
         self._draft, self._from_middle = draft, True
         self.stats.middle_tokens += len(draft)
         return Draft(draft, torch.cat(dists) if dists else None)
@@ -265,7 +292,10 @@ class CascadeDrafter:
         steps, seconds = self.stats.verify_steps, self.stats.verify_s
         if steps == self._seen_steps + 1:  # one float step on the last proposal (none: this is the first)
             self.policy.observe_step(1 + len(self._draft), seconds - self._seen_s, kept, len(self._draft), self._from_middle)
-        self._seen_steps, self._seen_s = steps, seconds
+            if self._from_middle and self._cycle is not None:
+                predicted, rounds_s = self._cycle
+                self.policy.observe_cycle(predicted, kept + 1, rounds_s + seconds - self._seen_s)
+        self._seen_steps, self._seen_s, self._cycle = steps, seconds, None
         final = self._final + kept  # past it, the float model's own token replaced (or followed) the draft
         if len(self._cached) > final:
             del self._cached[final:]
@@ -308,11 +338,18 @@ class CascadeDrafter:
         feeds them ahead of its block (one, the float model's own token, after a draft it took whole). A cache that is
         empty is prefilled, one that fell further behind (rounds switched off) catches up a block at a time."""
         if not self._cached:
-            self.middle.prefill(sequence[:-1])
+            self._timed(self.middle.prefill, sequence[:-1])
             self._cached = sequence[:-1]
         missed = sequence[len(self._cached) : -1]
         while len(missed) > CATCH_UP_BLOCK:
-            self.middle.verify(missed[:CATCH_UP_BLOCK])
+            self._timed(self.middle.verify, missed[:CATCH_UP_BLOCK])
             self._cached += missed[:CATCH_UP_BLOCK]
             missed = missed[CATCH_UP_BLOCK:]
         return missed
+
+    def _timed(self, forward: Callable[[list[int]], object], block: list[int]) -> None:
+        """A catch-up forward, timed into the W8A8 cost fit: its long blocks give the fit the slope that prices the
+        next catch-up (``RoundPolicy.rate``), which short rounds alone leave to extrapolation."""
+        began = time.perf_counter()
+        forward(block)
+        self.policy.middle_cost.observe(len(block), time.perf_counter() - began)

@@ -98,7 +98,7 @@ def modelled_gain(
     args = (tokens_per_verify, proposal_length, acceptance, middle_cost, verify_cost)
     best = max(range(max_rounds + 1), key=lambda r: (cascade_rate(r, *args), -r))
     gain = efficiency * cascade_rate(best, *args) / cascade_rate(0, *args)
-    return (best, gain) if gain >= ROUNDS_MARGIN else (0, 1.0)
+    return (best, gain) if best > 0 and gain >= ROUNDS_MARGIN else (0, 1.0)
 
 
 class StepCost:
@@ -160,10 +160,11 @@ class RoundPolicy:
 
     @property
     def efficiency(self) -> float:
-        """Tokens the cycles with W8A8 rounds made over those their predicted rates promised in the time they took (1.0
-        before any): the model leaves costs out (the rounds' drafting and bookkeeping, the caches' rollback, a runtime
-        waking after another's), and its cost fits can be flat where every forward had one length."""
-        return self._made / self._promised if self._promised > 0 else 1.0
+        """Tokens the cycles with W8A8 rounds made over those their predicted rates promised in the time they took, at
+        most 1.0 (1.0 before any): the model leaves costs out (the rounds' drafting and bookkeeping, the caches'
+        rollback, a runtime waking after another's), and its cost fits can be flat where every forward had one length.
+        A surplus does not inflate a promise: the catch-ups that follow rounds are priced apart, and cautiously."""
+        return min(1.0, self._made / self._promised) if self._promised > 0 else 1.0
 
     @property
     def acceptance(self) -> float:

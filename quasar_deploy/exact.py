@@ -92,8 +92,7 @@ def load_exact(
     """Both weight sets resident: the float checkpoint (``float_source``) verifying, the artifact at ``path`` drafting;
     they must share the tokenizer and the context window. Both go on one backend: ``backend``, or with "auto" the one
     auto picks for the float checkpoint (on a CPU with native bf16, the cpu backend). The artifact alone would go to ONNX
-    Runtime there, but exact mode measured slower with it (0.86x the best float n-gram mode on the inflated demo's
-    HumanEval prompts, against 0.97x with both on the cpu backend, in one ``bench e2e`` run): docs/architecture.md."""
+    Runtime there, but exact mode measured no faster with it: docs/architecture.md, "Exact mode", Backends."""
     source = float_source(path, source)
     name = resolve_backend(backend, source, needs, backend_options)
     verifier = create_backend(name, source, **backend_options)

@@ -377,8 +377,20 @@ def test_rounds_charge_the_w8a8_caches_catch_up_to_the_tokens_left():
     policy.middle_cost.observe(200, 100 / 3)  # with its 2-position rounds at 1/3 s: a W8A8 forward costs n / 6 s
     assert policy.middle_cost(2) == pytest.approx(1 / 3) and policy.middle_cost(200) == pytest.approx(100 / 3)
     assert policy.choose() >= 4
-    assert policy.choose(behind=200, remaining=10) == 0  # 33 s to catch up, repaid by no 10 tokens
     assert policy.choose(behind=200, remaining=100_000) >= 4  # spread over a long generation, it is repaid
+    assert policy.choose(behind=200, remaining=10) == 0  # 33 s to catch up, repaid by no 10 tokens
+
+
+def test_a_catch_up_is_repaid_only_while_rounds_last():
+    """Rounds switched on and off by the acceptance of the moment pay a catch-up each time they resume: it is spread over
+    the proposals a run of rounds has lasted (``streak_length``), not over the whole generation left."""
+    policy = policy_with(1 / 3, 1.0, 1.4, 1, 0.985)
+    policy.middle_cost.observe(200, 100 / 3)
+    assert [policy.choose() for _ in range(3)] == [policy.choose()] * 3 and policy.choose() >= 4
+    assert policy.choose(behind=200, remaining=10) == 0  # ends a run of 5 proposals with rounds
+    assert policy.streak_length == 5
+    assert policy.choose(behind=30, remaining=100_000) >= 4  # 5 s to catch up over 5 proposals: still repaid
+    assert policy.choose(behind=200, remaining=100_000) == 0  # 33 s over 5 proposals: not, however long the generation
 
 
 def run_timed(monkeypatch, middle_cost: float, inner, n: int = 60):

@@ -157,6 +157,9 @@ class RoundPolicy:
         self.proposal_length: float | None = None
         self._kept, self._tried = PRIOR_ACCEPTANCE * PRIOR_TOKENS, float(PRIOR_TOKENS)
         self._made, self._promised = 0.0, 0.0  # tokens cycles with rounds made, and what their predicted rates promised
+        # proposals in a row that ran rounds, on average: a catch-up is repaid only while rounds last
+        self.streak_length: float | None = None
+        self._streak = 0
 
     @property
     def efficiency(self) -> float:
@@ -184,7 +187,13 @@ class RoundPolicy:
         if not self.rates_known:
             return 1
         best = max(range(self.max_rounds + 1), key=lambda r: (self.rate(r, behind, remaining), -r))
-        return best if self.efficiency * self.rate(best, behind, remaining) >= ROUNDS_MARGIN * self.rate(0) else 0
+        chosen = best if self.efficiency * self.rate(best, behind, remaining) >= ROUNDS_MARGIN * self.rate(0) else 0
+        if chosen:
+            self._streak += 1
+        elif self._streak:
+            self.streak_length = _average(self.streak_length, self._streak)
+            self._streak = 0
+        return chosen
 
     def rate(self, rounds: int, behind: int = 0, remaining: int | None = None) -> float:
         """Predicted tokens per second with ``rounds`` W8A8 rounds per float step (the estimates must be set), the
@@ -193,7 +202,7 @@ class RoundPolicy:
         if rounds == 0 or behind <= 0:  # r = 0 needs no W8A8 cache
             return rate
         tokens = expected_tokens(rounds * self.tokens_per_verify, self.acceptance)
-        steps_left = max(1.0, (remaining if remaining is not None else tokens) / tokens)
+        steps_left = max(1.0, min((remaining if remaining is not None else tokens) / tokens, self.streak_length or float("inf")))
         return tokens / (tokens / rate + self.middle_cost(behind) / steps_left)
 
     def gain_at(self, tokens_per_verify: float) -> tuple[int, float] | None:

@@ -223,6 +223,14 @@ EXACT_FLOAT_POSITIONS = (2, 4, 8, 12)
 EXACT_ACCEPTANCE = 0.985
 
 
+def _settled(run: Callable[[], float]) -> float:
+    """One timed call of ``run`` as ``SETTLE_S`` describes: after the pause, an untimed call wakes this runtime's own
+    threads, as the previous step of a generation leaves them; seconds of the call after it."""
+    time.sleep(SETTLE_S)
+    run()
+    return run()
+
+
 def step(
     shape: str,
     tokens: int,
@@ -265,18 +273,17 @@ def step(
         kernels = default_float_kernel(), default_int8_kernel()
         decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head, dtype=dtype)
         labels = (f"torch float {dtype_name(dtype)} {kernels[0]}", f"torch W8A8 {kernels[1]}")
+        caches = {}  # the float one also times exact mode's longer float steps (``_exact_mode``)
         for label, decoder in zip(labels, decoders):
-            cache = decoder.new_cache(context + tokens)
-            decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), cache)
-            steps[label] = partial(time_step, decoder, cache, context, torch.from_numpy(ids))
+            caches[label] = decoder.new_cache(context + max(tokens, *EXACT_FLOAT_POSITIONS))
+            decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), caches[label])
+            steps[label] = partial(time_step, decoder, caches[label], context, torch.from_numpy(ids))
     for run in steps.values():
         run()  # warm-up
     times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeats):
         for label, run in steps.items():
-            time.sleep(SETTLE_S)
-            run()  # wakes this runtime's own threads, as the previous step of a generation leaves them
-            times[label].append(run())
+            times[label].append(_settled(run))
     floats = [label for label in steps if "W8A8" not in label]
     best_float = [min(times[label][i] for label in floats) for i in range(repeats)]
     head = "an int8" if int8_lm_head else "a float"
@@ -289,11 +296,9 @@ def step(
         yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
     yield f"  ideal W8A8 speed-up by weight bytes read, against {dtype_name(dtype)} float: {ideal:.2f}x"
     if with_torch:
-        float_label, float_decoder = labels[0], decoders[0]
-        cache = float_decoder.new_cache(context + max(EXACT_FLOAT_POSITIONS))
-        float_decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), cache)
+        float_label = labels[0]
         longer = torch.from_numpy(rng.integers(0, spec.vocab_size, max(EXACT_FLOAT_POSITIONS)))
-        float_at = {n: partial(time_step, float_decoder, cache, context, longer[:n]) for n in EXACT_FLOAT_POSITIONS}
+        float_at = {n: partial(time_step, decoders[0], caches[float_label], context, longer[:n]) for n in EXACT_FLOAT_POSITIONS}
         middles = {label: series for label, series in times.items() if label not in floats}
         acceptance = EXACT_ACCEPTANCE if w8a8_acceptance is None else w8a8_acceptance
         yield from _exact_mode(float_label, times[float_label], float_at, middles, tokens, repeats, acceptance)
@@ -315,9 +320,7 @@ def _exact_mode(
         verify_cost.observe(tokens, seconds)
     for _ in range(repeats):
         for positions, run in float_at.items():
-            time.sleep(SETTLE_S)
-            run()
-            verify_cost.observe(positions, run())
+            verify_cost.observe(positions, _settled(run))
     yield (
         f"  exact mode at acceptance {PAPER_ACCEPTANCE} (n-gram k={tokens - 1}; {float_label} verifying, timed at "
         f"{', '.join(map(str, (tokens, *EXACT_FLOAT_POSITIONS)))} positions; it keeps {acceptance:.3f} of W8A8's tokens):"

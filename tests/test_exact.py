@@ -479,6 +479,33 @@ def test_rounds_promising_more_than_they_made_are_scaled_back():
     assert surplus.efficiency == 1.0 and surplus.gain_at(1.4) == (0, 1.0) and surplus.choose() == 0
 
 
+def test_rounds_must_beat_what_plain_float_steps_really_make():
+    """``direct_efficiency``: plain float steps that make more than their predicted rate (a cost fit pulled by the longer
+    float steps of cascade drafts overprices a short one) raise the bar rounds must clear; a shortfall does not lower it."""
+    policy = policy_with(1 / 3, 1.0, 1.4, 1, 0.985)
+    rounds = policy.choose()
+    gain = policy.rate(rounds) / policy.rate(0)
+    assert rounds >= 4 and policy.direct_efficiency == 1.0 and gain < 3
+    for _ in range(10):  # each plain step made three times its prediction
+        policy.observe_direct(policy.rate(0), 3, 1 / policy.rate(0))
+    assert policy.direct_efficiency == pytest.approx(3.0) and policy.choose() == 0
+    assert policy.gain_at(1.4) == (0, 1.0)
+    short = policy_with(1 / 3, 1.0, 1.4, 1, 0.985)
+    for _ in range(10):  # plain steps that made half: rounds are judged against the prediction, not against the shortfall
+        short.observe_direct(short.rate(0), 1, 2 / short.rate(0))
+    assert short.direct_efficiency == 1.0 and short.choose() == rounds
+
+
+def test_plain_float_steps_are_checked_against_their_prediction(monkeypatch):
+    """Each plain step whose rate was predicted reaches ``observe_direct``: its tokens, and the time of its float step and
+    of the inner drafter's proposal."""
+    seen = []
+    monkeypatch.setattr(RoundPolicy, "observe_direct", lambda self, rate, tokens, s: seen.append((rate, tokens, s)))
+    stats = run_timed(monkeypatch, 1.0, ScriptedDrafter(None))  # W8A8 no cheaper: plain steps after the first round
+    assert len(seen) >= stats.direct_steps - 2 > 0
+    assert all(rate > 0 and tokens >= 1 and s == pytest.approx(1.0) for rate, tokens, s in seen)  # one float step each
+
+
 # --- the engine: both weight sets, the float model's output ----------------------------------------------
 
 PROMPTS = [

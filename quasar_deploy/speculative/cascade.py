@@ -157,6 +157,7 @@ class RoundPolicy:
         self.proposal_length: float | None = None
         self._kept, self._tried = PRIOR_ACCEPTANCE * PRIOR_TOKENS, float(PRIOR_TOKENS)
         self._made, self._promised = 0.0, 0.0  # tokens cycles with rounds made, and what their predicted rates promised
+        self._direct_made, self._direct_promised = 0.0, 0.0  # the same of plain float steps (r = 0)
         # proposals in a row that ran rounds, on average: a catch-up is repaid only while rounds last
         self.streak_length: float | None = None
         self._streak = 0
@@ -168,6 +169,14 @@ class RoundPolicy:
         rollback, a runtime waking after another's), and its cost fits can be flat where every forward had one length.
         A surplus does not inflate a promise: the catch-ups that follow rounds are priced apart, and cautiously."""
         return min(1.0, self._made / self._promised) if self._promised > 0 else 1.0
+
+    @property
+    def direct_efficiency(self) -> float:
+        """Tokens plain float steps (r = 0) made over those their predicted rate promised in the time they took, at least
+        1.0 (1.0 before any). Rounds are weighed against r = 0's prediction: where plain steps beat it (the cost fit, pulled
+        by the longer float steps of cascade drafts, overprices a short one), rounds must beat it by as much. A shortfall
+        does not lower the bar: rounds that would only win against an underestimate of r = 0 are not taken."""
+        return max(1.0, self._direct_made / self._direct_promised) if self._direct_promised > 0 else 1.0
 
     @property
     def acceptance(self) -> float:
@@ -187,7 +196,8 @@ class RoundPolicy:
         if not self.rates_known:
             return 1
         best = max(range(self.max_rounds + 1), key=lambda r: (self.rate(r, behind, remaining), -r))
-        chosen = best if self.efficiency * self.rate(best, behind, remaining) >= ROUNDS_MARGIN * self.rate(0) else 0
+        bar = ROUNDS_MARGIN * self.direct_efficiency * self.rate(0)
+        chosen = best if self.efficiency * self.rate(best, behind, remaining) >= bar else 0
         if chosen:
             self._streak += 1
         elif self._streak:
@@ -212,7 +222,7 @@ class RoundPolicy:
         if not (self.middle_cost.measured and self.verify_cost.measured and self.proposal_length is not None):
             return None
         args = (tokens_per_verify, self.proposal_length, self.acceptance, self.middle_cost, self.verify_cost)
-        return modelled_gain(*args, self.max_rounds, self.efficiency)
+        return modelled_gain(*args, self.max_rounds, self.efficiency / self.direct_efficiency)
 
     def observe_proposal(self, length: int) -> None:
         """The inner drafter proposed ``length`` tokens."""
@@ -229,6 +239,12 @@ class RoundPolicy:
         weigh more)."""
         self._made = COST_MEMORY * self._made + tokens
         self._promised = COST_MEMORY * self._promised + predicted_rate * seconds
+
+    def observe_direct(self, predicted_rate: float, tokens: int, seconds: float) -> None:
+        """A plain float step (r = 0), predicted at ``predicted_rate`` tokens per second, made ``tokens`` in ``seconds``,
+        its inner proposal included (``direct_efficiency``; recent steps weigh more)."""
+        self._direct_made = COST_MEMORY * self._direct_made + tokens
+        self._direct_promised = COST_MEMORY * self._direct_promised + predicted_rate * seconds
 
     def observe_step(self, positions: int, seconds: float, kept: int, drafted: int, from_middle: bool) -> None:
         """A float step took ``seconds`` on ``positions`` and kept ``kept`` of ``drafted`` tokens, which W8A8 made
@@ -274,18 +290,22 @@ class CascadeDrafter:
         self._draft: list[int] = []  # the last proposal
         self._from_middle = False  # whether W8A8 rounds made it
         self._seen_steps, self._seen_s = 0, 0.0  # the loop's verify counters at the last proposal
-        self._cycle: tuple[float, float] | None = None  # the last proposal with rounds: its predicted rate, its rounds' seconds
+        # the last proposal: its predicted rate (None: not yet predictable) and the seconds it took to make (its rounds'
+        # but their catch-up, or the inner drafter's)
+        self._cycle: tuple[float, float] | None = None
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         self._settle(tokens)
         rounds = self.policy.choose(behind=len(tokens) - 1 - len(self._cached), remaining=k)
+        predicted = self.policy.rate(rounds) if self.policy.rates_known else None  # a catch-up is charged apart
         if rounds == 0:
             self.stats.direct_steps += 1
+            began = time.perf_counter()
             draft = self.inner.propose(tokens, min(self.num_draft, k), sampler)
+            self._cycle = (predicted, time.perf_counter() - began) if predicted is not None else None
             self._draft, self._from_middle = draft.tokens[:k], False
             self.policy.observe_proposal(len(self._draft))
             return draft
-        predicted = self.policy.rate(rounds) if self.policy.rates_known else None  # the catch-up is charged apart
         began, caught_up = time.perf_counter(), self.stats.middle_catch_up_s
         draft, dists = self._rounds(list(tokens), k, rounds, sampler)
         rounds_s = time.perf_counter() - began - (self.stats.middle_catch_up_s - caught_up)
@@ -302,9 +322,10 @@ class CascadeDrafter:
         steps, seconds = self.stats.verify_steps, self.stats.verify_s
         if steps == self._seen_steps + 1:  # one float step on the last proposal (none: this is the first)
             self.policy.observe_step(1 + len(self._draft), seconds - self._seen_s, kept, len(self._draft), self._from_middle)
-            if self._from_middle and self._cycle is not None:
-                predicted, rounds_s = self._cycle
-                self.policy.observe_cycle(predicted, kept + 1, rounds_s + seconds - self._seen_s)
+            if self._cycle is not None:
+                predicted, made_s = self._cycle
+                observe = self.policy.observe_cycle if self._from_middle else self.policy.observe_direct
+                observe(predicted, kept + 1, made_s + seconds - self._seen_s)
         self._seen_steps, self._seen_s, self._cycle = steps, seconds, None
         final = self._final + kept  # past it, the float model's own token replaced (or followed) the draft
         if len(self._cached) > final:

@@ -168,8 +168,32 @@ def test_the_cpu_paths_step_times_every_contender_round_robin(small_shape, monke
     assert "exact mode at acceptance 1.4" in lines[6] and "torch float" in lines[6]
     assert [line.split(" per float step")[0].split()[-1].isdigit() for line in lines[7:]] == [True, True]
     assert "ORT W8A8 integer" in lines[7] and "torch W8A8" in lines[8] and all(line.endswith("verification") for line in lines[7:])
-    monkeypatch.setattr(memory, "memory_available", lambda: bench_onnx.step_peak_bytes(synthetic.synthetic_spec(small_shape), True) - 1)
-    with pytest.raises(QuasarError, match="needs ~"):
+    assert "2 rounds" in lines[0]
+
+
+def test_contenders_that_do_not_fit_together_are_timed_one_at_a_time(small_shape, monkeypatch):
+    """An 8B shape on 24 GB: each contender built, timed and freed before the next; one that does not fit even alone is
+    left out with a line that says so; none fitting alone is refused in one line."""
+    pytest.importorskip("onnxruntime")
+    from quasar_deploy.bench import onnx as bench_onnx
+
+    together = bench_onnx.step_peak_bytes(synthetic.synthetic_spec(small_shape), True, True)
+    monkeypatch.setattr(memory, "memory_available", lambda: together - 1)
+    lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2, int8_lm_head=True))
+    assert "2 calls each, one contender at a time" in lines[0]
+    labels = ["ORT fp32", "ORT W8A8 integer", "torch float", "torch W8A8"]
+    assert [next(i for i, line in enumerate(lines) if label in line) for label in labels] == [1, 2, 3, 4]
+    assert all("the best float" in lines[i] for i in (2, 4)) and "ideal W8A8 speed-up" in lines[5]
+    assert "exact mode at acceptance 1.4" in lines[6] and len(lines) == 9  # the float decoder's longer steps were timed
+
+    monkeypatch.setattr(bench_onnx, "SESSION_BUILD_FACTOR", 10**9)  # no ORT session fits, alone or not
+    monkeypatch.setattr(memory, "memory_available", lambda: 8 * GB)
+    lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
+    assert [line.split()[1] for line in lines[1:3]] == ["float", "W8A8"] and "the best float" in lines[2]
+    assert [line.split()[:2] for line in lines[3:5]] == [["ORT", "fp32"], ["ORT", "W8A8"]]
+    assert all("left out: it needs ~" in line for line in lines[3:5])
+    monkeypatch.setattr(memory, "memory_available", lambda: GB // 2)  # not even the libraries
+    with pytest.raises(QuasarError, match=r"one contender at a time needs ~1\.0 GB, this machine has 0\.5 GB available$"):
         next(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
 
 
@@ -236,8 +260,8 @@ def test_the_ideal_ratio_counts_the_bytes_the_decoders_read(small_shape, int8_lm
 
 def test_the_step_estimate_lets_a_streamed_1_7b_run_fit_24_gb_and_refuses_what_cannot():
     """The graphs are streamed (the build holds about one table, not the model), so Qwen3-1.7B without the torch
-    contenders fits a 24 GB machine (12.5 GB measured); the torch engines add theirs; an 8B shape is refused in one
-    line that says why."""
+    contenders fits a 24 GB machine (12.5 GB measured); the torch engines add theirs; an 8B shape does not fit
+    together (the command then times one contender at a time), which a check says in one line."""
     pytest.importorskip("onnxruntime")
     from quasar_deploy.bench import onnx as bench_onnx
 

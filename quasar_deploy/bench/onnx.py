@@ -15,11 +15,13 @@ by line, since a run takes minutes.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -43,15 +45,16 @@ from ..exporters.onnx import source_graph, write_graph
 from ..exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder
 from ..kernels import cpu_computes_bf16, default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name
 from ..memory import EMBEDDINGS, return_freed_memory
-from ..model import Linear
+from ..model import Decoder, Linear
 from ..scheme import QMAX, quantize_weight, reference_linear
 from ..speculative.cascade import StepCost, modelled_gain
 from .e2e import PAPER_ACCEPTANCE
-from .memory import check_fits
+from .memory import GB, check_fits, fits
 from .micro import time_step, timed
 from .synthetic import (
     LIBRARIES_BYTES,
     RandomTensors,
+    engine_alone_bytes,
     engines_peak_bytes,
     is_layer_linear,
     step_read_bytes,
@@ -231,6 +234,28 @@ def _settled(run: Callable[[], float]) -> float:
     return run()
 
 
+def _ort_contender(
+    directory: Path, label: str, source_spec: DecoderSpec, source: RandomTensors, head_outside: bool, feed: dict, threads: int
+) -> Callable[[], float]:
+    """The graph of ``source`` written to ``directory`` and its session: its timed step (seconds)."""
+    directory.mkdir()
+    write_synthetic_graph(directory, source_spec, source, label, head_outside=head_outside)
+    return_freed_memory()
+    session = _ort_session(directory, threads, head_outside)
+    if head_outside:
+        return _step_with_head(session, feed, _synthetic_head(source_spec, source))
+    return partial(timed, partial(session.run, None, feed))
+
+
+@dataclass(frozen=True)
+class _Contender:
+    """One contender of ``step``: what it holds resident built alone, and how to build it, giving its timed step."""
+
+    label: str
+    alone_bytes: int
+    build: Callable[[], Callable[[], float]]
+
+
 def step(
     shape: str,
     tokens: int,
@@ -241,76 +266,181 @@ def step(
     int8_lm_head: bool = False,
     w8a8_acceptance: float | None = None,
 ) -> Iterator[str]:
-    """Every CPU path's verify step on the same synthetic weights, timed round robin: ONNX Runtime's float and exact
-    integer W8A8 graphs (the graphs ``auto`` runs on a CPU) and, ``with_torch``, the cpu backend's float (oneDNN) and
-    W8A8 decoders; ``int8_lm_head``: both W8A8 contenders with an int8 head. Each round times every contender once
-    (see ``SETTLE_S``), so machine drift hits all of them alike; the speed-ups are medians of per-round
-    ratios against the round's fastest float contender. ``with_torch`` also models exact mode at the paper's
-    acceptance (``_exact_mode``), the float model keeping ``w8a8_acceptance`` (default ``EXACT_ACCEPTANCE``) of W8A8's
-    tokens."""
+    """Every CPU path's verify step on the same synthetic weights: ONNX Runtime's float and exact integer W8A8 graphs (the
+    graphs ``auto`` runs on a CPU) and, ``with_torch``, the cpu backend's float (oneDNN) and W8A8 decoders;
+    ``int8_lm_head``: both W8A8 contenders with an int8 head. Timed round robin where they fit in memory together: each
+    round times every contender once (see ``SETTLE_S``), so machine drift hits all of them alike, and the speed-ups are
+    medians of per-round ratios against the round's fastest float contender. Where they do not (an 8B shape on 24 GB),
+    one at a time, each freed before the next is built, those that do not fit even alone left out: the speed-ups are
+    then ratios of medians, and the report says so. ``with_torch`` also models exact mode at the paper's acceptance
+    (``_exact_mode``), the float model keeping ``w8a8_acceptance`` (default ``EXACT_ACCEPTANCE``) of W8A8's tokens."""
     spec = synthetic_spec(shape)
     dtype = default_float_dtype("cpu")
-    check_fits(step_peak_bytes(spec, with_torch, int8_lm_head, dtype.itemsize), f"bench onnx step --synthetic {shape}")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, tokens)
-    steps: dict[str, Callable[[], float]] = {}
+    feed = _ort_feed(spec, ids, context, rng)
     # the W8A8 graph auto runs here: on a bf16 CPU without its float head, the head in bf16 on torch beside it
     outside = cpu_computes_bf16() and not int8_lm_head
     w8a8_label = "ORT W8A8 + bf16 head (auto)" if outside else "ORT W8A8 integer"
-    sources = {"ORT fp32": (spec, RandomTensors(spec), False), w8a8_label: (*w8a8_source(shape, int8_lm_head=int8_lm_head), outside)}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, (source_spec, source, head_outside)) in enumerate(sources.items()):  # each beside the sessions built
-            directory = Path(tmp) / str(i)
-            directory.mkdir()
-            write_synthetic_graph(directory, source_spec, source, label, head_outside=head_outside)
-            return_freed_memory()
-            session, feed = _ort_session(directory, threads, head_outside), _ort_feed(spec, ids, context, rng)
-            plain = partial(timed, partial(session.run, None, feed))
-            steps[label] = _step_with_head(session, feed, _synthetic_head(spec, source)) if head_outside else plain
+    kernels = default_float_kernel(), default_int8_kernel()
+    float_label, w8a8_torch_label = f"torch float {dtype_name(dtype)} {kernels[0]}", f"torch W8A8 {kernels[1]}"
+    together = step_peak_bytes(spec, with_torch, int8_lm_head, dtype.itemsize)
+    float_at: dict[int, list[float]] = {n: [] for n in EXACT_FLOAT_POSITIONS}  # exact mode's longer float steps
+    longer = torch.from_numpy(rng.integers(0, spec.vocab_size, max(EXACT_FLOAT_POSITIONS)))
     float_bytes = step_read_bytes(spec, quantized=False, float_itemsize=dtype.itemsize)
     ideal = float_bytes / step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
-    if with_torch:
-        kernels = default_float_kernel(), default_int8_kernel()
+    with tempfile.TemporaryDirectory() as tmp:
+        graphs = {"ORT fp32": (spec, RandomTensors(spec), False), w8a8_label: (*w8a8_source(shape, int8_lm_head=int8_lm_head), outside)}
+        float_graph, w8a8_graph = _graph_bytes(spec)
+        graph_alone = {"ORT fp32": float_graph, w8a8_label: w8a8_graph}
+        build = GRAPH_BUILD_FACTOR * 4 * spec.vocab_size * spec.hidden_size
+        contenders = [
+            _Contender(
+                label,
+                int(max(build, SESSION_BUILD_FACTOR * graph_alone[label])) + LIBRARIES_BYTES,
+                partial(_ort_contender, Path(tmp) / str(i), label, *graph, feed, threads),
+            )
+            for i, (label, graph) in enumerate(graphs.items())
+        ]
+        round_robin = fits(together)
+        if round_robin:
+            labels = (float_label, w8a8_torch_label) if with_torch else ()
+            times = _round_robin(contenders, shape, kernels, dtype, labels, int8_lm_head, context, ids, longer, float_at, repeats)
+            how, left_out = f"{repeats} rounds", []
+        else:
+            if with_torch:
+                alone = partial(engine_alone_bytes, spec, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
+                quant_source = w8a8_source(shape, int8_lm_head=int8_lm_head)
+                decoders = {
+                    float_label: (alone(quantized=False), partial(Decoder, spec, RandomTensors(spec), dtype), float_at),
+                    w8a8_torch_label: (alone(quantized=True), partial(Decoder, *quant_source, head_dtype=dtype), {}),
+                }
+                for label, (peak, make, positions) in decoders.items():
+                    timed_step = partial(_torch_contender, make, kernels, context, ids, longer, positions, repeats)
+                    contenders.append(_Contender(label, peak, timed_step))
+            if not any(fits(c.alone_bytes) for c in contenders):
+                check_fits(min(c.alone_bytes for c in contenders), f"bench onnx step --synthetic {shape}, one contender at a time")
+            times, left_out = _one_at_a_time(contenders, repeats)
+            how = f"{repeats} calls each, one contender at a time (together they need ~{together / GB:.1f} GB)"
+    floats = [label for label in times if "W8A8" not in label]
+    head = "an int8" if int8_lm_head else "a float"
+    yield (
+        f"{shape} (synthetic weights, W8A8 with {head} lm_head), {tokens}-token verify on a {context}-token cache, "
+        f"{threads} threads, {how}; {cpu_model()}, float dtype {dtype_name(dtype)}"
+    )
+    for label, series in times.items():
+        speedup = "" if label in floats or not floats else f"   {_speedup(times, floats, series, round_robin):.2f}x the best float"
+        yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
+    yield from left_out
+    yield f"  ideal W8A8 speed-up by weight bytes read, against {dtype_name(dtype)} float: {ideal:.2f}x"
+    if float_label in times:
+        middles = {label: series for label, series in times.items() if label not in floats}
+        acceptance = EXACT_ACCEPTANCE if w8a8_acceptance is None else w8a8_acceptance
+        yield from _exact_mode(float_label, times[float_label], float_at, middles, tokens, acceptance)
+
+
+def _speedup(times: dict[str, list[float]], floats: list[str], series: list[float], round_robin: bool) -> float:
+    """Round robin: the median of per-round ratios against the round's fastest float. One at a time, no round is shared:
+    the fastest float's median over this contender's."""
+    if not round_robin:
+        return min(statistics.median(times[label]) for label in floats) / statistics.median(series)
+    best_float = [min(times[label][i] for label in floats) for i in range(len(series))]
+    return statistics.median(b / t for b, t in zip(best_float, series))
+
+
+def _round_robin(
+    contenders: list[_Contender],
+    shape: str,
+    kernels: tuple[str, str],
+    dtype: torch.dtype,
+    labels: tuple[str, ...],
+    int8_lm_head: bool,
+    context: int,
+    ids: np.ndarray,
+    longer: torch.Tensor,
+    float_at: dict[int, list[float]],
+    repeats: int,
+) -> dict[str, list[float]]:
+    """Every contender built beside the others (the torch twins sharing one packed head, ``synthetic_decoders``), then
+    ``repeats`` rounds each timing all of them once; the float decoder's longer steps after (``float_at``). ``labels``:
+    the torch decoders' (float, W8A8), none without them."""
+    steps = {c.label: c.build() for c in contenders}
+    float_steps: dict[int, Callable[[], float]] = {}
+    if labels:
         decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head, dtype=dtype)
-        labels = (f"torch float {dtype_name(dtype)} {kernels[0]}", f"torch W8A8 {kernels[1]}")
-        caches = {}  # the float one also times exact mode's longer float steps (``_exact_mode``)
         for label, decoder in zip(labels, decoders):
-            caches[label] = decoder.new_cache(context + max(tokens, *EXACT_FLOAT_POSITIONS))
-            decoder(torch.from_numpy(rng.integers(0, spec.vocab_size, context)), caches[label])
-            steps[label] = partial(time_step, decoder, caches[label], context, torch.from_numpy(ids))
+            steps[label], at = _decoder_steps(decoder, context, ids, longer, float_at if decoder is decoders[0] else {})
+            float_steps.update(at)
     for run in steps.values():
         run()  # warm-up
     times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeats):
         for label, run in steps.items():
             times[label].append(_settled(run))
-    floats = [label for label in steps if "W8A8" not in label]
-    best_float = [min(times[label][i] for label in floats) for i in range(repeats)]
-    head = "an int8" if int8_lm_head else "a float"
-    yield (
-        f"{shape} (synthetic weights, W8A8 with {head} lm_head), {tokens}-token verify on a {context}-token cache, "
-        f"{threads} threads, {repeats} rounds; {cpu_model()}, float dtype {dtype_name(dtype)}"
-    )
-    for label, series in times.items():
-        speedup = "" if label in floats else f"   {statistics.median(b / t for b, t in zip(best_float, series)):.2f}x the best float"
-        yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
-    yield f"  ideal W8A8 speed-up by weight bytes read, against {dtype_name(dtype)} float: {ideal:.2f}x"
-    if with_torch:
-        float_label = labels[0]
-        longer = torch.from_numpy(rng.integers(0, spec.vocab_size, max(EXACT_FLOAT_POSITIONS)))
-        float_at = {n: partial(time_step, decoders[0], caches[float_label], context, longer[:n]) for n in EXACT_FLOAT_POSITIONS}
-        middles = {label: series for label, series in times.items() if label not in floats}
-        acceptance = EXACT_ACCEPTANCE if w8a8_acceptance is None else w8a8_acceptance
-        yield from _exact_mode(float_label, times[float_label], float_at, middles, tokens, repeats, acceptance)
+    _time_positions(float_steps, float_at, repeats)
+    return times
+
+
+def _one_at_a_time(contenders: list[_Contender], repeats: int) -> tuple[dict[str, list[float]], list[str]]:
+    """Each contender that fits alone built, timed ``repeats`` times (the float decoder's longer steps too, as it is
+    built) and freed before the next: their times, and a report line for each one left out."""
+    times: dict[str, list[float]] = {}
+    left_out = []
+    for contender in contenders:
+        if not fits(contender.alone_bytes):
+            left_out.append(f"  {contender.label:<26} left out: it needs ~{contender.alone_bytes / GB:.1f} GB alone")
+            continue
+        run = contender.build()
+        run()  # warm-up
+        times[contender.label] = [_settled(run) for _ in range(repeats)]
+        del run
+        gc.collect()
+        return_freed_memory()
+    return times, left_out
+
+
+def _decoder_steps(
+    decoder: Decoder, context: int, ids: np.ndarray, longer: torch.Tensor, positions: Collection[int]
+) -> tuple[Callable[[], float], dict[int, Callable[[], float]]]:
+    """A prepared decoder's verify step of ``ids`` on a cache of ``context`` random tokens, and its steps at each of
+    ``positions`` (exact mode's longer float steps) on the same cache."""
+    cache = decoder.new_cache(context + max(len(ids), *EXACT_FLOAT_POSITIONS))
+    decoder(torch.randint(0, decoder.spec.vocab_size, (context,), generator=torch.Generator().manual_seed(0)), cache)
+    at = {n: partial(time_step, decoder, cache, context, longer[:n]) for n in positions}
+    return partial(time_step, decoder, cache, context, torch.from_numpy(ids)), at
+
+
+def _torch_contender(
+    make: Callable[[], Decoder],
+    kernels: tuple[str, str],
+    context: int,
+    ids: np.ndarray,
+    longer: torch.Tensor,
+    float_at: dict[int, list[float]],
+    repeats: int,
+) -> Callable[[], float]:
+    """A torch decoder built alone (``make``) and prepared with ``kernels``: its timed step. With ``float_at`` (the float
+    decoder), its longer steps are timed ``repeats`` times at once (it is freed before ``step`` would time them)."""
+    decoder = make()
+    decoder.prepare(*kernels, fuse=True)
+    run, at = _decoder_steps(decoder, context, ids, longer, float_at)
+    _time_positions(at, float_at, repeats)
+    return run
+
+
+def _time_positions(steps: dict[int, Callable[[], float]], float_at: dict[int, list[float]], repeats: int) -> None:
+    """``repeats`` rounds of the float decoder's steps at exact mode's longer positions, into ``float_at``."""
+    for _ in range(repeats if steps else 0):
+        for positions, run in steps.items():
+            float_at[positions].append(_settled(run))
 
 
 def _exact_mode(
     float_label: str,
     float_times: list[float],
-    float_at: dict[int, Callable[[], float]],
+    float_at: dict[int, list[float]],
     middles: dict[str, list[float]],
     tokens: int,
-    repeats: int,
     acceptance: float,
 ) -> Iterator[str]:
     """Exact mode's speed model (``cascade.modelled_gain``) at the paper's acceptance from this run's step costs: the float
@@ -318,9 +448,9 @@ def _exact_mode(
     verify_cost = StepCost()
     for seconds in float_times:
         verify_cost.observe(tokens, seconds)
-    for _ in range(repeats):
-        for positions, run in float_at.items():
-            verify_cost.observe(positions, _settled(run))
+    for i in range(min(map(len, float_at.values()))):  # in the order they ran: recent forwards weigh more in the fit
+        for positions, series in float_at.items():
+            verify_cost.observe(positions, series[i])
     yield (
         f"  exact mode at acceptance {PAPER_ACCEPTANCE} (n-gram k={tokens - 1}; {float_label} verifying, timed at "
         f"{', '.join(map(str, (tokens, *EXACT_FLOAT_POSITIONS)))} positions; it keeps {acceptance:.3f} of W8A8's tokens):"

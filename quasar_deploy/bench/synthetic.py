@@ -185,6 +185,19 @@ def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False, float_item
     return engines + LIBRARIES_BYTES
 
 
+def engine_alone_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
+    """Peak resident bytes of one synthetic engine built alone, plus the libraries: the float one (``engines_peak_bytes``
+    without the int8 linears), or the W8A8 one with its own head (a float head of ``float_itemsize`` bytes, or an int8
+    head quantized as ``engines_peak_bytes`` says) beside its bf16 table."""
+    float_linears, int8_linears = _linear_bytes(spec)
+    table = spec.vocab_size * spec.hidden_size
+    stored = STORED_DTYPE.itemsize
+    if not quantized:
+        return engines_peak_bytes(spec, float_itemsize=float_itemsize) - int8_linears
+    head = (stored + 3 * 4) * table if int8_lm_head else float_itemsize * table
+    return int8_linears + stored * table + head + LIBRARIES_BYTES
+
+
 def w8a8_source(name: str, seed: int = 0, int8_lm_head: bool = False) -> tuple[DecoderSpec, RandomTensors]:
     """The W8A8 twin's spec (untied when it has its own int8 head) and its tensors, quantized one at a time as asked for."""
     spec = synthetic_spec(name)

@@ -292,33 +292,15 @@ def step(
     ideal = float_bytes / step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
     with tempfile.TemporaryDirectory() as tmp:
         graphs = {"ORT fp32": (spec, RandomTensors(spec), False), w8a8_label: (*w8a8_source(shape, int8_lm_head=int8_lm_head), outside)}
-        float_graph, w8a8_graph = _graph_bytes(spec)
-        graph_alone = {"ORT fp32": float_graph, w8a8_label: w8a8_graph}
-        build = GRAPH_BUILD_FACTOR * 4 * spec.vocab_size * spec.hidden_size
-        contenders = [
-            _Contender(
-                label,
-                int(max(build, SESSION_BUILD_FACTOR * graph_alone[label])) + LIBRARIES_BYTES,
-                partial(_ort_contender, Path(tmp) / str(i), label, *graph, feed, threads),
-            )
-            for i, (label, graph) in enumerate(graphs.items())
-        ]
+        contenders = _graph_contenders(Path(tmp), spec, graphs, feed, threads)
         round_robin = fits(together)
+        labels = (float_label, w8a8_torch_label) if with_torch else ()
         if round_robin:
-            labels = (float_label, w8a8_torch_label) if with_torch else ()
             times = _round_robin(contenders, shape, kernels, dtype, labels, int8_lm_head, context, ids, longer, float_at, repeats)
             how, left_out = f"{repeats} rounds", []
         else:
-            if with_torch:
-                alone = partial(engine_alone_bytes, spec, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
-                quant_source = w8a8_source(shape, int8_lm_head=int8_lm_head)
-                decoders = {
-                    float_label: (alone(quantized=False), partial(Decoder, spec, RandomTensors(spec), dtype), float_at),
-                    w8a8_torch_label: (alone(quantized=True), partial(Decoder, *quant_source, head_dtype=dtype), {}),
-                }
-                for label, (peak, make, positions) in decoders.items():
-                    timed_step = partial(_torch_contender, make, kernels, context, ids, longer, positions, repeats)
-                    contenders.append(_Contender(label, peak, timed_step))
+            steps = partial(_torch_contender, kernels=kernels, context=context, ids=ids, longer=longer, repeats=repeats)
+            contenders += _torch_contenders_alone(spec, shape, dtype, labels, int8_lm_head, float_at, steps)
             if not any(fits(c.alone_bytes) for c in contenders):
                 check_fits(min(c.alone_bytes for c in contenders), f"bench onnx step --synthetic {shape}, one contender at a time")
             times, left_out = _one_at_a_time(contenders, repeats)
@@ -338,6 +320,45 @@ def step(
         middles = {label: series for label, series in times.items() if label not in floats}
         acceptance = EXACT_ACCEPTANCE if w8a8_acceptance is None else w8a8_acceptance
         yield from _exact_mode(float_label, times[float_label], float_at, middles, tokens, acceptance)
+
+
+def _graph_contenders(
+    tmp: Path, spec: DecoderSpec, graphs: dict[str, tuple[DecoderSpec, RandomTensors, bool]], feed: dict, threads: int
+) -> list[_Contender]:
+    """ONNX Runtime's contenders, label -> (spec, source, head outside the graph): each graph is streamed to its own
+    directory of ``tmp`` when built; alone, its build or its session (``SESSION_BUILD_FACTOR``) is what it holds."""
+    float_graph, w8a8_graph = _graph_bytes(spec)
+    build = GRAPH_BUILD_FACTOR * 4 * spec.vocab_size * spec.hidden_size
+    return [
+        _Contender(
+            label,
+            int(max(build, SESSION_BUILD_FACTOR * (w8a8_graph if graph[1].quantized else float_graph))) + LIBRARIES_BYTES,
+            partial(_ort_contender, tmp / str(i), label, *graph, feed, threads),
+        )
+        for i, (label, graph) in enumerate(graphs.items())
+    ]
+
+
+def _torch_contenders_alone(
+    spec: DecoderSpec,
+    shape: str,
+    dtype: torch.dtype,
+    labels: tuple[str, ...],
+    int8_lm_head: bool,
+    float_at: dict[int, list[float]],
+    steps: Callable[..., Callable[[], float]],
+) -> list[_Contender]:
+    """The cpu backend's float and W8A8 decoders (``labels``; none without them), each to be built alone, the W8A8 one with
+    its own head; ``steps(make, float_at=...)`` builds one and gives its timed step (``_torch_contender``)."""
+    if not labels:
+        return []
+    alone = partial(engine_alone_bytes, spec, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
+    quant_source = w8a8_source(shape, int8_lm_head=int8_lm_head)
+    makes = (partial(Decoder, spec, RandomTensors(spec), dtype), partial(Decoder, *quant_source, head_dtype=dtype))
+    return [
+        _Contender(label, alone(quantized=quantized), partial(steps, make, float_at=float_at if not quantized else {}))
+        for label, make, quantized in zip(labels, makes, (False, True))
+    ]
 
 
 def _speedup(times: dict[str, list[float]], floats: list[str], series: list[float], round_robin: bool) -> float:
@@ -414,6 +435,7 @@ def _decoder_steps(
 
 def _torch_contender(
     make: Callable[[], Decoder],
+    *,
     kernels: tuple[str, str],
     context: int,
     ids: np.ndarray,

@@ -21,13 +21,14 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from ..errors import QuasarError
 
@@ -266,6 +267,7 @@ def step(
     with_torch: bool = True,
     int8_lm_head: bool = False,
     w8a8_acceptance: float | None = None,
+    progress: bool = True,
 ) -> Iterator[str]:
     """Every CPU path's verify step on the same synthetic weights: ONNX Runtime's float and exact integer W8A8 graphs (the
     graphs ``auto`` runs on a CPU) and, ``with_torch``, the cpu backend's float (oneDNN) and W8A8 decoders;
@@ -274,7 +276,8 @@ def step(
     medians of per-round ratios against the round's fastest float contender. Where they do not (an 8B shape on 24 GB),
     one at a time, each freed before the next is built, those that do not fit even alone left out: the speed-ups are
     then ratios of medians, and the report says so. ``with_torch`` also models exact mode at the paper's acceptance
-    (``_exact_mode``), the float model keeping ``w8a8_acceptance`` (default ``EXACT_ACCEPTANCE``) of W8A8's tokens."""
+    (``_exact_mode``), the float model keeping ``w8a8_acceptance`` (default ``EXACT_ACCEPTANCE``) of W8A8's tokens.
+    ``progress``: a bar on stderr (an 8B shape takes minutes before its first line)."""
     spec = synthetic_spec(shape)
     dtype = default_float_dtype("cpu")
     rng = np.random.default_rng(0)
@@ -296,14 +299,14 @@ def step(
         round_robin = fits(together)
         labels = (float_label, w8a8_torch_label) if with_torch else ()
         if round_robin:
-            times = _round_robin(contenders, shape, kernels, dtype, labels, int8_lm_head, context, ids, longer, float_at, repeats)
+            times = _round_robin(contenders, shape, kernels, dtype, labels, int8_lm_head, context, ids, longer, float_at, repeats, progress)
             how, left_out = f"{repeats} rounds", []
         else:
             steps = partial(_torch_contender, kernels=kernels, context=context, ids=ids, longer=longer, repeats=repeats)
             contenders += _torch_contenders_alone(spec, shape, dtype, labels, int8_lm_head, float_at, steps)
             if not any(fits(c.alone_bytes) for c in contenders):
                 check_fits(min(c.alone_bytes for c in contenders), f"bench onnx step --synthetic {shape}, one contender at a time")
-            times, left_out = _one_at_a_time(contenders, repeats)
+            times, left_out = _one_at_a_time(tqdm(contenders, desc=f"onnx step {shape}: contenders", disable=not progress), repeats)
             how = f"{repeats} calls each, one contender at a time (together they need ~{together / GB:.1f} GB)"
     floats = [label for label in times if "W8A8" not in label]
     head = "an int8" if int8_lm_head else "a float"
@@ -382,6 +385,7 @@ def _round_robin(
     longer: torch.Tensor,
     float_at: dict[int, list[float]],
     repeats: int,
+    progress: bool,
 ) -> dict[str, list[float]]:
     """Every contender built beside the others (the torch twins sharing one packed head, ``synthetic_decoders``), then
     ``repeats`` rounds each timing all of them once; the float decoder's longer steps after (``float_at``). ``labels``:
@@ -396,14 +400,14 @@ def _round_robin(
     for run in steps.values():
         run()  # warm-up
     times: dict[str, list[float]] = {label: [] for label in steps}
-    for _ in range(repeats):
+    for _ in tqdm(range(repeats), desc=f"onnx step {shape}: rounds", disable=not progress):
         for label, run in steps.items():
             times[label].append(_settled(run))
     _time_positions(float_steps, float_at, repeats)
     return times
 
 
-def _one_at_a_time(contenders: list[_Contender], repeats: int) -> tuple[dict[str, list[float]], list[str]]:
+def _one_at_a_time(contenders: Iterable[_Contender], repeats: int) -> tuple[dict[str, list[float]], list[str]]:
     """Each contender that fits alone built, timed ``repeats`` times (the float decoder's longer steps too, as it is
     built) and freed before the next: their times, and a report line for each one left out."""
     times: dict[str, list[float]] = {}

@@ -236,26 +236,30 @@ def _settled(run: Callable[[], float]) -> float:
     return run()
 
 
+# a contender built: its timed step (seconds), and its steps at exact mode's longer positions (the float decoder's only)
+_Built = tuple[Callable[[], float], dict[int, Callable[[], float]]]
+
+
 def _ort_contender(
     directory: Path, label: str, source_spec: DecoderSpec, source: RandomTensors, head_outside: bool, feed: dict, threads: int
-) -> Callable[[], float]:
+) -> _Built:
     """The graph of ``source`` written to ``directory`` and its session: its timed step (seconds)."""
     directory.mkdir()
     write_synthetic_graph(directory, source_spec, source, label, head_outside=head_outside)
     return_freed_memory()
     session = _ort_session(directory, threads, head_outside)
     if head_outside:
-        return _step_with_head(session, feed, _synthetic_head(source_spec, source))
-    return partial(timed, partial(session.run, None, feed))
+        return _step_with_head(session, feed, _synthetic_head(source_spec, source)), {}
+    return partial(timed, partial(session.run, None, feed)), {}
 
 
 @dataclass(frozen=True)
 class _Contender:
-    """One contender of ``step``: what it holds resident built alone, and how to build it, giving its timed step."""
+    """One contender of ``step``: what it holds resident built alone, and how to build it."""
 
     label: str
     alone_bytes: int
-    build: Callable[[], Callable[[], float]]
+    build: Callable[[], _Built]
 
 
 def step(
@@ -302,11 +306,12 @@ def step(
             times = _round_robin(contenders, shape, kernels, dtype, labels, int8_lm_head, context, ids, longer, float_at, repeats, progress)
             how, left_out = f"{repeats} rounds", []
         else:
-            steps = partial(_torch_contender, kernels=kernels, context=context, ids=ids, longer=longer, repeats=repeats)
-            contenders += _torch_contenders_alone(spec, shape, dtype, labels, int8_lm_head, float_at, steps)
+            steps = partial(_torch_contender, kernels=kernels, context=context, ids=ids, longer=longer)
+            contenders += _torch_contenders_alone(spec, shape, dtype, labels, int8_lm_head, steps)
             if not any(fits(c.alone_bytes) for c in contenders):
                 check_fits(min(c.alone_bytes for c in contenders), f"bench onnx step --synthetic {shape}, one contender at a time")
-            times, left_out = _one_at_a_time(tqdm(contenders, desc=f"onnx step {shape}: contenders", disable=not progress), repeats)
+            bar = tqdm(contenders, desc=f"onnx step {shape}: contenders", disable=not progress)
+            times, left_out = _one_at_a_time(bar, float_at, repeats)
             how = f"{repeats} calls each, one contender at a time (together they need ~{together / GB:.1f} GB)"
     floats = [label for label in times if "W8A8" not in label]
     head = "an int8" if int8_lm_head else "a float"
@@ -348,18 +353,18 @@ def _torch_contenders_alone(
     dtype: torch.dtype,
     labels: tuple[str, ...],
     int8_lm_head: bool,
-    float_at: dict[int, list[float]],
-    steps: Callable[..., Callable[[], float]],
+    steps: Callable[..., _Built],
 ) -> list[_Contender]:
     """The cpu backend's float and W8A8 decoders (``labels``; none without them), each to be built alone, the W8A8 one with
-    its own head; ``steps(make, float_at=...)`` builds one and gives its timed step (``_torch_contender``)."""
+    its own head; ``steps(make, positions=...)`` builds one and gives its steps (``_torch_contender``), the float one's at
+    exact mode's longer positions too."""
     if not labels:
         return []
     alone = partial(engine_alone_bytes, spec, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
     quant_source = w8a8_source(shape, int8_lm_head=int8_lm_head)
     makes = (partial(Decoder, spec, RandomTensors(spec), dtype), partial(Decoder, *quant_source, head_dtype=dtype))
     return [
-        _Contender(label, alone(quantized=quantized), partial(steps, make, float_at=float_at if not quantized else {}))
+        _Contender(label, alone(quantized=quantized), partial(steps, make, positions=() if quantized else EXACT_FLOAT_POSITIONS))
         for label, make, quantized in zip(labels, makes, (False, True))
     ]
 
@@ -390,45 +395,46 @@ def _round_robin(
     """Every contender built beside the others (the torch twins sharing one packed head, ``synthetic_decoders``), then
     ``repeats`` rounds each timing all of them once; the float decoder's longer steps after (``float_at``). ``labels``:
     the torch decoders' (float, W8A8), none without them."""
-    steps = {c.label: c.build() for c in contenders}
-    float_steps: dict[int, Callable[[], float]] = {}
+    built = {c.label: c.build() for c in contenders}
     if labels:
         decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head, dtype=dtype)
         for label, decoder in zip(labels, decoders):
-            steps[label], at = _decoder_steps(decoder, context, ids, longer, float_at if decoder is decoders[0] else {})
-            float_steps.update(at)
+            built[label] = _decoder_steps(decoder, context, ids, longer, EXACT_FLOAT_POSITIONS if decoder is decoders[0] else ())
+    steps = {label: run for label, (run, _) in built.items()}
     for run in steps.values():
         run()  # warm-up
     times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in tqdm(range(repeats), desc=f"onnx step {shape}: rounds", disable=not progress):
         for label, run in steps.items():
             times[label].append(_settled(run))
-    _time_positions(float_steps, float_at, repeats)
+    for _, at in built.values():
+        _time_positions(at, float_at, repeats)
     return times
 
 
-def _one_at_a_time(contenders: Iterable[_Contender], repeats: int) -> tuple[dict[str, list[float]], list[str]]:
-    """Each contender that fits alone built, timed ``repeats`` times (the float decoder's longer steps too, as it is
-    built) and freed before the next: their times, and a report line for each one left out."""
+def _one_at_a_time(
+    contenders: Iterable[_Contender], float_at: dict[int, list[float]], repeats: int
+) -> tuple[dict[str, list[float]], list[str]]:
+    """Each contender that fits alone built, timed ``repeats`` times (the float decoder's longer steps too, into
+    ``float_at``) and freed before the next: their times, and a report line for each one left out."""
     times: dict[str, list[float]] = {}
     left_out = []
     for contender in contenders:
         if not fits(contender.alone_bytes):
             left_out.append(f"  {contender.label:<26} left out: it needs ~{contender.alone_bytes / GB:.1f} GB alone")
             continue
-        run = contender.build()
+        run, at = contender.build()
         os.sync()  # a graph's build leaves gigabytes of dirty pages: written back meanwhile, they slow the timed calls
         run()  # warm-up
         times[contender.label] = [_settled(run) for _ in range(repeats)]
-        del run
+        _time_positions(at, float_at, repeats)
+        del run, at
         gc.collect()
         return_freed_memory()
     return times, left_out
 
 
-def _decoder_steps(
-    decoder: Decoder, context: int, ids: np.ndarray, longer: torch.Tensor, positions: Collection[int]
-) -> tuple[Callable[[], float], dict[int, Callable[[], float]]]:
+def _decoder_steps(decoder: Decoder, context: int, ids: np.ndarray, longer: torch.Tensor, positions: Collection[int]) -> _Built:
     """A prepared decoder's verify step of ``ids`` on a cache of ``context`` random tokens, and its steps at each of
     ``positions`` (exact mode's longer float steps) on the same cache."""
     cache = decoder.new_cache(context + max(len(ids), *EXACT_FLOAT_POSITIONS))
@@ -444,20 +450,16 @@ def _torch_contender(
     context: int,
     ids: np.ndarray,
     longer: torch.Tensor,
-    float_at: dict[int, list[float]],
-    repeats: int,
-) -> Callable[[], float]:
-    """A torch decoder built alone (``make``) and prepared with ``kernels``: its timed step. With ``float_at`` (the float
-    decoder), its longer steps are timed ``repeats`` times at once (it is freed before ``step`` would time them)."""
+    positions: Collection[int],
+) -> _Built:
+    """A torch decoder built alone (``make``) and prepared with ``kernels``: its steps (``_decoder_steps``)."""
     decoder = make()
     decoder.prepare(*kernels, fuse=True)
-    run, at = _decoder_steps(decoder, context, ids, longer, float_at)
-    _time_positions(at, float_at, repeats)
-    return run
+    return _decoder_steps(decoder, context, ids, longer, positions)
 
 
 def _time_positions(steps: dict[int, Callable[[], float]], float_at: dict[int, list[float]], repeats: int) -> None:
-    """``repeats`` rounds of the float decoder's steps at exact mode's longer positions, into ``float_at``."""
+    """``repeats`` rounds of a decoder's steps at exact mode's longer positions (none but the float one's), into ``float_at``."""
     for _ in range(repeats if steps else 0):
         for positions, run in steps.items():
             float_at[positions].append(_settled(run))

@@ -189,7 +189,7 @@ def engine_alone_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = 
     """Peak resident bytes of one synthetic engine built alone, plus the libraries: the float one (``engines_peak_bytes``
     without the int8 linears), or the W8A8 one with its own head (a float head of ``float_itemsize`` bytes, or an int8
     head quantized as ``engines_peak_bytes`` says) beside its bf16 table."""
-    float_linears, int8_linears = _linear_bytes(spec)
+    int8_linears = _linear_bytes(spec)[1]
     table = spec.vocab_size * spec.hidden_size
     stored = STORED_DTYPE.itemsize
     if not quantized:

@@ -444,7 +444,8 @@ def test_adaptive_rounds_run_where_they_pay(monkeypatch):
     assert stats.middle_rounds > 3 * stats.verify_steps
     # every cost is the model's own here (the W8A8 prefill, charged apart, is left out of the cycles): the cycles with
     # rounds made at least what their predictions promised (more: the prior on a is cautious)
-    assert run_timed.policy.efficiency == 1.0 and run_timed.policy._made > run_timed.policy._promised > 0
+    realized = run_timed.policy.with_rounds
+    assert run_timed.policy.efficiency == 1.0 and realized.made > realized.promised > 0
 
 
 def test_the_w8a8_caches_catch_up_is_timed_into_its_cost_fit(monkeypatch):

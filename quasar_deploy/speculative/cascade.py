@@ -101,6 +101,22 @@ def modelled_gain(
     return (best, gain) if best > 0 and gain >= ROUNDS_MARGIN else (0, 1.0)
 
 
+class Realized:
+    """Tokens some proposals made, and the tokens their predicted rates promised in the time they took, recent ones
+    weighing more (``COST_MEMORY``): what the speed model's predictions are worth (``RoundPolicy.efficiency``)."""
+
+    def __init__(self):
+        self.made = self.promised = 0.0
+
+    def observe(self, predicted_rate: float, tokens: int, seconds: float) -> None:
+        self.made = COST_MEMORY * self.made + tokens
+        self.promised = COST_MEMORY * self.promised + predicted_rate * seconds
+
+    def ratio(self) -> float:
+        """Made over promised; 1.0 before any proposal (nothing yet says the predictions are off)."""
+        return self.made / self.promised if self.promised > 0 else 1.0
+
+
 class StepCost:
     """A model's seconds per verify forward as ``fixed + per_position * positions``, fitted by least squares to the
     forwards seen, recent ones weighing more (``COST_MEMORY``).
@@ -156,8 +172,7 @@ class RoundPolicy:
         self.tokens_per_verify: float | None = None
         self.proposal_length: float | None = None
         self._kept, self._tried = PRIOR_ACCEPTANCE * PRIOR_TOKENS, float(PRIOR_TOKENS)
-        self._made, self._promised = 0.0, 0.0  # tokens cycles with rounds made, and what their predicted rates promised
-        self._direct_made, self._direct_promised = 0.0, 0.0  # the same of plain float steps (r = 0)
+        self.with_rounds, self.direct = Realized(), Realized()  # proposals with W8A8 rounds, and plain float steps (r = 0)
         # proposals in a row that ran rounds, on average: a catch-up is repaid only while rounds last
         self.streak_length: float | None = None
         self._streak = 0
@@ -168,7 +183,7 @@ class RoundPolicy:
         most 1.0 (1.0 before any): the model leaves costs out (the rounds' drafting and bookkeeping, the caches'
         rollback, a runtime waking after another's), and its cost fits can be flat where every forward had one length.
         A surplus does not inflate a promise: the catch-ups that follow rounds are priced apart, and cautiously."""
-        return min(1.0, self._made / self._promised) if self._promised > 0 else 1.0
+        return min(1.0, self.with_rounds.ratio())
 
     @property
     def direct_efficiency(self) -> float:
@@ -176,7 +191,7 @@ class RoundPolicy:
         1.0 (1.0 before any). Rounds are weighed against r = 0's prediction: where plain steps beat it (the cost fit, pulled
         by the longer float steps of cascade drafts, overprices a short one), rounds must beat it by as much. A shortfall
         does not lower the bar: rounds that would only win against an underestimate of r = 0 are not taken."""
-        return max(1.0, self._direct_made / self._direct_promised) if self._direct_promised > 0 else 1.0
+        return max(1.0, self.direct.ratio())
 
     @property
     def acceptance(self) -> float:
@@ -237,14 +252,12 @@ class RoundPolicy:
         """A proposal with W8A8 rounds, predicted at ``predicted_rate`` tokens per second (its catch-up left out), made
         ``tokens`` in ``seconds``: its rounds (but their catch-up) and its float step (``efficiency``; recent cycles
         weigh more)."""
-        self._made = COST_MEMORY * self._made + tokens
-        self._promised = COST_MEMORY * self._promised + predicted_rate * seconds
+        self.with_rounds.observe(predicted_rate, tokens, seconds)
 
     def observe_direct(self, predicted_rate: float, tokens: int, seconds: float) -> None:
         """A plain float step (r = 0), predicted at ``predicted_rate`` tokens per second, made ``tokens`` in ``seconds``,
         its inner proposal included (``direct_efficiency``; recent steps weigh more)."""
-        self._direct_made = COST_MEMORY * self._direct_made + tokens
-        self._direct_promised = COST_MEMORY * self._direct_promised + predicted_rate * seconds
+        self.direct.observe(predicted_rate, tokens, seconds)
 
     def observe_step(self, positions: int, seconds: float, kept: int, drafted: int, from_middle: bool) -> None:
         """A float step took ``seconds`` on ``positions`` and kept ``kept`` of ``drafted`` tokens, which W8A8 made

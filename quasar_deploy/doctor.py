@@ -46,7 +46,7 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
         "gpu": gpu_status(),
         "targets": available_backends(),
         "default_backend": default_backend(),
-        "torch_decoder_backend": default_backend(("layer_skip",)),
+        "layer_skip_backend": default_backend(("layer_skip",)),  # a W8A8 artifact's; a float checkpoint's is cpu
         "cache": cache_summary(),
         **({"memory": model_memory(path), "auto_backend": auto_backend(path)} if path is not None else {}),
         **({"exact_memory": exact_memory(path, exact_source)} if path is not None and exact else {}),

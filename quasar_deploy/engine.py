@@ -582,7 +582,7 @@ def load(
     if exact_source is not None:
         raise QuasarError("exact_source applies to verify='exact'")
     backend = resolve_backend(backend, path, needs, backend_options)
-    lm = create_backend(backend, path, **backend_options)
+    lm = create_backend(backend, path, needs, **backend_options)
     engine = Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)
     warm_up(lm)
     return engine

@@ -92,12 +92,15 @@ def test_processes_started_together_export_once(tiny_artifact, empty_cache, capf
     assert capfd.readouterr().err.count("exporting it to") == 1
 
 
-def test_needs_and_options_choose_the_torch_decoder(tiny_artifact):
+def test_needs_and_options_choose_a_backend_that_provides_them(tiny_artifact, tiny_qwen3):
     from quasar_deploy.cli.serve import SERVER_NEEDS
 
     assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
-    assert registry.auto_backend(tiny_artifact.path, needs=("layer_skip",)) == "cpu"  # the layerskip drafter
-    assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "cpu"  # requests may pick layerskip
+    # the layerskip drafter, and serving (requests may pick layerskip): ONNX Runtime's layer graphs of a W8A8 artifact
+    assert registry.auto_backend(tiny_artifact.path, needs=("layer_skip",)) == "onnxruntime"
+    assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "onnxruntime"
+    # ...which a float checkpoint has none of: our torch decoder
+    assert registry.auto_backend(tiny_qwen3, needs=SERVER_NEEDS) == "cpu"
     assert registry.auto_backend(tiny_artifact.path, options=("int8_kernel",)) == "cpu"
     with pytest.raises(QuasarError, match="unknown backend capability 'gpu'"):
         registry.auto_backend(tiny_artifact.path, needs=("gpu",))

@@ -31,11 +31,14 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["w8a8", "float", "w8a8-bf16", "float-bf16"])
+@pytest.fixture(scope="module", params=["w8a8", "float", "w8a8-bf16", "float-bf16", "w8a8-onnxruntime"])
 def engine(request, tiny_artifact, tiny_qwen3) -> Engine:
     """Each model in float32, and in bf16 as a bf16 CPU runs it (a W8A8 model's head, a float model wholly): batch
-    invariance must hold for both dtypes."""
+    invariance must hold for both dtypes; and a W8A8 model as ONNX Runtime's layer graphs (what serving asks of it)."""
     path = tiny_artifact.path if request.param.startswith("w8a8") else tiny_qwen3
+    if request.param.endswith("onnxruntime"):
+        pytest.importorskip("onnxruntime")
+        return load(path, backend="onnxruntime", needs=("layer_skip",))
     if not request.param.endswith("bf16"):
         return load(path, backend="cpu")
     try:
@@ -106,17 +109,37 @@ def test_eight_greedy_requests_served_together_equal_each_alone(engine, draft, m
     assert max(len(f) for f in forwards[1:]) == len(PROMPTS)  # the steps really ran all eight in one forward
 
 
-def count_forwards(engine: Engine, monkeypatch) -> list[list[bool]]:
-    """Records each batched forward of ``engine``'s decoder from now on: which of its blocks are prefills."""
+def patch_forward(engine: Engine, monkeypatch, wrap) -> None:
+    """Every forward of ``engine``'s model from now on goes through ``wrap(forward, blocks, skip_layers, last_only)``:
+    the torch decoder's ``forward_blocks``, or the ONNX Runtime layer graphs' ``_forward`` (every sequence's)."""
+    if engine.backend == "onnxruntime":
+        from quasar_deploy.backends.onnx_layered import LayeredOnnxLM
+
+        forward = LayeredOnnxLM._forward
+
+        def layered(self, sequences, blocks, last_only=(), skip_layers=frozenset()):
+            return wrap(lambda *a: forward(self, sequences, blocks, last_only, skip_layers), blocks, skip_layers, last_only)
+
+        monkeypatch.setattr(LayeredOnnxLM, "_forward", layered)
+        return
     forward_blocks = engine.lm.decoder.forward_blocks
+
+    def torch_forward(blocks, caches, skip_layers=frozenset(), last_only=()):
+        return wrap(lambda *a: forward_blocks(blocks, caches, skip_layers, last_only), blocks, skip_layers, last_only)
+
+    monkeypatch.setattr(engine.lm.decoder, "forward_blocks", torch_forward)
+
+
+def count_forwards(engine: Engine, monkeypatch) -> list[list[bool]]:
+    """Records each batched forward of ``engine``'s model from now on: which of its blocks are prefills."""
     forwards = []
 
-    def counting(blocks, caches, skip_layers=frozenset(), last_only=()):
+    def counting(forward, blocks, skip_layers, last_only):
         if not skip_layers:  # layerskip's drafts are not the scheduler's forwards
             forwards.append(list(last_only) or [False] * len(blocks))
-        return forward_blocks(blocks, caches, skip_layers, last_only)
+        return forward()
 
-    monkeypatch.setattr(engine.lm.decoder, "forward_blocks", counting)
+    patch_forward(engine, monkeypatch, counting)
     return forwards
 
 
@@ -157,13 +180,11 @@ def test_a_backend_that_cannot_batch_is_served_round_robin_with_the_same_outputs
 
 
 def test_a_failing_batched_forward_fails_its_requests_and_not_the_scheduler(engine, monkeypatch):
-    forward_blocks = engine.lm.decoder.forward_blocks
-
-    def broken(blocks, caches, skip_layers=frozenset(), last_only=()):
+    def broken(forward, blocks, skip_layers, last_only):
         if len(blocks) > 1:
             raise RuntimeError("out of memory")
-        return forward_blocks(blocks, caches, skip_layers, last_only)
+        return forward()
 
-    monkeypatch.setattr(engine.lm.decoder, "forward_blocks", broken)
+    patch_forward(engine, monkeypatch, broken)
     finals = serve(engine, [request(p, 8) for p in PROMPTS[:3]])
     assert all(isinstance(f, Failed) and f.error.status == 500 and "out of memory" in f.error.message for f in finals)

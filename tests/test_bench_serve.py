@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -33,7 +34,9 @@ def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
         assert level["itl_ms_p50"] is None or level["itl_ms_p50"] <= level["itl_ms_p99"]
         assert level["acceptance_length"] is None or 1 <= level["acceptance_length"] <= 6
     assert report["levels"][0]["throughput_vs_concurrency_1"] == 1.0
-    assert report["backend"].startswith("cpu W8A8, ")  # named by the startup line of the server process it ran
+    # what auto serves (ONNX Runtime's layer graphs where it is installed), named by the server process's startup line
+    auto = "onnxruntime cpu (W8A8 integer layer graphs" if importlib.util.find_spec("onnxruntime") else "cpu W8A8, "
+    assert report["backend"].startswith(auto)
     assert len(report["environment"]["load_average_at_start"]) == 3
     assert "| 2 | 2 |" in (out / "report.md").read_text() and "| 2 | 2 |" in result.output
     again = CliRunner().invoke(main, [*args, "-o", str(out)])  # the report directory is never overwritten
@@ -43,6 +46,8 @@ def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
 def test_bench_serve_refuses_an_artifact_and_a_shape(tmp_path):
     result = CliRunner().invoke(main, ["bench", "serve", str(tmp_path), "--synthetic", "qwen3-0.6b", "-o", str(tmp_path / "r")])
     assert_one_line_error(result, "not both")
+    result = CliRunner().invoke(main, ["bench", "serve", "--synthetic", "qwen3-0.6b", "--backend", "cpu", "-o", str(tmp_path / "r")])
+    assert_one_line_error(result, "--backend applies to an ARTIFACT")
 
 
 def test_wide_vocabulary_shows_ids_past_the_tokenizer():

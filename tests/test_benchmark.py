@@ -98,6 +98,7 @@ def test_modes_keep_their_names_and_order():
     [
         ["e2e"],
         ["serve"],
+        ["batched-step"],
         ["gpu"],
         ["first-call"],
         ["verify-step"],
@@ -168,6 +169,27 @@ def test_first_call_times_each_generation_after_one_load(tiny_artifact, tmp_path
     assert "call 2:" in text and "call 3:" not in text and "first call at" in text and "load (warm-up included)" in text
     missing = CliRunner().invoke(main, [*args, "--prompts", str(tmp_path / "none.jsonl")])
     assert missing.exit_code == 1 and missing.output.strip() == f"error: {tmp_path / 'none.jsonl'}: no such prompt file"
+
+
+def test_batched_step_times_each_serving_backend_at_each_count(tiny_artifact):
+    """``bench batched-step``: each backend's batched serving step at every sequence count, in a record the page renders."""
+    from quasar_deploy.bench.record import HEADLINES
+
+    pytest.importorskip("onnxruntime")
+    args = ["bench", "batched-step", str(tiny_artifact.path), "--sequences", "1,3", "--repeats", "1", "--context", "20"]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    r = record["figures"]
+    assert set(r["ms"]) == {"cpu", "onnxruntime"} and all(set(by_n) == {"1", "3"} for by_n in r["ms"].values())
+    assert all(ms > 0 for by_n in r["ms"].values() for ms in by_n.values())
+    assert "layer graphs" in r["descriptions"]["onnxruntime"]
+    assert len(HEADLINES["bench batched-step"](r)) == 4
+    text = CliRunner().invoke(main, args).output
+    assert "onnxruntime vs cpu:" in text and "3 over 1:" in text
+    for bad in (["--backends", "tpu"], ["--sequences", "0"]):
+        refused = CliRunner().invoke(main, [*args, *bad])
+        assert refused.exit_code == 1 and refused.output.startswith("error: --") and len(refused.output.strip().splitlines()) == 1
 
 
 def test_bench_kernels_names_its_kernels():

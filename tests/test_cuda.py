@@ -216,7 +216,7 @@ def test_registered_refused_here_and_auto_falls_back(naive_artifact):
     with pytest.raises(QuasarError, match="backend 'cuda' cannot run here"):
         cuda_backend.load_cuda(naive_artifact)
     assert auto_backend(naive_artifact) in ("onnxruntime", "cpu")  # ONNX Runtime where it is installed
-    assert auto_backend(naive_artifact, needs=("layer_skip",)) == "cpu"
+    assert auto_backend(naive_artifact, needs=("layer_skip",)) in ("onnxruntime", "cpu")  # its layer graphs, or torch's
 
 
 def test_doctor_reports_the_gpu_status():

@@ -102,7 +102,9 @@ def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tiny_artifact
     pytest.importorskip("onnxruntime")
     # no GPU here, onnxruntime installed: the exact integer graph, exported to the cache on first use (test_backend_choice.py)
     assert auto_backend(tiny_qwen3) == auto_backend(tiny_artifact.path) == default_backend() == "onnxruntime"
-    assert auto_backend(tiny_artifact.path, needs=("layer_skip",)) == default_backend(("layer_skip",)) == "cpu"
+    # skipping layers: ONNX Runtime's layer graphs of a W8A8 artifact; a float checkpoint has none, so our torch decoder
+    assert auto_backend(tiny_artifact.path, needs=("layer_skip",)) == default_backend(("layer_skip",)) == "onnxruntime"
+    assert auto_backend(tiny_qwen3, needs=("layer_skip",)) == "cpu"
     assert auto_backend(tiny_onnx) == "onnxruntime"  # routed by the target its quasar-export.json records
     engine = load(tiny_onnx)
     assert engine.lm.description.startswith("onnxruntime") and engine.backend == "onnxruntime"
@@ -173,7 +175,7 @@ def test_generate_runs_an_onnx_export_without_backend_and_names_the_backend(tiny
     for path, options, backend in (
         (tiny_onnx, [], "backend: onnxruntime CPUExecutionProvider (W8A8 integer graph)"),
         (tiny_artifact.path, [], "backend: onnxruntime CPUExecutionProvider (W8A8 integer graph)"),
-        (tiny_artifact.path, ["--draft", "layerskip"], "backend: cpu W8A8"),  # the drafter needs the torch decoder
+        (tiny_artifact.path, ["--draft", "layerskip"], "backend: onnxruntime cpu (W8A8 integer layer graphs"),  # skips layers
         (tiny_artifact.path, ["--backend", "cpu"], "backend: cpu W8A8"),
     ):
         args = ["generate", str(path), "--prompt", "def f():", "--max-new-tokens", "4", "--stats", *options]

@@ -395,15 +395,21 @@ def check_built_from(path: Path, manifest_sha256: str | None) -> tuple[dict, str
     return config, linear_format
 
 
-def load_onnx(path: str | Path, provider: str | None = None, threads: int | None = None) -> OnnxCausalLM:
+def load_onnx(path: str | Path, provider: str | None = None, threads: int | None = None, needs: Sequence[str] = ()):
     """An ONNX export on ORT, or an artifact or checkpoint through its export in the cache (``cache.py``: exported once per
-    model content); ``provider``: auto, cpu, cuda or tensorrt; ``threads``: intra-op threads."""
+    model content); ``provider``: auto, cpu, cuda or tensorrt; ``threads``: intra-op threads.
+
+    ``needs`` (``registry.CAPABILITIES``; what serving asks for): "layer_skip" gets a W8A8 artifact as batched layer
+    graphs on the CPU provider (``onnx_layered``), which skip layers and verify many sequences in one step; a whole
+    exported graph does neither."""
     reason = unavailable()
     if reason is not None:
         raise QuasarError(reason)
     import onnxruntime as ort
 
     path = model_directory(path)
+    if needs:
+        return _load_layered(path, provider, threads)
     if is_export(path):
         config, linear_format = read_config(path)
     else:
@@ -424,3 +430,20 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
         print(f"warning: {note}", file=sys.stderr)
     head = load_head(path) if head_outside(config) else None
     return OnnxCausalLM(session, config, running, linear_format, head)
+
+
+def _load_layered(path: Path, provider: str | None, threads: int | None):
+    """``onnx_layered``'s batched layer graphs of the artifact at ``path``, refused in one line where they cannot run."""
+    from ..artifact import open_model_files
+    from .onnx_layered import load_layered, unsupported
+
+    why = "layer skipping and batched serving"
+    if is_export(path):
+        raise QuasarError(f"{path}: an export runs as one whole graph, without {why}; load the artifact it came from")
+    if provider not in (None, "auto", "cpu"):
+        raise QuasarError(f"{why} on ONNX Runtime run on its cpu provider, not {provider}")
+    files = open_model_files(path)
+    reason = unsupported(files)
+    if reason is not None:
+        raise QuasarError(f"{path}: {why} on ONNX Runtime need a W8A8 artifact whose layers are all int8; this one is {reason}")
+    return load_layered(files, threads, progress=sys.stderr.isatty())

@@ -33,7 +33,7 @@ class BackendEntry:
 
 
 # what a caller may need of a backend: "layer_skip" (the layerskip drafter runs the verifier with layers skipped,
-# ``LayerSkippingLM``: the backends that run our torch ``Decoder``)
+# ``LayerSkippingLM``: the backends that run our torch ``Decoder``, and ONNX Runtime's layer graphs of an artifact)
 CAPABILITIES = ("layer_skip",)
 TORCH_DECODER = frozenset({"layer_skip"})
 
@@ -47,7 +47,9 @@ BACKENDS: dict[str, BackendEntry] = {
     "cuda": BackendEntry("quasar_deploy.backends.cuda:load_cuda", "quasar_deploy.backends.cuda:unavailable", TORCH_DECODER),
     "cpu": BackendEntry("quasar_deploy.backends.torch_backend:load_cpu", "quasar_deploy.backends.torch_backend:unavailable", TORCH_DECODER),
     "npu": BackendEntry("quasar_deploy.backends.npu:load_npu", "quasar_deploy.backends.npu:unavailable", TORCH_DECODER),
-    "onnxruntime": BackendEntry("quasar_deploy.backends.onnxruntime:load_onnx", "quasar_deploy.backends.onnxruntime:unavailable"),
+    "onnxruntime": BackendEntry(
+        "quasar_deploy.backends.onnxruntime:load_onnx", "quasar_deploy.backends.onnxruntime:unavailable", frozenset({"layer_skip"})
+    ),
 }
 
 # "auto" takes the first of these that can run here, provides what the caller needs, and (ONNX Runtime) fits in memory.
@@ -122,20 +124,27 @@ def bf16_float(path: Path) -> bool:
     return not (path / MANIFEST).is_file() and cpu_computes_bf16()
 
 
-def suits_onnxruntime(path: Path) -> bool:
-    """ONNX Runtime's copy fits in memory, and it is not a float checkpoint better served in bf16 by the cpu backend."""
+def suits_onnxruntime(path: Path, needs: Collection[str] = ()) -> bool:
+    """ONNX Runtime's copy fits in memory, and it is not a float checkpoint better served in bf16 by the cpu backend; with
+    ``needs``, the model runs as ONNX Runtime's layer graphs (a W8A8 artifact, every layer int8: ``onnx_layered``)."""
+    if needs:
+        from ..artifact import open_model_files
+        from .onnx_layered import unsupported
+
+        if unsupported(open_model_files(path)) is not None:
+            return False
     return fits_onnxruntime(path) and not bf16_float(path)
 
 
 def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
     """The backend for what ``path`` holds: an export runs on the backend of the target its ``quasar-export.json`` records
     (ONNX: onnxruntime); artifacts and checkpoints on the first of ``candidates(needs, options)`` (an option only one
-    backend takes, such as ``int8_kernel``, picks it), ONNX Runtime only where ``suits_onnxruntime``. An NPU export is
+    backend takes, such as ``int8_kernel``, picks it), ONNX Runtime only where ``suits_onnxruntime(path, needs)``. An NPU export is
     vLLM-Ascend's to serve."""
     directory = Path(path)
     target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
     if target is None:
-        return next(n for n in candidates(needs, options) if n != "onnxruntime" or suits_onnxruntime(directory))
+        return next(n for n in candidates(needs, options) if n != "onnxruntime" or suits_onnxruntime(directory, needs))
     if target == "npu":
         raise QuasarError(
             f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "
@@ -151,9 +160,10 @@ def resolve_backend(name: str, path: Any, needs: Collection[str] = (), options: 
     return auto_backend(path, needs, options) if name == "auto" else name
 
 
-def create_backend(name: str, path: Any, **options: Any) -> CausalLM:
-    """The model at ``path`` on backend ``name`` ("auto": chosen by ``auto_backend``)."""
-    name = resolve_backend(name, path, options=options)
+def create_backend(name: str, path: Any, needs: Collection[str] = (), **options: Any) -> CausalLM:
+    """The model at ``path`` on backend ``name`` ("auto": chosen by ``auto_backend``), providing ``needs``: a factory
+    that serves some needs only in another form of the model (onnxruntime's layer graphs) is told them."""
+    name = resolve_backend(name, path, needs, options)
     if name not in BACKENDS:
         raise QuasarError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
     reason = unavailable(name)
@@ -163,4 +173,6 @@ def create_backend(name: str, path: Any, **options: Any) -> CausalLM:
     unknown = sorted(set(options) - set(takes))
     if unknown:
         raise QuasarError(f"backend {name!r} takes no option {unknown[0]!r} (it takes {', '.join(takes)})")
+    if needs and "needs" in takes:
+        options = {**options, "needs": tuple(_check_needs(needs))}
     return resolve(BACKENDS[name].factory)(path, **options)

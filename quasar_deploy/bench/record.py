@@ -116,6 +116,11 @@ def _serve_level(what: str, level: dict) -> Quantity:
     return f"{what}, {level['concurrency']} clients: output tokens/s, TTFT p50", f"{level['tokens_per_s']:.1f}, {ttft}"
 
 
+def _batched_step(f: dict) -> list[Quantity]:
+    what = f"serving step, {Path(f['artifact']).name}, {f['tokens']} rows per sequence on {f['context']}-token caches"
+    return [(f"{what}: {backend}, {n} sequences", f"{ms:.1f} ms") for backend, by_n in f["ms"].items() for n, ms in by_n.items()]
+
+
 def _roofline(f: dict) -> list[Quantity]:
     what = f"one generation of {Path(f['model']).name}, {f['draft']} drafting"
     return [
@@ -162,6 +167,7 @@ HEADLINES: dict[str, Callable[[dict], list[Quantity]]] = {
     "bench verify-step": _verify_step,
     "bench e2e": _e2e,
     "bench serve": _serve,
+    "bench batched-step": _batched_step,
     "bench roofline": _roofline,
     "bench first-call": _first_call,
     "bench kernels": _kernels,

@@ -50,6 +50,7 @@ class ServeBenchSettings:
     num_draft: int = 5
     artifact: str | None = None
     synthetic: str | None = None
+    backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -255,8 +256,8 @@ STARTED = f"serving {MODEL_NAME} on "  # the start of the line `quasar-deploy se
 
 @contextmanager
 def quasar_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str, str]]:
-    """``quasar-deploy serve`` on the artifact (the demo model's by default) on the cpu backend, in its own process: its
-    base URL, the artifact and the backend its startup line names."""
+    """``quasar-deploy serve`` on the artifact (the demo model's by default) on ``settings.backend``, in its own process:
+    its base URL, the artifact and the backend its startup line names."""
     if settings.artifact is None:
         from ..demo import demo_artifact
 
@@ -264,7 +265,7 @@ def quasar_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[
     else:
         artifact = settings.artifact
     port = free_port()
-    argv = [sys.executable, "-c", "from quasar_deploy.cli import main; main()", "serve", artifact, "--backend", "cpu"]
+    argv = [sys.executable, "-c", "from quasar_deploy.cli import main; main()", "serve", artifact, "--backend", settings.backend]
     argv += ["--port", str(port), "--model-name", MODEL_NAME, "--max-sequences", str(max_sequences), "--max-queue", str(max_sequences)]
     argv += ["--draft", settings.draft, "--num-draft", str(settings.num_draft)]
     with server_process(argv, os.environ.copy(), port, QUASAR_START_S, "quasar-deploy") as (base, log):

@@ -215,6 +215,13 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--draft", default="ngram", show_default=True, type=click.Choice(["none", "ngram", "layerskip"]))
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--backend",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", *BACKENDS]),
+    help="What `quasar-deploy serve --backend` gets (an ARTIFACT only; auto: what a deployment gets).",
+)
 @click.option("-o", "--output", default="bench-serve", show_default=True, type=click.Path(file_okay=False), help="New report directory.")
 @click.option(
     "--vllm-python",
@@ -223,7 +230,7 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
     help="Then vLLM's CPU build serves ARTIFACT the same way, compared level by level: the python of its venv (docs/anchors.md).",
 )
 @json_option
-def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, output, vllm_python, as_json):
+def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, backend, output, vllm_python, as_json):
     """Our server on 127.0.0.1 under streaming clients at each concurrency: tokens/s, TTFT, inter-token latency, acceptance;
     with --vllm-python, vLLM's OpenAI server on the same artifact after it.
 
@@ -237,9 +244,39 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
         raise QuasarError("give ARTIFACT or --synthetic, not both")
     require_new(output)
     prompts = str(prompts or BUILTIN["prompts"])
-    settings = serving.ServeBenchSettings(prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic)
+    if synthetic and backend != "auto":
+        raise QuasarError("--backend applies to an ARTIFACT (a synthetic model is served on the cpu backend)")
+    settings = serving.ServeBenchSettings(prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend)
     report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
     _show(report, serving.write(report, output), serving.markdown, as_json, {"w8a8": _float_vs_int8()["w8a8"]})
+
+
+@bench.command("batched-step")
+@click.argument("artifact", type=click.Path(path_type=str))
+@click.option("--sequences", default="1,8", show_default=True, type=INT_LIST, help="Sequences per step, comma-separated.")
+@click.option("--tokens", default=6, show_default=True, type=click.IntRange(min=1), help="Rows per sequence (k+1).")
+@click.option("--context", default=150, show_default=True, type=click.IntRange(min=1), help="Tokens in each sequence's cache.")
+@click.option("--repeats", default=10, show_default=True, type=click.IntRange(min=1), help="Timed steps per backend and count.")
+@click.option(
+    "--backends",
+    default="cpu,onnxruntime",
+    show_default=True,
+    help="Comma-separated backends that batch a server's steps (each as `serve --backend` loads it).",
+)
+@json_option
+def batched_step(artifact, sequences, tokens, context, repeats, backends, as_json):
+    """A serving step, N sequences' verify blocks in one forward, on each backend that batches: its cost at each N."""
+    from ..bench.batched_step import batched_step as measure
+    from ..bench.batched_step import describe
+
+    names = tuple(b.strip() for b in backends.split(",") if b.strip())
+    unknown = [b for b in names if b not in BACKENDS]
+    if not names or unknown:
+        raise QuasarError(f"--backends takes names of {', '.join(BACKENDS)}, not {backends!r}")
+    if not sequences or min(sequences) < 1:
+        raise QuasarError("--sequences takes integers >= 1, e.g. 1,8")
+    result = measure(artifact, sequences, tokens, context, repeats, names, progress=not as_json)
+    _emit(result.to_dict(), lambda: describe(result), as_json, _dtypes_of(artifact))
 
 
 @bench.command("verify-step")

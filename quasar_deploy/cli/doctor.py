@@ -50,7 +50,7 @@ def doctor(path, as_json, exact, exact_source):
         click.echo(f"gpu            none: {gpu['reason']}")
     click.echo(
         f"backend        {info['default_backend']} for artifacts and checkpoints (--backend auto; ONNX exports: onnxruntime; "
-        f"--draft layerskip and serve: {info['torch_decoder_backend']})"
+        f"--draft layerskip and serve: {info['layer_skip_backend']} for W8A8 artifacts, cpu for float checkpoints)"
     )
     c = info["cache"]
     click.echo(

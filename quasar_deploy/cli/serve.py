@@ -15,8 +15,9 @@ from ..backends.registry import BACKENDS
 from .options import exact_options, load_engine, options_from_env, provider_option
 
 SERVER_DRAFTERS = ("none", "ngram", "layerskip")
-# any request may ask for the layerskip drafter, so "auto" serves on a backend that runs our torch decoder
-# (on a CPU: the cpu backend, which also verifies all requests' blocks in one batched forward)
+# any request may ask for the layerskip drafter, so "auto" serves on a backend that can skip layers: on a CPU, ONNX
+# Runtime's layer graphs of a W8A8 artifact (``onnx_layered``), else the cpu backend; both verify all requests' blocks
+# in one batched forward
 SERVER_NEEDS = ("layer_skip",)
 # flags our engine honours and `vllm serve` has no counterpart for: refused with --engine vllm (--max-sequences,
 # --chat-template, --tensor-parallel-size, --draft/--num-draft ngram have counterparts and are passed on)

@@ -1,0 +1,258 @@
+"""ONNX Runtime on the CPU, batched: a W8A8 artifact as per-layer graphs over stacked rows (``exporters/onnx_layers``).
+
+What the whole-graph export (``backends/onnxruntime``) cannot do, this does:
+
+- **Several sequences in one step.** Every sequence's rows (verify blocks and prompts alike) go through each layer's
+  row graphs together, reading the weights once; each sequence then attends over its own cache in its own call. A row's
+  values do not depend on its neighbours (see the exporter's docstring), so a request's output is the same alone and in
+  a batch: this is a ``BatchVerifyingLM``, and ``serve`` batches on it.
+- **Layers skipped** (``verify_skipping``, the layerskip drafter): a skipped layer's graphs are simply not run.
+- **Rollback without copies.** Each sequence's keys and values live in preallocated buffers that
+  ``GroupQueryAttention`` writes in place; truncating moves a length (the whole graph slices its cache values instead).
+
+The graphs are built from the artifact at load, a layer at a time, in memory: nothing is exported to disk. The float
+lm_head runs beside them on torch, as ``load_head`` does for an export (bf16 where the CPU computes it); an int8 head
+(``--int8-lm-head``) is a graph of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..artifact import HEAD, ModelFiles
+from ..decoder_spec import rope_inv_freq
+from ..errors import QuasarError
+from ..exporters import onnx_layers
+from ..kernels import dtype_name
+from ..memory import EMBEDDINGS, kv_cache_bytes, return_freed_memory
+from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, _as_stored, load_linear, rotary, round_up, tensor_loader
+from .onnxruntime import head_beside, session_options
+
+ROTARY_CHUNK = 1024  # rotary tables are made for fixed chunks of positions, so a position's cos/sin are always the same bits
+
+
+def unsupported(files: ModelFiles) -> str | None:
+    """Why ``files`` cannot run as layer graphs (None: it can): every layer linear must be W8A8 (a float product's rounding
+    may depend on how many rows it has), and attention must be plain causal (no sliding window)."""
+    if not files.is_artifact:
+        return "a float checkpoint (the layer graphs are W8A8)"
+    float_linears = [name for name in files.spec.linear_names() if name not in set(files.manifest["quantized_layers"])]
+    if float_linears:
+        return f"its linear {float_linears[0]!r} is not W8A8"
+    if files.spec.sliding_window is not None:
+        return "its attention has a sliding window"
+    return None
+
+
+class RotaryTable:
+    """cos/sin rows by position, computed ``ROTARY_CHUNK`` positions at a time as ``model.rotary`` does and kept."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq
+        self._chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        chunk_of = positions // ROTARY_CHUNK
+        width = 2 * self.inv_freq.shape[0]
+        cos, sin = np.empty((len(positions), width), np.float32), np.empty((len(positions), width), np.float32)
+        for chunk in np.unique(chunk_of).tolist():
+            if chunk not in self._chunks:
+                c, s = rotary(self.inv_freq, chunk * ROTARY_CHUNK, ROTARY_CHUNK, torch.float32)
+                self._chunks[chunk] = c.numpy(), s.numpy()
+            here = chunk_of == chunk
+            offsets = positions[here] - chunk * ROTARY_CHUNK
+            cos[here], sin[here] = self._chunks[chunk][0][offsets], self._chunks[chunk][1][offsets]
+        return cos, sin
+
+
+class LayeredModel:
+    """What every sequence shares: the sessions (two per layer, attention, final norm, an int8 head), the embedding table,
+    the float head and the rotary table."""
+
+    def __init__(self, files: ModelFiles, threads: int | None = None, progress: bool = True):
+        import onnxruntime as ort
+
+        spec, source = files.spec, files.checkpoint
+        self.spec = spec
+        int8_head = f"{HEAD}.weight_scale" in source.names
+        options = session_options(threads, head_on_torch=not int8_head)
+        self.threads = options.intra_op_num_threads
+
+        def session(model: bytes):
+            return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+        load = tensor_loader(source, torch.float32)
+        self.inputs, self.outputs = [], []
+        for i in tqdm(range(spec.num_layers), desc="building onnx layers", unit="layer", disable=not progress):
+            layer = DecoderLayer(spec, load, spec.layer_prefix(i))
+            self.inputs.append(session(onnx_layers.attention_inputs(spec, layer, i)))
+            self.outputs.append(session(onnx_layers.layer_output(spec, layer, i)))
+            del layer
+            return_freed_memory()
+        self.attention = session(onnx_layers.attention(spec))
+        self.final_norm = session(onnx_layers.final_norm(spec, RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)))
+        self.table = _as_stored(source, EMBEDDINGS, torch.float32)
+        if int8_head:
+            self.int8_head, self.float_head = session(onnx_layers.int8_head(spec, load_linear(load, HEAD))), None
+            head = "int8 lm_head graph"
+        else:
+            weight = self.table if spec.tie_word_embeddings else _as_stored(source, f"{HEAD}.weight", torch.float32)
+            self.int8_head, self.float_head = None, head_beside(weight, load(f"{HEAD}.bias", False))
+            head = f"{dtype_name(self.float_head.dtype)} lm_head on torch"
+        self.rotary = RotaryTable(rope_inv_freq(spec).float())
+        self.description = f"onnxruntime cpu (W8A8 integer layer graphs, rows of all sequences batched, {head}), {self.threads} threads"
+
+    def head(self, hidden: np.ndarray) -> torch.Tensor:
+        if self.int8_head is not None:
+            return torch.from_numpy(self.int8_head.run([onnx_layers.Y], {onnx_layers.X: hidden})[0])
+        return self.float_head(torch.from_numpy(hidden)).float()
+
+
+class LayeredOnnxLM:
+    """One sequence over a ``LayeredModel``: its keys and values, one buffer pair per layer, grown by doubling."""
+
+    def __init__(self, model: LayeredModel, max_length: int | None = None):
+        self.model = model
+        self.spec = model.spec
+        self.vocab_size = model.spec.vocab_size
+        self.max_length = max_length or model.spec.max_position_embeddings
+        self.description = model.description
+        self._length = 0
+        self._capacity = 0
+        self._cache: list[tuple] = []  # per layer: (keys, values) OrtValues [1, kv_heads, capacity, head_dim]
+
+    # --- CausalLM ---
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        self.truncate(0)
+        return self._forward([self], [ids], last_only=[True])[0]
+
+    def verify(self, ids: Sequence[int]) -> torch.Tensor:
+        return self._forward([self], [ids])
+
+    def verify_skipping(self, ids: Sequence[int], skip_layers: frozenset[int]) -> torch.Tensor:
+        return self._forward([self], [ids], skip_layers=skip_layers)
+
+    def verify_batch(
+        self, sequences: Sequence[LayeredOnnxLM], blocks: Sequence[Sequence[int]], prefills: Sequence[bool] = ()
+    ) -> list[torch.Tensor]:
+        if any(sequence.model is not self.model for sequence in sequences):
+            raise ValueError("verify_batch takes sequences opened over this model's weights (new_sequence)")
+        prefills = list(prefills) or [False] * len(blocks)
+        for sequence, prefill in zip(sequences, prefills):
+            if prefill:
+                sequence.truncate(0)
+        logits = self._forward(sequences, blocks, last_only=prefills)
+        parts = logits.split([1 if prefill else len(block) for block, prefill in zip(blocks, prefills)])
+        return [part[0] if prefill else part for part, prefill in zip(parts, prefills)]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of length {self._length} to {length}")
+        self._length = length
+
+    def new_sequence(self) -> LayeredOnnxLM:
+        return type(self)(self.model, self.max_length)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    def kv_cache_bytes(self, tokens: int) -> int:
+        """The most a sequence's buffers hold at ``tokens`` positions: float32, capacity doubling from ``KEY_CHUNK``, and
+        the old buffers beside the new ones while they are copied."""
+        return 2 * kv_cache_bytes(self.spec, max(KEY_CHUNK, 2 * round_up(tokens, KEY_CHUNK)), 4)
+
+    # --- the step ---
+    def _reserve(self, extra: int) -> None:
+        end = self._length + extra
+        if end > self.max_length:
+            raise QuasarError(f"sequence of {end} tokens exceeds the context window ({self.max_length})")
+        if end <= self._capacity:
+            return
+        from onnxruntime import OrtValue
+
+        capacity = max(2 * self._capacity, round_up(end, KEY_CHUNK))
+        shape = (1, self.spec.num_kv_heads, capacity, self.spec.head_dim)
+        grown = []
+        for i in range(self.spec.num_layers):
+            pair = []
+            for j in range(2):
+                buffer = np.zeros(shape, np.float32)
+                if self._length:
+                    buffer[:, :, : self._length] = self._cache[i][j].numpy()[:, :, : self._length]
+                pair.append(OrtValue.ortvalue_from_numpy(buffer))
+            grown.append(tuple(pair))
+        self._cache, self._capacity = grown, capacity
+
+    def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """This sequence's attention at ``layer`` for its n new rows (written to its cache at ``length .. length + n``)."""
+        n, total = q.shape[0], self._length + q.shape[0]
+        binding = self.model.attention.io_binding()
+        for name, rows in ((onnx_layers.Q, q), (onnx_layers.K, k), (onnx_layers.V, v)):
+            binding.bind_cpu_input(name, rows[None])
+        binding.bind_cpu_input(onnx_layers.SEQLEN, np.array([total - 1], np.int32))
+        binding.bind_cpu_input(onnx_layers.TOTAL, np.array(total, np.int32))
+        keys, values = self._cache[layer]
+        binding.bind_ortvalue_input(onnx_layers.CACHE_KEY, keys)
+        binding.bind_ortvalue_input(onnx_layers.CACHE_VALUE, values)
+        binding.bind_output(onnx_layers.Y, "cpu")  # first: ``get_outputs`` lists them in binding order
+        binding.bind_ortvalue_output(f"{onnx_layers.CACHE_KEY}_out", keys)  # the same buffers: written in place
+        binding.bind_ortvalue_output(f"{onnx_layers.CACHE_VALUE}_out", values)
+        self.model.attention.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy().reshape(n, -1)
+
+    def _forward(
+        self,
+        sequences: Sequence[LayeredOnnxLM],
+        blocks: Sequence[Sequence[int]],
+        last_only: Sequence[bool] = (),
+        skip_layers: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """Appends ``blocks[i]`` to ``sequences[i]`` for every i in one pass; their logits stacked, as
+        ``Decoder.forward_blocks`` (only the last row of a block whose ``last_only[i]``)."""
+        model = self.model
+        sizes = [len(block) for block in blocks]
+        if not all(sizes):
+            raise ValueError("no tokens to run")
+        for sequence, n in zip(sequences, sizes):
+            sequence._reserve(n)
+        positions = np.concatenate([np.arange(s.length, s.length + n) for s, n in zip(sequences, sizes)])
+        cos, sin = model.rotary.rows(positions)
+        ids = torch.as_tensor([token for block in blocks for token in block], dtype=torch.long)
+        x = model.table[ids].float().numpy()
+        ends = np.cumsum(sizes).tolist()
+        for i in range(self.spec.num_layers):
+            if i in skip_layers:
+                continue
+            q, k, v = model.inputs[i].run(None, {onnx_layers.X: x, onnx_layers.COS: cos, onnx_layers.SIN: sin})
+            context = np.empty((len(x), q.shape[1]), np.float32)
+            for sequence, n, end in zip(sequences, sizes, ends):
+                rows = slice(end - n, end)
+                context[rows] = sequence._attend(i, q[rows], k[rows], v[rows])
+            x = model.outputs[i].run(None, {onnx_layers.X: x, onnx_layers.CTX: context})[0]
+        for sequence, n in zip(sequences, sizes):
+            sequence._length += n
+        if any(last_only):
+            x = x[[r for end, n, last in zip(ends, sizes, last_only) for r in ([end - 1] if last else range(end - n, end))]]
+        hidden = model.final_norm.run(None, {onnx_layers.X: np.ascontiguousarray(x)})[0]
+        return model.head(hidden)
+
+
+def load_layered(files: ModelFiles, threads: int | None = None, progress: bool = True) -> LayeredOnnxLM:
+    """A W8A8 artifact on ONNX Runtime as batched layer graphs (``unsupported(files)`` must be None)."""
+    reason = unsupported(files)
+    if reason is not None:
+        raise QuasarError(f"{files.path}: cannot run as ONNX Runtime layer graphs: {reason}")
+    return LayeredOnnxLM(LayeredModel(files, threads, progress))

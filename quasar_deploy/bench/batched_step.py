@@ -1,0 +1,123 @@
+"""``bench batched-step``: a serving step on each backend that batches, for 1 and for N sequences at once.
+
+A server's round is one forward over every running sequence's verify block (``BatchVerifyingLM.verify_batch``), so
+what a backend gives a server is the cost of that forward for one sequence (the step a lone client waits for) and for
+N (the weights read once for all). The backends take turns, round robin, each call after a pause and an untimed call
+of its own (as ``bench onnx step`` does: on a few cores another pool's threads still spinning cost the next call more
+than the backends differ), and each figure is a median.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..backends.registry import ONNXRUNTIME_MEMORY_FACTOR, create_backend
+from ..errors import QuasarError
+from ..speculative.causal_lm import BatchVerifyingLM
+from .memory import check_fits
+
+BACKENDS = ("cpu", "onnxruntime")
+PAUSE_S = 0.25
+
+
+@dataclass
+class BatchedStepResult:
+    artifact: str
+    sequences: list[int]
+    tokens: int
+    context: int
+    repeats: int
+    descriptions: dict[str, str]  # backend -> what ran
+    ms: dict[str, dict[str, float]]  # backend -> sequences (as text: JSON keys) -> median ms of the step
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def serving_lm(backend: str, artifact: str) -> BatchVerifyingLM:
+    """What ``serve --backend BACKEND`` steps: the model as it serves (``needs`` of the server), which must batch."""
+    from ..cli.serve import SERVER_NEEDS
+
+    lm = create_backend(backend, artifact, SERVER_NEEDS)
+    if not isinstance(lm, BatchVerifyingLM):
+        raise QuasarError(f"backend {backend!r} serves {Path(artifact).name} round-robin: it has no batched step to time")
+    return lm
+
+
+def batched_step(
+    artifact: str,
+    sequences: Sequence[int] = (1, 8),
+    tokens: int = 6,
+    context: int = 150,
+    repeats: int = 10,
+    backends: Sequence[str] = BACKENDS,
+    progress: bool = True,
+) -> BatchedStepResult:
+    """Each backend's ``verify_batch`` of ``n`` sequences x ``tokens`` rows, each sequence on its own ``context``-token
+    cache (random ids, seeded), for every ``n`` of ``sequences``."""
+    from ..artifact import open_model_files
+    from ..memory import estimate, report_tokens
+
+    files = open_model_files(artifact)
+    one = estimate(files).total(report_tokens(files.spec))
+    check_fits(one * (len(backends) + ONNXRUNTIME_MEMORY_FACTOR - 1), f"bench batched-step of {len(backends)} backends")
+    widest = max(sequences)
+    generator = torch.Generator().manual_seed(0)
+    vocab = files.spec.vocab_size
+    prompts = [torch.randint(0, vocab, (context,), generator=generator).tolist() for _ in range(widest)]
+    blocks = [torch.randint(0, vocab, (tokens,), generator=generator).tolist() for _ in range(widest)]
+    models, opened = {}, {}
+    for backend in backends:
+        lm = models[backend] = serving_lm(backend, artifact)
+        opened[backend] = [lm.new_sequence() for _ in range(widest)]
+        lm.verify_batch(opened[backend], prompts, [True] * widest)
+
+    def step(backend: str, n: int) -> float:
+        lm, seqs = models[backend], opened[backend][:n]
+        start = time.perf_counter()
+        lm.verify_batch(seqs, blocks[:n])
+        elapsed = time.perf_counter() - start
+        for sequence in seqs:
+            sequence.truncate(context)
+        return elapsed
+
+    times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sequences} for b in backends}
+    for _ in tqdm(range(repeats), desc="batched steps", disable=not progress):
+        for backend in backends:
+            for n in sequences:
+                time.sleep(PAUSE_S)
+                step(backend, n)
+                times[backend][n].append(step(backend, n))
+    return BatchedStepResult(
+        artifact=str(artifact),
+        sequences=list(sequences),
+        tokens=tokens,
+        context=context,
+        repeats=repeats,
+        descriptions={b: models[b].description for b in backends},
+        ms={b: {str(n): 1000 * statistics.median(t) for n, t in by_n.items()} for b, by_n in times.items()},
+    )
+
+
+def describe(result: BatchedStepResult) -> str:
+    first, widest = str(min(result.sequences)), str(max(result.sequences))
+    lines = [
+        f"batched verify step, {Path(result.artifact).name}: {result.tokens} tokens per sequence on a {result.context}-token cache, "
+        f"median of {result.repeats}"
+    ]
+    for backend, by_n in result.ms.items():
+        steps = ", ".join(f"{n} x {result.tokens} rows {ms:.1f} ms" for n, ms in by_n.items())
+        lines.append(f"{backend} ({result.descriptions[backend]}): {steps}; {widest} over {first}: {by_n[widest] / by_n[first]:.2f}x")
+    if len(result.ms) > 1:
+        base, *others = result.ms
+        for other in others:
+            ratios = ", ".join(f"{result.ms[base][n] / result.ms[other][n]:.2f}x at {n}" for n in result.ms[base])
+            lines.append(f"{other} vs {base}: {ratios}")
+    return "\n".join(lines)

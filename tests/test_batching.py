@@ -155,6 +155,22 @@ def test_a_burst_of_requests_prefills_over_rounds_within_the_token_budget(engine
     assert not all(forwards[1])  # the first sequences verified while later ones prefilled
 
 
+def test_a_long_prompt_prefills_a_piece_a_round_while_the_others_step(engine, monkeypatch):
+    """On a backend that prefills prompts in pieces (``prefill_chunk``), a long prompt takes a piece per round, within
+    the round's prompt-token budget, the running sequences verifying beside it; outputs stay each request's own."""
+    if getattr(engine.lm, "prefill_chunk", None) is None:
+        pytest.skip("this backend prefills a prompt whole")
+    monkeypatch.setattr(engine.lm.model, "prefill_chunk", 8)
+    prompts = [PROMPTS[0] * 3, *PROMPTS[1:4]]  # the first: ~60 tokens, 8 pieces
+    alone = [engine.generate(p, max_new_tokens=16).tokens for p in prompts]
+    forwards = count_forwards(engine, monkeypatch)
+    finals = serve(engine, [request(p, 16) for p in prompts], prefill_tokens=16)
+    assert [f.result.tokens for f in finals] == alone
+    with_pieces = [f for f in forwards if any(f)]
+    assert len(with_pieces) >= len(engine.encode(prompts[0])) // 8  # one piece of the long prompt a round, at most
+    assert any(any(f) and not all(f) for f in forwards)  # pieces ran beside other sequences' verify blocks
+
+
 def test_the_verify_step_histogram_observes_each_batched_forward_once(engine, monkeypatch):
     forwards = count_forwards(engine, monkeypatch)
     metrics = Metrics()

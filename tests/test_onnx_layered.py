@@ -64,6 +64,25 @@ def test_a_batched_step_equals_each_sequence_alone(layered):
     assert torch.equal(mixed[0], alone_first[5]) and all(torch.equal(a, b) for a, b in zip(alone[:3], mixed[1:]))
 
 
+def test_a_prompt_prefills_in_pieces_alone_and_among_others_alike(layered, monkeypatch):
+    """A prompt runs in pieces of ``prefill_chunk`` tokens, alone (``prefill``) as in a server's rounds (a piece per
+    ``verify_batch``, beside other sequences' blocks): the same bits, and so the same cache."""
+    monkeypatch.setattr(layered.model, "prefill_chunk", 16)
+    prompt = [(5 * i) % 4000 + 3 for i in range(45)]  # pieces of 16, 16 and 13 tokens
+    alone = layered.new_sequence()
+    expected = alone.prefill(prompt)
+    pieced, other = layered.new_sequence(), layered.new_sequence()
+    other.prefill(PROMPT)
+    for start in range(0, len(prompt), 16):
+        logits = layered.verify_batch([pieced, other], [prompt[start : start + 16], [4, 5]], [True, False])
+        other.truncate(len(PROMPT))
+    assert torch.equal(logits[0], expected) and pieced.length == len(prompt)
+    assert torch.equal(pieced.verify([7, 8]), alone.verify([7, 8]))
+    for bad in (prompt[:17], prompt[:3]):  # longer than a piece; then not at a piece's start
+        with pytest.raises(ValueError, match="a piece of its prompt"):
+            layered.verify_batch([pieced], [bad], [True])
+
+
 def test_logits_agree_with_the_torch_decoder_through_a_rollback(layered, reference):
     draft = [17, 300, 300, 9, 2]
     lm = layered.new_sequence()

@@ -33,6 +33,9 @@ from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, _as_stored, load_linear, r
 from .onnxruntime import head_beside, session_options
 
 ROTARY_CHUNK = 1024  # rotary tables are made for fixed chunks of positions, so a position's cos/sin are always the same bits
+# prompts prefill in pieces of this many tokens, alone and in a server's rounds alike (``BatchVerifyingLM.prefill_chunk``):
+# the server's prompt-token budget per round (``scheduler.PREFILL_TOKENS``) holds one piece
+PREFILL_CHUNK = 256
 
 
 def unsupported(files: ModelFiles) -> str | None:
@@ -78,6 +81,7 @@ class LayeredModel:
 
         spec, source = files.spec, files.checkpoint
         self.spec = spec
+        self.prefill_chunk = PREFILL_CHUNK
         int8_head = f"{HEAD}.weight_scale" in source.names
         options = session_options(threads, head_on_torch=not int8_head)
         self.threads = options.intra_op_num_threads
@@ -127,8 +131,14 @@ class LayeredOnnxLM:
 
     # --- CausalLM ---
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """The prompt in pieces of ``prefill_chunk`` tokens, one forward each, as a server's rounds run it."""
+        if len(ids) == 0:
+            raise ValueError("no tokens to run")
         self.truncate(0)
-        return self._forward([self], [ids], last_only=[True])[0]
+        chunk = self.prefill_chunk
+        for start in range(0, len(ids), chunk):
+            logits = self._forward([self], [ids[start : start + chunk]], last_only=[True])
+        return logits[0]
 
     def verify(self, ids: Sequence[int]) -> torch.Tensor:
         return self._forward([self], [ids])
@@ -142,9 +152,10 @@ class LayeredOnnxLM:
         if any(sequence.model is not self.model for sequence in sequences):
             raise ValueError("verify_batch takes sequences opened over this model's weights (new_sequence)")
         prefills = list(prefills) or [False] * len(blocks)
-        for sequence, prefill in zip(sequences, prefills):
-            if prefill:
-                sequence.truncate(0)
+        chunk = self.prefill_chunk
+        for sequence, block, prefill in zip(sequences, blocks, prefills):
+            if prefill and (len(block) > chunk or sequence.length % chunk):
+                raise ValueError(f"a prefill block is a piece of its prompt: at most {chunk} tokens, at a multiple of {chunk}")
         logits = self._forward(sequences, blocks, last_only=prefills)
         parts = logits.split([1 if prefill else len(block) for block, prefill in zip(blocks, prefills)])
         return [part[0] if prefill else part for part, prefill in zip(parts, prefills)]
@@ -156,6 +167,10 @@ class LayeredOnnxLM:
 
     def new_sequence(self) -> LayeredOnnxLM:
         return type(self)(self.model, self.max_length)
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.model.prefill_chunk
 
     @property
     def length(self) -> int:

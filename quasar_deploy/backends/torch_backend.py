@@ -82,6 +82,8 @@ class BatchingTorchCausalLM(TorchCausalLM):
     """A ``TorchCausalLM`` whose kernels are row-invariant (cpu: int8 FBGEMM or reference, float oneDNN), so it also
     serves ``BatchVerifyingLM``: many sequences' verify blocks and prefills in one ``Decoder.forward_blocks`` pass."""
 
+    prefill_chunk = None  # a prompt prefills whole (SDPA over it), alone and batched
+
     def verify_batch(
         self, sequences: Sequence[TorchCausalLM], blocks: Sequence[Sequence[int]], prefills: Sequence[bool] = ()
     ) -> list[torch.Tensor]:

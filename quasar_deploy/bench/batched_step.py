@@ -77,7 +77,8 @@ def batched_step(
     for backend in backends:
         lm = models[backend] = serving_lm(backend, artifact)
         opened[backend] = [lm.new_sequence() for _ in range(widest)]
-        lm.verify_batch(opened[backend], prompts, [True] * widest)
+        for sequence, prompt in zip(opened[backend], prompts):
+            sequence.prefill(prompt)
 
     def step(backend: str, n: int) -> float:
         lm, seqs = models[backend], opened[backend][:n]

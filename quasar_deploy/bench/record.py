@@ -104,7 +104,8 @@ def _e2e(f: dict) -> list[Quantity]:
 def _serve(f: dict) -> list[Quantity]:
     s = f["settings"]
     what = f"server, {Path(s['model']).name}, {s['draft']} drafting, {s['max_tokens']} tokens per request"
-    rows = [_serve_level(f"{what}: ours", level) for level in f["levels"]]
+    ours = f"ours on {f['backend'].split()[0]}"  # the backend the server's startup line named: cpu, onnxruntime, ...
+    rows = [_serve_level(f"{what}: {ours}", level) for level in f["levels"]]
     if "vllm" in f:
         rows += [_serve_level(f"{what}: vLLM {f['vllm']['version']} (CPU build) serving it", level) for level in f["vllm"]["levels"]]
     return rows

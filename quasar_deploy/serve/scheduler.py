@@ -2,7 +2,8 @@
 
 Each round admits waiting requests into free slots, drops cancelled sequences, then
 takes one step of every running sequence (``_step_all``): admitted ones not yet prefilled
-prefill, up to ``PREFILL_TOKENS`` prompt tokens a round (at least one prompt); every
+prefill, up to ``PREFILL_TOKENS`` prompt tokens a round (at least one prompt; on a backend
+that prefills in pieces, ``prefill_chunk``, a long prompt takes a piece per round); every
 other one drafts its block (pending token plus k_i drafts, with its own drafter, so
 layerskip drafts on its own cache). On a backend that batches (``BatchVerifyingLM``: cpu
 with row-invariant kernels) the prompts and the blocks run in one forward over their
@@ -63,9 +64,10 @@ class Failed:
 Event = Started | Text | Done | Failed
 T = TypeVar("T")
 
-# Prompt tokens prefilled per round (at least one prompt). A prefill's cost per row stays flat while the forward's
-# activations fit in the CPU caches and grows once they outgrow them (docs/serving.md), and every running sequence
-# waits for the round's prefills: a burst of arrivals is spread over rounds instead.
+# Prompt tokens prefilled per round (at least one prompt, or one piece of it where the backend prefills in pieces). A
+# prefill's cost per row stays flat while the forward's activations fit in the CPU caches and grows once they outgrow
+# them (docs/serving.md), and every running sequence waits for the round's prefills: a burst of arrivals, and a long
+# prompt's pieces, are spread over rounds instead.
 PREFILL_TOKENS = 256
 
 
@@ -116,6 +118,8 @@ class Running:
     kv_bytes: int = 0  # the KV cache reserved for it at admission: its prompt and max_tokens
     done: bool = False
     first_step_done: bool = False
+    prompt_done: int = 0  # prompt tokens prefilled (a backend with a ``prefill_chunk`` takes them a piece per round)
+    prefill_began: float | None = None  # when its first piece ran (``time.perf_counter``)
     verify_steps: int = 0
     accepted: int = 0
 
@@ -264,29 +268,34 @@ class Scheduler:
         if self._batcher is not None and (fresh or drafted):
             self._step_batched(fresh, drafted)
         else:
-            for running in fresh:
+            for running, _ in fresh:
                 self._advance(running, running.generation.prefill)
             for running, block in drafted:
                 self._advance(running, lambda g=running.generation, block=block: self._verify_alone(g, block))
         self._running = [r for r in self._running if not r.done]
         self.metrics.running.set(len(self._running))
 
-    def _prefill_turn(self) -> list[Running]:
-        """The sequences that prefill this round: in admission order, up to ``prefill_tokens`` prompt tokens in all,
-        and at least one (a longer prompt runs alone in its round)."""
+    def _prefill_turn(self) -> list[tuple[Running, list[int]]]:
+        """The prompt pieces that prefill this round, with their sequences: in admission order, one piece per sequence
+        (its whole prompt, or on a backend with a ``prefill_chunk`` the next piece of that many tokens), up to
+        ``prefill_tokens`` prompt tokens in all and at least one piece (a longer one runs alone in its round)."""
+        chunk = getattr(self._batcher, "prefill_chunk", None)
         turn, tokens = [], 0
         for running in self._running:
             if running.first_step_done:
                 continue
-            tokens += len(running.generation.prompt)
+            prompt = running.generation.prompt
+            piece = list(prompt[running.prompt_done : running.prompt_done + chunk]) if chunk else list(prompt)
+            tokens += len(piece)
             if turn and tokens > self.prefill_tokens:
                 break
-            turn.append(running)
+            turn.append((running, piece))
         return turn
 
-    def _step_batched(self, fresh: list[Running], drafted: list[tuple[Running, list[int]]]) -> None:
-        """The prompts of ``fresh`` and the blocks of ``drafted`` in one forward; each sequence then settles on its own."""
-        members = [(r, r.generation.prompt, True) for r in fresh] + [(r, block, False) for r, block in drafted]
+    def _step_batched(self, fresh: list[tuple[Running, list[int]]], drafted: list[tuple[Running, list[int]]]) -> None:
+        """The prompt pieces of ``fresh`` and the blocks of ``drafted`` in one forward; each sequence then settles on its
+        own (a prompt once its last piece has run)."""
+        members = [(r, piece, True) for r, piece in fresh] + [(r, block, False) for r, block in drafted]
         sequences = [running.generation.lm for running, _, _ in members]
         blocks = [block for _, block, _ in members]
         prefills = [prefill for _, _, prefill in members]
@@ -299,9 +308,14 @@ class Scheduler:
             return
         if drafted:  # one observation per forward, however many sequences it verified
             self.metrics.verify_step.observe(time.perf_counter() - began)
-        for (running, _, prefill), rows in zip(members, logits):
-            settle = running.generation.settle_prefill if prefill else running.generation.settle
-            self._advance(running, lambda settle=settle, rows=rows: settle(rows, began))
+        for (running, block, prefill), rows in zip(members, logits):
+            if not prefill:
+                self._advance(running, lambda g=running.generation, rows=rows: g.settle(rows, began))
+                continue
+            running.prefill_began = running.prefill_began or began
+            running.prompt_done += len(block)
+            if running.prompt_done == len(running.generation.prompt):
+                self._advance(running, lambda r=running, rows=rows: r.generation.settle_prefill(rows, r.prefill_began))
 
     def _attempt(self, running: Running, call: Callable[[], T]) -> T | None:
         """``call()``; if it raises, the sequence fails alone (None) and the others, and the worker, go on."""

@@ -72,8 +72,15 @@ class BatchVerifyingLM(ForkingLM, Protocol):
     and are served round-robin, one ``prefill`` or ``verify`` per sequence.
     """
 
+    prefill_chunk: int | None
+    """None: a prompt is prefilled whole. Else its pieces of this many tokens, at fixed offsets (0, chunk, 2 chunk, ...),
+    are prefilled one forward each, alone (``prefill``) and batched alike: a server can then spread a long prompt over
+    rounds, each within its prompt-token budget, while the other sequences keep stepping."""
+
     def verify_batch(
         self, sequences: Sequence[BatchVerifyingLM], blocks: Sequence[Sequence[int]], prefills: Sequence[bool] = ()
     ) -> list[torch.Tensor]:
         """For every i, in one forward, on ``sequences[i]`` (opened from this one's weights): ``prefill(blocks[i])`` (its
-        logits [vocab]) where ``prefills[i]``, else ``verify(blocks[i])`` ([len, vocab])."""
+        logits [vocab]) where ``prefills[i]``, else ``verify(blocks[i])`` ([len, vocab]). With a ``prefill_chunk``, a
+        prefill block is the next piece of its prompt (appended; a fresh sequence starts empty), and its logits are its
+        last row's."""

@@ -510,7 +510,7 @@ class Body(nn.Module):
         self.norm = RMSNorm(tensors("model.norm.weight"), spec.rms_norm_eps)
 
 
-def _as_stored(source: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
+def as_stored(source: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
     """``name`` in its stored float dtype where that is no wider than ``dtype`` (else converted to ``dtype``), checked finite.
 
     For the embedding table and a float lm_head: a lookup reads a few rows, converted exactly
@@ -547,13 +547,13 @@ class Decoder(nn.Module):
         head_dtype = head_dtype or dtype
 
         load = tensor_loader(source, dtype)
-        self.model = Body(spec, load, _as_stored(source, EMBEDDINGS, dtype))
+        self.model = Body(spec, load, as_stored(source, EMBEDDINGS, dtype))
         if lm_head is None and spec.tie_word_embeddings:
             lm_head = Linear(self.model.embed_tokens.weight, dtype=head_dtype)
         elif lm_head is None and f"{HEAD}.weight_scale" in source.names:
             lm_head = load_linear(load, HEAD)  # ``--int8-lm-head``: a W8A8 linear like the others, so every backend runs it
         elif lm_head is None:
-            lm_head = Linear(_as_stored(source, f"{HEAD}.weight", dtype), load(f"{HEAD}.bias", False), head_dtype)
+            lm_head = Linear(as_stored(source, f"{HEAD}.weight", dtype), load(f"{HEAD}.bias", False), head_dtype)
         self.lm_head = lm_head
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 
@@ -588,7 +588,7 @@ class Decoder(nn.Module):
         self._apply(lambda t: t if t.is_meta else t.to(device))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of ``ids`` in the compute dtype (the table may be stored narrower, see ``_as_stored``)."""
+        """The rows of ``ids`` in the compute dtype (the table may be stored narrower, see ``as_stored``)."""
         return self.model.embed_tokens(ids).to(self.dtype)
 
     def new_cache(self, capacity: int = 256) -> KVCache:

@@ -34,6 +34,11 @@ def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
         assert level["itl_ms_p50"] is None or level["itl_ms_p50"] <= level["itl_ms_p99"]
         assert level["acceptance_length"] is None or 1 <= level["acceptance_length"] <= 6
     assert report["levels"][0]["throughput_vs_concurrency_1"] == 1.0
+    # generate alone on the same prompts (auto's backend, no server): what one client should get from the server
+    alone = report["generate"]
+    assert alone["tokens_per_s"] > 0 and 2 <= alone["output_tokens"] <= 16 and alone["backend"]
+    assert report["levels"][0]["vs_generate"] == pytest.approx(report["levels"][0]["tokens_per_s"] / alone["tokens_per_s"])
+    assert report["levels"][1]["vs_generate"] is None and "`generate` alone" in result.output
     # what auto serves (ONNX Runtime's layer graphs where it is installed), named by the server process's startup line
     auto = "onnxruntime cpu (W8A8 integer layer graphs" if importlib.util.find_spec("onnxruntime") else "cpu W8A8, "
     assert report["backend"].startswith(auto)

@@ -83,6 +83,24 @@ def test_a_prompt_prefills_in_pieces_alone_and_among_others_alike(layered, monke
             layered.verify_batch([pieced], [bad], [True])
 
 
+def test_an_int8_head_runs_as_a_graph_of_its_own_and_batches(tiny_int8_head_artifact):
+    lm = load_onnx(tiny_int8_head_artifact.path, threads=1, needs=NEEDS)
+    assert "int8 lm_head graph" in lm.description
+    reference = load_cpu(tiny_int8_head_artifact.path, int8_kernel="reference")
+    assert close(lm.prefill(PROMPT), reference.prefill(PROMPT))
+    # the head quantizes its input too: where the float parts before it differ by rounding, one int8 code can round
+    # the other way (docs/architecture.md, "Numerics across backends"), which moves its row's logits by ~1e-3 here
+    got, expected = lm.verify([4, 5, 6]), reference.verify([4, 5, 6])
+    assert (got - expected).abs().max().item() < 1e-2 and torch.equal(got.argmax(-1), expected.argmax(-1))
+    lm.truncate(len(PROMPT))
+    other = lm.new_sequence()
+    other.prefill(PROMPT[:5])
+    alone = [lm.verify([4, 5, 6]), other.verify([9])]
+    lm.truncate(len(PROMPT))
+    other.truncate(5)
+    assert all(torch.equal(a, b) for a, b in zip(alone, lm.verify_batch([lm, other], [[4, 5, 6], [9]])))
+
+
 def test_logits_agree_with_the_torch_decoder_through_a_rollback(layered, reference):
     draft = [17, 300, 300, 9, 2]
     lm = layered.new_sequence()

@@ -29,7 +29,7 @@ from ..errors import QuasarError
 from ..exporters import onnx_layers
 from ..kernels import dtype_name
 from ..memory import EMBEDDINGS, kv_cache_bytes, return_freed_memory
-from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, _as_stored, load_linear, rotary, round_up, tensor_loader
+from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, as_stored, load_linear, rotary, round_up, tensor_loader
 from .onnxruntime import head_beside, session_options
 
 ROTARY_CHUNK = 1024  # rotary tables are made for fixed chunks of positions, so a position's cos/sin are always the same bits
@@ -99,12 +99,12 @@ class LayeredModel:
             return_freed_memory()
         self.attention = session(onnx_layers.attention(spec))
         self.final_norm = session(onnx_layers.final_norm(spec, RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)))
-        self.table = _as_stored(source, EMBEDDINGS, torch.float32)
+        self.table = as_stored(source, EMBEDDINGS, torch.float32)
         if int8_head:
             self.int8_head, self.float_head = session(onnx_layers.int8_head(spec, load_linear(load, HEAD))), None
             head = "int8 lm_head graph"
         else:
-            weight = self.table if spec.tie_word_embeddings else _as_stored(source, f"{HEAD}.weight", torch.float32)
+            weight = self.table if spec.tie_word_embeddings else as_stored(source, f"{HEAD}.weight", torch.float32)
             self.int8_head, self.float_head = None, head_beside(weight, load(f"{HEAD}.bias", False))
             head = f"{dtype_name(self.float_head.dtype)} lm_head on torch"
         self.rotary = RotaryTable(rope_inv_freq(spec).float())

@@ -106,6 +106,10 @@ def _serve(f: dict) -> list[Quantity]:
     what = f"server, {Path(s['model']).name}, {s['draft']} drafting, {s['max_tokens']} tokens per request"
     ours = f"ours on {f['backend'].split()[0]}"  # the backend the server's startup line named: cpu, onnxruntime, ...
     rows = [_serve_level(f"{what}: {ours}", level) for level in f["levels"]]
+    if "generate" in f:
+        alone = f["generate"]
+        label = f"{what}: generate alone on {alone['backend'].split()[0]}, same prompts, in the run of {ours}: output tokens/s"
+        rows.append((label, f"{alone['tokens_per_s']:.1f}"))
     if "vllm" in f:
         rows += [_serve_level(f"{what}: vLLM {f['vllm']['version']} (CPU build) serving it", level) for level in f["vllm"]["levels"]]
     return rows

@@ -13,10 +13,12 @@ synthetic model, which exists only here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -217,6 +219,7 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
     prompts = read_prompts(settings.prompts, settings.limit)
     widest = max(settings.concurrency)
     load_average = os.getloadavg()
+    alone = None if settings.synthetic else generate_alone(settings, prompts, progress)
     server = synthetic_server(settings, widest) if settings.synthetic else quasar_server(settings, widest)
     with server as (base, label, backend):
         levels = run_levels(base, prompts, settings, "quasar-deploy", progress)
@@ -226,6 +229,10 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
         "backend": backend,
         "levels": levels,
     }
+    if alone is not None:
+        report["generate"] = alone
+        for level in levels:
+            level["vs_generate"] = level["tokens_per_s"] / alone["tokens_per_s"] if level["concurrency"] == 1 else None
     if vllm_python is not None:
         with vllm_server(vllm_python, settings, widest) as (base, version):
             vllm_levels = run_levels(base, prompts, settings, "vLLM", progress)
@@ -234,6 +241,37 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
             ours["vs_vllm"] = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
     report["environment"]["load_average_at_end"] = list(os.getloadavg())
     return report
+
+
+def generate_alone(settings: ServeBenchSettings, prompts: Sequence[str], progress: bool) -> dict[str, Any]:
+    """``generate`` on the same prompts and settings, one at a time in this process, on the backend it gets by default
+    (``auto``, no needs): what a lone user gets without the server, which the server at one client should match. Its
+    output tokens over its wall time, prefills included, as the server's levels count them. The engine is gone before
+    the server starts."""
+    import gc
+
+    from ..engine import load
+    from ..memory import return_freed_memory
+
+    engine = load(settings.artifact or _demo_artifact())
+    options = dict(max_new_tokens=settings.max_tokens, draft=settings.draft, num_draft=settings.num_draft)
+    engine.generate(prompts[0], **{**options, "max_new_tokens": WARM_UP_TOKENS})
+    began, tokens = time.perf_counter(), 0
+    for prompt in prompts:
+        tokens += len(engine.generate(prompt, **options).tokens)
+    alone = {"backend": engine.lm.description, "tokens_per_s": tokens / (time.perf_counter() - began), "output_tokens": tokens}
+    if progress:
+        print(f"generate alone ({alone['backend']}): {alone['tokens_per_s']:.1f} output tokens/s", flush=True)
+    del engine
+    gc.collect()
+    return_freed_memory()
+    return alone
+
+
+def _demo_artifact() -> str:
+    from ..demo import demo_artifact
+
+    return str(demo_artifact(progress=False))
 
 
 @contextmanager
@@ -258,12 +296,7 @@ STARTED = f"serving {MODEL_NAME} on "  # the start of the line `quasar-deploy se
 def quasar_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str, str]]:
     """``quasar-deploy serve`` on the artifact (the demo model's by default) on ``settings.backend``, in its own process:
     its base URL, the artifact and the backend its startup line names."""
-    if settings.artifact is None:
-        from ..demo import demo_artifact
-
-        artifact = str(demo_artifact(progress=False))
-    else:
-        artifact = settings.artifact
+    artifact = settings.artifact or _demo_artifact()
     port = free_port()
     argv = [sys.executable, "-c", "from quasar_deploy.cli import main; main()", "serve", artifact, "--backend", settings.backend]
     argv += ["--port", str(port), "--model-name", MODEL_NAME, "--max-sequences", str(max_sequences), "--max-queue", str(max_sequences)]
@@ -316,7 +349,7 @@ def server_process(argv: list[str], env: dict[str, str], port: int, start_s: flo
             log.seek(0)
             return [line for line in log.read().splitlines() if line.strip()]
 
-        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         try:
             try:
@@ -327,11 +360,31 @@ def server_process(argv: list[str], env: dict[str, str], port: int, start_s: flo
                 raise QuasarError(f"{name}'s server did not start ({first_line(exc)}); its log says: {why.strip()[:300]}") from None
             yield base, lines
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_process_group(process)
+
+
+STOP_S = 30
+
+
+def stop_process_group(process: subprocess.Popen, timeout_s: float = STOP_S) -> None:
+    """SIGTERM to the server's whole process group, then wait until none of it is left (SIGKILL after ``timeout_s``).
+    vLLM runs its engine in a child process of its API server, which outlived the API server by seconds: measured on
+    2 cores, our cpu server benched right after a vLLM run stepped at 107-110 ms instead of 50-68 ms."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        process.poll()  # reap the leader, so that only live members keep the group
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _ms(value: float | None) -> str:
@@ -360,6 +413,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"{'-' if ratio is None else f'{ratio:.2f}x'} | {_ms(level['ttft_ms_p50'])} / {_ms(level['ttft_ms_p99'])} | "
             f"{_ms(level['itl_ms_p50'])} / {_ms(level['itl_ms_p99'])} | {'-' if accept is None else f'{accept:.2f}'} |"
         )
+    if "generate" in report:
+        alone, first = report["generate"], report["levels"][0]
+        versus = f"; the server at 1 client: {first['vs_generate']:.2f}x that" if first.get("vs_generate") else ""
+        lines += ["", f"`generate` alone, the same prompts one at a time ({alone['backend']}): {alone['tokens_per_s']:.1f} tokens/s"]
+        lines[-1] += f"{versus}."
     if "vllm" in report:
         lines += ["", f"vLLM {report['vllm']['version']} (CPU build), the same artifact, prompts and settings, bf16:", ""]
         lines += ["| concurrency | output tokens/s | TTFT p50 ms | inter-token p50 ms | ours vs vLLM |", "| --- | --- | --- | --- | --- |"]

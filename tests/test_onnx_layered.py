@@ -101,6 +101,18 @@ def test_an_int8_head_runs_as_a_graph_of_its_own_and_batches(tiny_int8_head_arti
     assert all(torch.equal(a, b) for a, b in zip(alone, lm.verify_batch([lm, other], [[4, 5, 6], [9]])))
 
 
+def test_a_rows_logits_do_not_depend_on_its_blocks_size(layered):
+    """A one-token decode and the same row in a verify block agree (one row is sent as two: ``_attend``), so speculative
+    greedy output is the verifier's own greedy decode."""
+    block = [4, 17, 300, 9, 2, 41, 7, 8]
+    lm = layered.new_sequence()
+    lm.prefill(PROMPT)
+    full = lm.verify(block)
+    for n in range(1, len(block)):
+        lm.truncate(len(PROMPT))
+        assert torch.equal(lm.verify(block[:n]), full[:n]), n
+
+
 def test_logits_agree_with_the_torch_decoder_through_a_rollback(layered, reference):
     draft = [17, 300, 300, 9, 2]
     lm = layered.new_sequence()
@@ -157,7 +169,7 @@ def test_engines_on_the_layer_graphs_decode_as_the_cpu_backend(tiny_artifact):
     prompt = "the cat sat on the mat. the cat sat on the"
     engine = load(tiny_artifact.path, backend="onnxruntime", needs=NEEDS, threads=1)
     expected = load(tiny_artifact.path, backend="cpu", int8_kernel="reference").generate(prompt, max_new_tokens=16, draft="ngram")
-    for draft in ("ngram", "layerskip"):
+    for draft in ("none", "ngram", "layerskip"):  # "none": one-token decode steps, the verifier's own greedy decode
         assert engine.generate(prompt, max_new_tokens=16, draft=draft).tokens == expected.tokens
 
 

@@ -194,6 +194,7 @@ class LayeredOnnxLM:
         end = self._length + extra
         if end > self.max_length:
             raise QuasarError(f"sequence of {end} tokens exceeds the context window ({self.max_length})")
+        end += extra == 1  # the copy a one-row block is sent with (``_attend``)
         if end <= self._capacity:
             return
         from onnxruntime import OrtValue
@@ -212,8 +213,17 @@ class LayeredOnnxLM:
         self._cache, self._capacity = grown, capacity
 
     def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """This sequence's attention at ``layer`` for its n new rows (written to its cache at ``length .. length + n``)."""
-        n, total = q.shape[0], self._length + q.shape[0]
+        """This sequence's attention at ``layer`` for its n new rows (written to its cache at ``length .. length + n``).
+
+        One row goes as two (the second a copy, its keys and values written past the end, where nothing reads them):
+        ``GroupQueryAttention`` takes another path for one query row, with other rounding, while a row's result is the
+        same bits for any other number of rows (found by test on this CPU, tests/test_onnx_layered.py). So a row's
+        logits do not depend on its block's size: a one-token decode and the same row in a verify block agree, which
+        is what makes speculative greedy output the verifier's own greedy decode here."""
+        n = q.shape[0]
+        if n == 1:
+            q, k, v = (np.concatenate([rows, rows]) for rows in (q, k, v))
+        total = self._length + q.shape[0]
         binding = self.model.attention.io_binding()
         for name, rows in ((onnx_layers.Q, q), (onnx_layers.K, k), (onnx_layers.V, v)):
             binding.bind_cpu_input(name, rows[None])
@@ -226,7 +236,7 @@ class LayeredOnnxLM:
         binding.bind_ortvalue_output(f"{onnx_layers.CACHE_KEY}_out", keys)  # the same buffers: written in place
         binding.bind_ortvalue_output(f"{onnx_layers.CACHE_VALUE}_out", values)
         self.model.attention.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy().reshape(n, -1)
+        return binding.get_outputs()[0].numpy().reshape(q.shape[0], -1)[:n]
 
     def _forward(
         self,

@@ -30,6 +30,7 @@ from ..exporters import onnx_layers
 from ..kernels import dtype_name
 from ..memory import EMBEDDINGS, kv_cache_bytes, return_freed_memory
 from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, as_stored, load_linear, rotary, round_up, tensor_loader
+from ..speculative.causal_lm import split_batch
 from .onnxruntime import head_beside, session_options
 
 ROTARY_CHUNK = 1024  # rotary tables are made for fixed chunks of positions, so a position's cos/sin are always the same bits
@@ -157,8 +158,7 @@ class LayeredOnnxLM:
             if prefill and (len(block) > chunk or sequence.length % chunk):
                 raise ValueError(f"a prefill block is a piece of its prompt: at most {chunk} tokens, at a multiple of {chunk}")
         logits = self._forward(sequences, blocks, last_only=prefills)
-        parts = logits.split([1 if prefill else len(block) for block, prefill in zip(blocks, prefills)])
-        return [part[0] if prefill else part for part, prefill in zip(parts, prefills)]
+        return split_batch(logits, blocks, prefills)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:

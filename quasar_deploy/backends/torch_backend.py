@@ -13,6 +13,7 @@ from ..errors import QuasarError
 from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name
 from ..memory import kv_cache_bytes
 from ..model import KEY_CHUNK, Decoder, KVCache, round_up
+from ..speculative.causal_lm import split_batch
 
 
 def unavailable() -> None:
@@ -95,8 +96,7 @@ class BatchingTorchCausalLM(TorchCausalLM):
                 sequence.cache.truncate(0)
         ids = [sequence._ids(block) for sequence, block in zip(sequences, blocks)]
         logits = self.decoder.forward_blocks(ids, [sequence.cache for sequence in sequences], last_only=prefills)
-        parts = logits.split([1 if prefill else len(block) for block, prefill in zip(blocks, prefills)])
-        return [part[0] if prefill else part for part, prefill in zip(parts, prefills)]
+        return split_batch(logits, blocks, prefills)
 
 
 def load_cpu(

@@ -84,3 +84,10 @@ class BatchVerifyingLM(ForkingLM, Protocol):
         logits [vocab]) where ``prefills[i]``, else ``verify(blocks[i])`` ([len, vocab]). With a ``prefill_chunk``, a
         prefill block is the next piece of its prompt (appended; a fresh sequence starts empty), and its logits are its
         last row's."""
+
+
+def split_batch(logits: torch.Tensor, blocks: Sequence[Sequence[int]], prefills: Sequence[bool]) -> list[torch.Tensor]:
+    """A batched forward's stacked logits back per sequence, as ``verify_batch`` returns them: a prefill's one row
+    ([vocab]), a verify block's rows ([len, vocab])."""
+    parts = logits.split([1 if prefill else len(block) for block, prefill in zip(blocks, prefills)])
+    return [part[0] if prefill else part for part, prefill in zip(parts, prefills)]

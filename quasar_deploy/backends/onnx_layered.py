@@ -276,8 +276,11 @@ class LayeredOnnxLM:
 
 
 def load_layered(files: ModelFiles, threads: int | None = None, progress: bool = True) -> LayeredOnnxLM:
-    """A W8A8 artifact on ONNX Runtime as batched layer graphs (``unsupported(files)`` must be None)."""
+    """A W8A8 artifact on ONNX Runtime as batched layer graphs; refused in one line where ``unsupported(files)`` says why."""
     reason = unsupported(files)
     if reason is not None:
-        raise QuasarError(f"{files.path}: cannot run as ONNX Runtime layer graphs: {reason}")
+        raise QuasarError(
+            f"{files.path}: layer skipping and batched serving on ONNX Runtime need a W8A8 artifact whose layers are all int8; "
+            f"this one is {reason}"
+        )
     return LayeredOnnxLM(LayeredModel(files, threads, progress))

@@ -435,15 +435,11 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
 def _load_layered(path: Path, provider: str | None, threads: int | None):
     """``onnx_layered``'s batched layer graphs of the artifact at ``path``, refused in one line where they cannot run."""
     from ..artifact import open_model_files
-    from .onnx_layered import load_layered, unsupported
+    from .onnx_layered import load_layered
 
     why = "layer skipping and batched serving"
     if is_export(path):
         raise QuasarError(f"{path}: an export runs as one whole graph, without {why}; load the artifact it came from")
     if provider not in (None, "auto", "cpu"):
         raise QuasarError(f"{why} on ONNX Runtime run on its cpu provider, not {provider}")
-    files = open_model_files(path)
-    reason = unsupported(files)
-    if reason is not None:
-        raise QuasarError(f"{path}: {why} on ONNX Runtime need a W8A8 artifact whose layers are all int8; this one is {reason}")
-    return load_layered(files, threads, progress=sys.stderr.isatty())
+    return load_layered(open_model_files(path), threads, progress=sys.stderr.isatty())

@@ -2,9 +2,9 @@
 
 A server's round is one forward over every running sequence's verify block (``BatchVerifyingLM.verify_batch``), so
 what a backend gives a server is the cost of that forward for one sequence (the step a lone client waits for) and for
-N (the weights read once for all). The backends take turns, round robin, each call after a pause and an untimed call
-of its own (as ``bench onnx step`` does: on a few cores another pool's threads still spinning cost the next call more
-than the backends differ), and each figure is a median.
+N (the weights read once for all). The backends take turns, round robin, each call settled as ``bench onnx step``'s
+are (``micro.settled``: on a few cores another pool's threads still spinning cost the next call more than the
+backends differ), and each figure is a median.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,9 +23,9 @@ from ..backends.registry import ONNXRUNTIME_MEMORY_FACTOR, create_backend
 from ..errors import QuasarError
 from ..speculative.causal_lm import BatchVerifyingLM
 from .memory import check_fits
+from .micro import settled
 
 BACKENDS = ("cpu", "onnxruntime")
-PAUSE_S = 0.25
 
 
 @dataclass
@@ -93,9 +94,7 @@ def batched_step(
     for _ in tqdm(range(repeats), desc="batched steps", disable=not progress):
         for backend in backends:
             for n in sequences:
-                time.sleep(PAUSE_S)
-                step(backend, n)
-                times[backend][n].append(step(backend, n))
+                times[backend][n].append(settled(partial(step, backend, n)))
     return BatchedStepResult(
         artifact=str(artifact),
         sequences=list(sequences),

@@ -167,6 +167,21 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+# ORT's pools and torch's OpenMP threads spin for a while after a call. A contender timed right after another
+# runtime's call shares the cores with those spinning threads, and one timed after a pause first wakes its own sleeping
+# threads: a generation sees neither (one runtime, steps back to back). So each contender waits this long (the others'
+# threads go to sleep), runs once untimed (its own threads wake), then runs the timed call.
+SETTLE_S = 0.25
+
+
+def settled(run: Callable[[], float]) -> float:
+    """One timed call of ``run`` as ``SETTLE_S`` describes: after the pause, an untimed call wakes this runtime's own
+    threads, as the previous step of a generation leaves them; seconds of the call after it."""
+    time.sleep(SETTLE_S)
+    run()
+    return run()
+
+
 def _time_all(fns, x: torch.Tensor) -> float:
     start = time.perf_counter()
     for fn in fns:

@@ -52,7 +52,7 @@ from ..scheme import QMAX, quantize_weight, reference_linear
 from ..speculative.cascade import StepCost, modelled_gain
 from .e2e import PAPER_ACCEPTANCE
 from .memory import GB, check_fits, fits
-from .micro import time_step, timed
+from .micro import settled, time_step, timed
 from .synthetic import (
     LIBRARIES_BYTES,
     RandomTensors,
@@ -213,27 +213,12 @@ def _ort_session(directory: Path, threads: int, head_on_torch: bool = False) -> 
     return session
 
 
-# ORT's pools and torch's OpenMP threads spin for a while after a call. A contender timed right after another
-# runtime's call shares the cores with those spinning threads, and one timed after a pause first wakes its own sleeping
-# threads: a generation sees neither (one runtime, steps back to back). So each contender waits this long (the others'
-# threads go to sleep), runs once untimed (its own threads wake), then runs the timed call.
-SETTLE_S = 0.25
-
-
 # exact mode's model at the paper's acceptance needs the float step's cost at a cascade draft's lengths: up to 8 rounds
 # of 1.4 tokens, timed beside the k+1 of the table
 EXACT_FLOAT_POSITIONS = (2, 4, 8, 12)
 # the float model's per-token acceptance of its W8A8 artifact's greedy tokens: random weights cannot measure it; the
 # inflated demo's, measured by `bench e2e`'s exact modes (float_acceptance_of_w8a8_tokens), the issue's 0.985 near it
 EXACT_ACCEPTANCE = 0.985
-
-
-def _settled(run: Callable[[], float]) -> float:
-    """One timed call of ``run`` as ``SETTLE_S`` describes: after the pause, an untimed call wakes this runtime's own
-    threads, as the previous step of a generation leaves them; seconds of the call after it."""
-    time.sleep(SETTLE_S)
-    run()
-    return run()
 
 
 # a contender built: its timed step (seconds), and its steps at exact mode's longer positions (the float decoder's only)
@@ -276,7 +261,7 @@ def step(
     """Every CPU path's verify step on the same synthetic weights: ONNX Runtime's float and exact integer W8A8 graphs (the
     graphs ``auto`` runs on a CPU) and, ``with_torch``, the cpu backend's float (oneDNN) and W8A8 decoders;
     ``int8_lm_head``: both W8A8 contenders with an int8 head. Timed round robin where they fit in memory together: each
-    round times every contender once (see ``SETTLE_S``), so machine drift hits all of them alike, and the speed-ups are
+    round times every contender once (see ``micro.SETTLE_S``), so machine drift hits all of them alike, and the speed-ups are
     medians of per-round ratios against the round's fastest float contender. Where they do not (an 8B shape on 24 GB),
     one at a time, each freed before the next is built, those that do not fit even alone left out: the speed-ups are
     then ratios of medians, and the report says so. ``with_torch`` also models exact mode at the paper's acceptance
@@ -406,7 +391,7 @@ def _round_robin(
     times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in tqdm(range(repeats), desc=f"onnx step {shape}: rounds", disable=not progress):
         for label, run in steps.items():
-            times[label].append(_settled(run))
+            times[label].append(settled(run))
     for _, at in built.values():
         _time_positions(at, float_at, repeats)
     return times
@@ -426,7 +411,7 @@ def _one_at_a_time(
         run, at = contender.build()
         os.sync()  # a graph's build leaves gigabytes of dirty pages: written back meanwhile, they slow the timed calls
         run()  # warm-up
-        times[contender.label] = [_settled(run) for _ in range(repeats)]
+        times[contender.label] = [settled(run) for _ in range(repeats)]
         _time_positions(at, float_at, repeats)
         del run, at
         gc.collect()
@@ -462,7 +447,7 @@ def _time_positions(steps: dict[int, Callable[[], float]], float_at: dict[int, l
     """``repeats`` rounds of a decoder's steps at exact mode's longer positions (none but the float one's), into ``float_at``."""
     for _ in range(repeats if steps else 0):
         for positions, run in steps.items():
-            float_at[positions].append(_settled(run))
+            float_at[positions].append(settled(run))
 
 
 def _exact_mode(

@@ -73,6 +73,8 @@ class GenerationOptions:
     agreement, default 0.5) layerskip, ``draft_model`` (the draft model's path) model; the
     registry says which drafter reads which, and setting another drafter's option is an error.
     ``seed`` None draws a fresh seed; the same seed and options reproduce a sampled output.
+    ``verify`` picks whose output a generation returns on an engine loaded with ``verify="exact"``: "exact" (the float
+    model's, the default there) or "model" (the W8A8 model's own, verified on it); None is the engine's own mode.
     """
 
     max_new_tokens: int = 256
@@ -88,9 +90,12 @@ class GenerationOptions:
     skip_layers: Sequence[int] | None = None
     skip_fraction: float | None = None
     draft_model: str | Path | None = None
+    verify: str | None = None
 
     def __post_init__(self) -> None:
         drafter_entry(self.draft)
+        if self.verify is not None and self.verify not in VERIFY_MODES:
+            raise QuasarError(f"unknown verify mode {self.verify!r}; choose from {', '.join(VERIFY_MODES)}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise QuasarError("stop strings must be non-empty strings")
@@ -370,7 +375,7 @@ class Stream:
 
     def __init__(self, engine: Engine, prompt: Prompt, options: GenerationOptions):
         self._engine = engine
-        self._generation = Generation(engine, engine.lm, engine.encode(prompt), options)
+        self._generation = Generation(engine, engine.verifier(options), engine.encode(prompt), options)
         self._pieces = self._run()
 
     @property
@@ -505,7 +510,22 @@ class Engine:
     def open(self, prompt: Sequence[int], options: GenerationOptions) -> Generation:
         """A generation of encoded ``prompt`` on a new sequence over the engine's weights, outside the engine's lock:
         the caller drives its steps (and owns the thread it drives them from)."""
-        return Generation(self, check_can_fork(self.lm).new_sequence(), list(prompt), options)
+        return Generation(self, check_can_fork(self.verifier(options)).new_sequence(), list(prompt), options)
+
+    @property
+    def verify_modes(self) -> tuple[str, ...]:
+        """What a generation's ``verify`` may ask of this engine, its default first (``GenerationOptions.verify``)."""
+        return ("model",)
+
+    def verifier(self, options: GenerationOptions) -> CausalLM:
+        """The model whose sequences verify a generation with ``options`` (a server batches their blocks on it)."""
+        if options.verify == "exact":
+            raise QuasarError("verify='exact' needs the engine loaded for it: load(artifact, verify='exact') (serve --verify exact)")
+        return self.lm
+
+    def cached_models(self, options: GenerationOptions) -> tuple[CausalLM, ...]:
+        """Every model that keeps a KV cache for one generation with ``options``: its verifier's first."""
+        return (self.verifier(options),)
 
     def choose_skip_layers(self, fraction: float, text: str = SKIP_CALIBRATION_TEXT) -> frozenset[int]:
         """Which ``fraction`` of the layers to skip when drafting: those that keep the most top-1 agreement on ``text``.

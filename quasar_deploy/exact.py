@@ -55,7 +55,21 @@ class ExactEngine(Engine):
             self._chosen_rounds = RoundPolicy()
         return self._chosen_rounds
 
+    @property
+    def verify_modes(self) -> tuple[str, ...]:
+        return ("exact", "model")
+
+    def verifier(self, options: GenerationOptions) -> CausalLM:
+        """The float model, or the W8A8 one for a generation that asks for its own output (``verify="model"``)."""
+        return self.middle if options.verify == "model" else self.lm
+
+    def cached_models(self, options: GenerationOptions) -> tuple[CausalLM, ...]:
+        """Exact: the float model's cache and the W8A8 one its rounds draft on; ``verify="model"``: the W8A8 one."""
+        return (self.middle,) if options.verify == "model" else (self.lm, self.middle)
+
     def speculation(self, lm: CausalLM, prompt: list[int], options: GenerationOptions) -> Speculation:
+        if options.verify == "model":  # the W8A8 model's own output: plain speculative decoding on it
+            return super().speculation(lm, prompt, options)
         check_rounds(self.rounds)
         inner = self.drafter(options, lm)
         if not isinstance(inner, RewindableDrafter):

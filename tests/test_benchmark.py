@@ -223,3 +223,29 @@ def test_speedups_are_also_modelled_at_the_papers_acceptance():
     assert figures["ngram-float"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(1.0)  # 56 tok/s beats 30
     assert figures["ngram-w8a8"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(2.0)
     assert figures["ar-float"]["speedup_vs_best_float_at_paper_acceptance"] == pytest.approx(30 / 56)
+
+
+def test_repeats_run_each_mode_on_each_prompt_and_keep_its_median_run(pair, tmp_path, monkeypatch):
+    from quasar_deploy.bench import e2e
+    from quasar_deploy.bench.contenders import trained_contenders
+
+    speeds = iter([5.0, 1.0, 3.0, 9.0, 2.0, 4.0] * 4)
+    calls = []
+
+    def run_mode(mode, contenders, ids, settings):
+        calls.append((mode, settings.max_new_tokens))
+        return e2e.Run([1, 2], next(speeds) if settings.max_new_tokens == 8 else 1.0, 1.0)
+
+    monkeypatch.setattr(e2e, "run_mode", run_mode)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["def f(x):"]}\n{"turns": ["class A:"]}\n')
+    settings = e2e.BenchSettings(prompts=str(prompts), limit=2, repeats=3, max_new_tokens=8, modes=("ar-float", "ngram-float"))
+    report = e2e.benchmark(settings, trained_contenders(*pair), progress=False)
+    timed = [mode for mode, tokens in calls if tokens == 8]
+    assert len(timed) == 2 * 2 * 3 and timed.count("ar-float") == timed.count("ngram-float") == 6
+    # the order turns each repeat and each prompt. Prompt 0 runs ar ngram, ngram ar, ar ngram on speeds 5 1 3 9 2 4:
+    # ar-float {5, 9, 2} -> 5, ngram-float {1, 3, 4} -> 3; prompt 1 runs ngram ar, ar ngram, ngram ar: ar {1, 3, 4} -> 3
+    ar, ngram = report["modes"]["ar-float"], report["modes"]["ngram-float"]
+    assert (ar["tokens_per_s_min"], ar["tokens_per_s_max"], ngram["tokens_per_s_min"], ngram["tokens_per_s_max"]) == (3.0, 5.0, 3.0, 5.0)
+    assert report["settings"]["repeats"] == 3
+    assert e2e.median_run([e2e.Run([], s, 1.0) for s in (4.0, 1.0, 3.0, 2.0)]).tokens_per_s == 2.0

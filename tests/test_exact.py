@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import quasar_deploy.speculative.cascade as cascade
 import quasar_deploy.speculative.loop as loop
 from quasar_deploy.cli import main
-from quasar_deploy.engine import load
+from quasar_deploy.engine import GenerationOptions, load
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.exact import ExactEngine
 from quasar_deploy.serve.app import ServeConfig, create_app
@@ -608,6 +608,68 @@ def test_requests_served_together_get_the_float_models_output(exact_engine, floa
         for thread in threads:
             thread.join()
     assert answers == texts
+
+
+@pytest.fixture(scope="module")
+def w8a8_greedy(tiny_artifact):
+    w8a8 = load(tiny_artifact.path, backend="cpu")
+    return [w8a8.generate(p, max_new_tokens=40, draft="none").tokens for p in PROMPTS]
+
+
+def test_a_generation_may_ask_an_exact_engine_for_the_w8a8_models_own_output(exact_engine, float_greedy, w8a8_greedy):
+    assert w8a8_greedy != float_greedy  # the two outputs differ on these prompts: the choice is visible
+    for draft in ("ngram", "none"):
+        assert [exact_engine.generate(p, max_new_tokens=40, draft=draft, verify="model").tokens for p in PROMPTS] == w8a8_greedy
+    assert [exact_engine.generate(p, max_new_tokens=40, verify="exact").tokens for p in PROMPTS] == float_greedy
+    options = GenerationOptions(verify="model")
+    assert exact_engine.verifier(options) is exact_engine.middle and exact_engine.cached_models(options) == (exact_engine.middle,)
+    assert exact_engine.cached_models(GenerationOptions()) == (exact_engine.lm, exact_engine.middle)
+
+
+def test_a_plain_engine_refuses_exact_generations(tiny_artifact):
+    engine = load(tiny_artifact.path, backend="cpu")
+    with pytest.raises(QuasarError, match=r"verify='exact' needs the engine loaded for it: load\(artifact, verify='exact'\)"):
+        engine.generate(PROMPTS[0], max_new_tokens=2, verify="exact")
+    with pytest.raises(QuasarError, match="unknown verify mode 'float'"):
+        engine.generate(PROMPTS[0], max_new_tokens=2, verify="float")
+
+
+def test_requests_pick_the_float_or_the_w8a8_models_output_and_batch_apart(exact_engine, float_greedy, w8a8_greedy):
+    """Half the requests ask for exact output, half for the W8A8 model's, all at once: each gets its own model's greedy
+    text (the W8A8 blocks verify in a forward of their own), and each is what it would be alone."""
+    exact_engine.rounds = None
+    tokenizer = exact_engine.tokenizer
+    asks = [(i, verify) for i in range(len(PROMPTS)) for verify in ("exact", "model")]
+    answers: dict[tuple[int, str], str] = {}
+    forwards = []
+    batchers = {exact_engine.lm: "float", exact_engine.middle: "w8a8"}
+    for lm, name in batchers.items():  # count the batched forwards of each model
+        original = lm.verify_batch
+
+        def counted(sequences, blocks, prefills=(), original=original, name=name):
+            forwards.append(name)
+            return original(sequences, blocks, prefills)
+
+        lm.verify_batch = counted
+    try:
+        with live_server(create_app(exact_engine, ServeConfig("tiny", max_sequences=len(asks)))) as base:
+
+            def ask(i: int, verify: str) -> None:
+                body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": 40, "temperature": 0, "verify": verify}
+                answers[i, verify] = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+            threads = [threading.Thread(target=ask, args=ask_) for ask_ in asks]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        for lm in batchers:
+            del lm.verify_batch
+    decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+    assert [answers[i, "exact"] for i in range(len(PROMPTS))] == [decode(t) for t in float_greedy]
+    assert [answers[i, "model"] for i in range(len(PROMPTS))] == [decode(t) for t in w8a8_greedy]
+    assert {"float", "w8a8"} <= set(forwards)
 
 
 # --- command line --------------------------------------------------------------------------------------

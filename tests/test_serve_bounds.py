@@ -22,7 +22,7 @@ from quasar_deploy.engine import Engine
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.serve import vllm
 from quasar_deploy.serve.app import ServeConfig, create_app
-from quasar_deploy.serve.protocol import RequestLimits, parse_request
+from quasar_deploy.serve.protocol import ApiError, RequestLimits, parse_request
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
 
 from .helpers import assert_one_line_error
@@ -92,11 +92,22 @@ def test_the_caps_are_the_servers_flags(engine):
 def test_chat_without_max_tokens_stops_at_the_default():
     """Before: a chat without max_tokens ran to the context window (2022 tokens on the demo model)."""
     chat = {"messages": [{"role": "user", "content": "x"}]}
-    defaults = {"draft": "none", "num_draft": 5}
+    defaults = {"draft": "none", "num_draft": 5, "verify": ("model",)}
     assert parse_request(chat, True, "m", defaults).max_tokens == RequestLimits().default_max_tokens == 1024
     assert parse_request(chat, True, "m", defaults, RequestLimits(default_max_tokens=7)).max_tokens == 7
     assert parse_request({**chat, "max_tokens": 9}, True, "m", defaults).max_tokens == 9
     assert parse_request({"prompt": "x"}, False, "m", defaults).max_tokens == 16  # OpenAI's completions default
+
+
+def test_a_request_picks_a_verify_mode_the_server_offers():
+    plain, exact = {"draft": "none", "num_draft": 5, "verify": ("model",)}, {"draft": "none", "num_draft": 5, "verify": ("exact", "model")}
+    assert parse_request({"prompt": "x"}, False, "m", plain).options["verify"] == "model"
+    assert parse_request({"prompt": "x"}, False, "m", exact).options["verify"] == "exact"  # the server's default
+    assert parse_request({"prompt": "x", "verify": "model"}, False, "m", exact).options["verify"] == "model"
+    with pytest.raises(ApiError, match=r"verify must be one of model on this server, got 'exact' \(exact mode needs a server started"):
+        parse_request({"prompt": "x", "verify": "exact"}, False, "m", plain)
+    with pytest.raises(ApiError, match="verify must be one of exact, model on this server, got 3"):
+        parse_request({"prompt": "x", "verify": 3}, False, "m", exact)
 
 
 # --- JSON the parser must not choke on ---

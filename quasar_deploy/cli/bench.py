@@ -40,6 +40,13 @@ def bench() -> None:
 )
 @click.option("--prompts", type=click.Path(dir_okay=False), help="Spec-Bench JSONL (turns[0] is the prompt); default: built-in.")
 @click.option("--limit", default=10, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--repeats",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Runs of each mode on each prompt, interleaved; a prompt's figure is its median run (steadier ratios on a noisy machine).",
+)
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
@@ -63,6 +70,7 @@ def e2e(
     synthetic,
     prompts,
     limit,
+    repeats,
     max_new_tokens,
     temperature,
     num_draft,
@@ -97,6 +105,7 @@ def e2e(
         artifact=artifact,
         synthetic=synthetic,
         limit=limit,
+        repeats=repeats,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         num_draft=num_draft,

@@ -142,7 +142,7 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         engine, metrics, config.max_sequences, config.max_queue, deadline_s=config.request_timeout, kv_cache_bytes=config.kv_cache_bytes
     )
     started_at = int(time.time())
-    defaults = {"draft": config.draft, "num_draft": config.num_draft}
+    defaults = {"draft": config.draft, "num_draft": config.num_draft, "verify": engine.verify_modes}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -178,7 +178,8 @@ def _messages(body: dict) -> list[dict[str, str]]:
 
 
 def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], limits: RequestLimits = RequestLimits()) -> Request:
-    """Check a decoded JSON body for /v1/completions (``chat`` False) or /v1/chat/completions; ``defaults``: draft, num_draft;
+    """Check a decoded JSON body for /v1/completions (``chat`` False) or /v1/chat/completions; ``defaults``: draft, num_draft,
+    verify (the modes the engine offers, its default first);
     ``limits``: the server's bounds on one request."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -200,6 +201,10 @@ def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], l
     draft = body.get("draft", defaults["draft"])
     if draft not in REQUEST_DRAFTERS:
         raise bad("draft", f"draft must be one of {', '.join(REQUEST_DRAFTERS)}, got {draft!r}")
+    verify = body.get("verify", defaults["verify"][0])
+    if verify not in defaults["verify"]:
+        exact = " (exact mode needs a server started with --verify exact)" if verify == "exact" else ""
+        raise bad("verify", f"verify must be one of {', '.join(defaults['verify'])} on this server, got {verify!r}{exact}")
     top_k = _int(body, "top_k", -1)
     options = {
         "temperature": _temperature(body),
@@ -209,6 +214,7 @@ def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], l
         "stop": _stop(body, limits),
         "draft": draft,
         "num_draft": _int(body, "num_draft", 1, limits.max_num_draft) if draft != "none" else None,
+        "verify": verify,
     }
     options = {name: value for name, value in options.items() if value is not None}
     options.setdefault("temperature", 1.0)  # OpenAI's default

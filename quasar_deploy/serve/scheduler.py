@@ -6,9 +6,11 @@ prefill, up to ``PREFILL_TOKENS`` prompt tokens a round (at least one prompt; on
 that prefills in pieces, ``prefill_chunk``, a long prompt takes a piece per round); every
 other one drafts its block (pending token plus k_i drafts, with its own drafter, so
 layerskip drafts on its own cache). On a backend that batches (``BatchVerifyingLM``: cpu
-with row-invariant kernels) the prompts and the blocks run in one forward over their
-stacked rows, the weights read once for all sequences; elsewhere (onnxruntime, npu,
-wrappers) one ``prefill`` or ``verify`` per sequence, round-robin. Each sequence then
+with row-invariant kernels, ONNX Runtime's layer graphs) the prompts and the blocks run in
+one forward over their stacked rows, the weights read once for all sequences; elsewhere (a
+whole ONNX graph, npu, wrappers) one ``prefill`` or ``verify`` per sequence, round-robin.
+On an exact-mode engine a request may ask for the W8A8 model's own output: its sequence
+verifies on the W8A8 model, whose blocks make a forward of their own. Each sequence then
 accepts and rolls back on its own (``Generation.settle``, its own seeded sampler). No
 request waits for another to finish, a new one starts within a round or a few (a burst of
 arrivals is spread over rounds), and every sequence's output is what it would be alone:
@@ -116,6 +118,7 @@ class Running:
     ticket: Ticket
     generation: Generation
     kv_bytes: int = 0  # the KV cache reserved for it at admission: its prompt and max_tokens
+    batcher: BatchVerifyingLM | None = None  # the model whose batched forward verifies it (None: it verifies alone)
     done: bool = False
     first_step_done: bool = False
     prompt_done: int = 0  # prompt tokens prefilled (a backend with a ``prefill_chunk`` takes them a piece per round)
@@ -146,7 +149,6 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="quasar-scheduler", daemon=True)
-        self._batcher = engine.lm if isinstance(engine.lm, BatchVerifyingLM) else None
         # this thread loaded the model; the worker thread runs it from here on, at full speed only once this thread's
         # OpenMP pool is gone (openmp.py)
         release_openmp_pool()
@@ -209,22 +211,27 @@ class Scheduler:
             if room < 1:
                 raise QuasarError(f"the prompt is {len(ids)} tokens; the context window is {self.engine.lm.max_length}")
             max_tokens = min(request.max_tokens, room)
-            kv_bytes = self._admit_kv(len(ids) + max_tokens)
-            generation = self.engine.open(ids, GenerationOptions(max_new_tokens=max_tokens, **request.options))
+            options = GenerationOptions(max_new_tokens=max_tokens, **request.options)
+            kv_bytes = self._admit_kv(self.engine.cached_models(options), len(ids) + max_tokens)
+            generation = self.engine.open(ids, options)
+            verifier = self.engine.verifier(options)
         except QuasarError as exc:
             ticket.deliver(Failed(ApiError(400, str(exc), "messages" if request.chat else "prompt")))
             return
         except ApiError as error:
             ticket.deliver(Failed(error))
             return
-        self._running.append(Running(ticket, generation, kv_bytes))
+        batcher = verifier if isinstance(verifier, BatchVerifyingLM) else None
+        self._running.append(Running(ticket, generation, kv_bytes, batcher))
         self.metrics.running.set(len(self._running))
         ticket.deliver(Started(len(ids), max_tokens))
 
-    def _admit_kv(self, tokens: int) -> int:
-        """The KV cache bytes a sequence of ``tokens`` positions may grow to, if they fit beside the running ones'
-        reservations (``kv_cache_bytes``): 429 while they do not fit now, 400 if they could never fit."""
-        need = kv_cache_bytes(self.engine.lm, tokens)
+    def _admit_kv(self, models: tuple, tokens: int) -> int:
+        """The KV cache bytes a generation's caches (one per model of ``models``) of ``tokens`` positions may grow to, if
+        they fit beside the running ones' reservations (``kv_cache_bytes``): 429 while they do not fit now, 400 if they
+        could never fit."""
+        known = [size for size in (kv_cache_bytes(model, tokens) for model in models) if size is not None]
+        need = sum(known) if known else None
         if need is None or self.kv_cache_bytes is None:
             return 0
         mib = 1 << 20
@@ -265,12 +272,14 @@ class Scheduler:
         fresh = self._prefill_turn()
         ready = [r for r in self._running if r.first_step_done]
         drafted = [(r, block) for r in ready if (block := self._attempt(r, r.generation.draft)) is not None]
-        if self._batcher is not None and (fresh or drafted):
-            self._step_batched(fresh, drafted)
-        else:
-            for running, _ in fresh:
+        batchers = list({id(r.batcher): r.batcher for r, _ in fresh + drafted if r.batcher is not None}.values())
+        for batcher in batchers:  # one forward per model that verifies (two on an exact engine serving both outputs)
+            self._step_batched(batcher, [m for m in fresh if m[0].batcher is batcher], [m for m in drafted if m[0].batcher is batcher])
+        for running, _ in fresh:
+            if running.batcher is None:
                 self._advance(running, running.generation.prefill)
-            for running, block in drafted:
+        for running, block in drafted:
+            if running.batcher is None:
                 self._advance(running, lambda g=running.generation, block=block: self._verify_alone(g, block))
         self._running = [r for r in self._running if not r.done]
         self.metrics.running.set(len(self._running))
@@ -279,11 +288,11 @@ class Scheduler:
         """The prompt pieces that prefill this round, with their sequences: in admission order, one piece per sequence
         (its whole prompt, or on a backend with a ``prefill_chunk`` the next piece of that many tokens), up to
         ``prefill_tokens`` prompt tokens in all and at least one piece (a longer one runs alone in its round)."""
-        chunk = getattr(self._batcher, "prefill_chunk", None)
         turn, tokens = [], 0
         for running in self._running:
             if running.first_step_done:
                 continue
+            chunk = getattr(running.batcher, "prefill_chunk", None)
             prompt = running.generation.prompt
             piece = list(prompt[running.prompt_done : running.prompt_done + chunk]) if chunk else list(prompt)
             tokens += len(piece)
@@ -292,16 +301,18 @@ class Scheduler:
             turn.append((running, piece))
         return turn
 
-    def _step_batched(self, fresh: list[tuple[Running, list[int]]], drafted: list[tuple[Running, list[int]]]) -> None:
-        """The prompt pieces of ``fresh`` and the blocks of ``drafted`` in one forward; each sequence then settles on its
-        own (a prompt once its last piece has run)."""
+    def _step_batched(
+        self, batcher: BatchVerifyingLM, fresh: list[tuple[Running, list[int]]], drafted: list[tuple[Running, list[int]]]
+    ) -> None:
+        """The prompt pieces of ``fresh`` and the blocks of ``drafted`` in one forward of ``batcher``; each sequence then
+        settles on its own (a prompt once its last piece has run)."""
         members = [(r, piece, True) for r, piece in fresh] + [(r, block, False) for r, block in drafted]
         sequences = [running.generation.lm for running, _, _ in members]
         blocks = [block for _, block, _ in members]
         prefills = [prefill for _, _, prefill in members]
         began = time.perf_counter()
         try:
-            logits = self._batcher.verify_batch(sequences, blocks, prefills)
+            logits = batcher.verify_batch(sequences, blocks, prefills)
         except Exception as exc:  # one forward for all: its failure is every one of theirs
             for running, _, _ in members:
                 self._fail(running, exc)

@@ -129,6 +129,10 @@ class LayeredOnnxLM:
         self._length = 0
         self._capacity = 0
         self._cache: list[tuple] = []  # per layer: (keys, values) OrtValues [1, kv_heads, capacity, head_dim]
+        self._bindings: list = []  # per layer: the attention call's binding, its cache and lengths bound once (``_bind``)
+        # the attention call's seqlens_k and total_sequence_length, set in place before each call: OrtValues over them
+        # are bound once per layer
+        self._seqlen, self._total = np.zeros(1, np.int32), np.zeros((), np.int32)
 
     # --- CausalLM ---
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -211,6 +215,24 @@ class LayeredOnnxLM:
                 pair.append(OrtValue.ortvalue_from_numpy(buffer))
             grown.append(tuple(pair))
         self._cache, self._capacity = grown, capacity
+        self._bindings = [self._bind(keys, values) for keys, values in grown]
+
+    def _bind(self, keys, values):
+        """One layer's attention binding with what stays from call to call bound once: the cache buffers (in and out: the
+        same buffers, written in place) and the lengths (``_seqlen``, ``_total``, set per call). A call then binds only
+        its rows and its output, which saves most of a call's Python-side cost (per sequence and layer, a step's
+        largest)."""
+        from onnxruntime import OrtValue
+
+        binding = self.model.attention.io_binding()
+        binding.bind_ortvalue_input(onnx_layers.SEQLEN, OrtValue.ortvalue_from_numpy(self._seqlen))
+        binding.bind_ortvalue_input(onnx_layers.TOTAL, OrtValue.ortvalue_from_numpy(self._total))
+        binding.bind_ortvalue_input(onnx_layers.CACHE_KEY, keys)
+        binding.bind_ortvalue_input(onnx_layers.CACHE_VALUE, values)
+        binding.bind_output(onnx_layers.Y, "cpu")  # first: ``get_outputs`` lists them in binding order
+        binding.bind_ortvalue_output(f"{onnx_layers.CACHE_KEY}_out", keys)
+        binding.bind_ortvalue_output(f"{onnx_layers.CACHE_VALUE}_out", values)
+        return binding
 
     def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """This sequence's attention at ``layer`` for its n new rows (written to its cache at ``length .. length + n``).
@@ -224,17 +246,11 @@ class LayeredOnnxLM:
         if n == 1:
             q, k, v = (np.concatenate([rows, rows]) for rows in (q, k, v))
         total = self._length + q.shape[0]
-        binding = self.model.attention.io_binding()
+        binding = self._bindings[layer]
         for name, rows in ((onnx_layers.Q, q), (onnx_layers.K, k), (onnx_layers.V, v)):
             binding.bind_cpu_input(name, rows[None])
-        binding.bind_cpu_input(onnx_layers.SEQLEN, np.array([total - 1], np.int32))
-        binding.bind_cpu_input(onnx_layers.TOTAL, np.array(total, np.int32))
-        keys, values = self._cache[layer]
-        binding.bind_ortvalue_input(onnx_layers.CACHE_KEY, keys)
-        binding.bind_ortvalue_input(onnx_layers.CACHE_VALUE, values)
-        binding.bind_output(onnx_layers.Y, "cpu")  # first: ``get_outputs`` lists them in binding order
-        binding.bind_ortvalue_output(f"{onnx_layers.CACHE_KEY}_out", keys)  # the same buffers: written in place
-        binding.bind_ortvalue_output(f"{onnx_layers.CACHE_VALUE}_out", values)
+        binding.bind_output(onnx_layers.Y, "cpu")  # again: a run leaves its output bound, shaped for its own rows
+        self._seqlen[0], self._total[()] = total - 1, total
         self.model.attention.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy().reshape(q.shape[0], -1)[:n]
 

@@ -36,6 +36,7 @@ LOSSLESS_PAIRS = (
     ("layerskip-w8a8", "ar-w8a8"),
     ("ngram-float-ort", "ar-float-ort"),
     ("exact-ngram", "ar-float"),  # exact mode's output is the float model's own
+    ("exact-ngram", "ngram-float"),  # the same, where a run times float n-gram verification only
     ("exact-ngram-ort", "ar-float-ort"),
     ("exact-ngram-ort-draft", "ar-float"),
 )

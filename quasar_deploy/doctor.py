@@ -55,10 +55,12 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
 
 def probes() -> dict:
     """What running the kernels once showed (``kernels``'s probes), and the float dtype chosen from it."""
+    from .backends import cpu_attention
     from .backends.onnxruntime import exact_int8_entries
     from .backends.registry import unavailable
 
     probe = float_probe()
+    attention = cpu_attention.load()
     chosen = os.environ.get(FLOAT_DTYPE_ENV)
     int8 = int8_probe()
     return {
@@ -67,6 +69,8 @@ def probes() -> dict:
         "int8_ms": {name: round(ms, 3) for name, ms in int8.ms.items()},
         "int8_kernel_why": int8.reason,
         "onnxruntime_int8_options": [f"{k}={v}" for k, v in exact_int8_entries()] if unavailable("onnxruntime") is None else None,
+        "layer_graph_attention": attention.description if attention else "ORT GroupQueryAttention",
+        "layer_graph_attention_why": None if attention else cpu_attention.why_not(),
         "float32_ms": round(probe.float32_ms, 3),
         "bfloat16_ms": round(probe.bfloat16_ms, 3),
         "bf16_row_invariant": probe.bf16_row_invariant,

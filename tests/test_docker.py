@@ -142,9 +142,16 @@ def test_the_entrypoint_is_the_server_and_its_command_parses(target, monkeypatch
     assert context.params["engine_name"] == ("vllm" if target in ("cuda", "npu") else "quasar")
 
 
+def final_stage(steps: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The instructions of the image's own stage (after its last FROM): a build stage before it leaves only what the
+    final stage copies from it."""
+    last = max(i for i, (name, _) in enumerate(steps) if name == "FROM")
+    return steps[last:]
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_dependencies_install_before_the_source_is_copied(target):
-    steps = instructions(DOCKERFILES[target])
+    steps = final_stage(instructions(DOCKERFILES[target]))
     source = next(i for i, (name, args) in enumerate(steps) if name == "COPY" and "quasar_deploy" in args.split()[0])
     readme = next(i for i, (name, args) in enumerate(steps) if name == "COPY" and "README.md" in args)
     runs = [(i, args) for i, (name, args) in enumerate(steps) if name == "RUN"]
@@ -244,7 +251,7 @@ def test_the_build_context_is_an_allow_list():
     assert next(line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")) == "*"
     for target in TARGETS:
         for name, args in instructions(DOCKERFILES[target]):
-            if name == "COPY":
+            if name == "COPY" and "--from=" not in args:  # a COPY --from takes a build stage's files, not the context's
                 for source in args.split()[:-1]:
                     files = [p.relative_to(ROOT).as_posix() for p in ROOT.glob(source)] or [source]
                     assert files and all(dockerignore_allows(f) for f in files if not f.endswith(".pyc")), (target, source)
@@ -400,3 +407,18 @@ def test_scripts_parse():
     assert subprocess.run(["bash", "-n", str(DOCKER / "smoke.sh")]).returncode == 0
     smoke = (DOCKER / "smoke.sh").read_text()
     assert all(target in smoke for target in TARGETS) and "/health" in smoke and "/v1/completions" in smoke
+
+
+def test_the_cpu_image_prebuilds_the_attention_kernel_as_the_package_would():
+    """The cpu image has no compiler: a build stage compiles each width of ``cpu_attention`` with the module's own flags,
+    and the image points ``$QUASAR_KERNELS`` at them."""
+    from quasar_deploy.backends import cpu_attention
+
+    steps = instructions(DOCKERFILES["cpu"])
+    builds = " ".join(args for name, args in steps[: len(steps) - len(final_stage(steps))] if name == "RUN")
+    for width, flags in cpu_attention.BUILDS.items():
+        command = f"cc -O3 -shared -fPIC -DW={width} {' '.join(flags)} -o /kernels/cpu_attention-{width}.so /src/cpu_attention.c -lm"
+        assert command in builds, command
+    final = final_stage(steps)
+    assert ("COPY", "--from=kernels /kernels /opt/quasar-deploy/kernels") in final
+    assert image_env("cpu")[cpu_attention.PREBUILT_ENV] == "/opt/quasar-deploy/kernels"

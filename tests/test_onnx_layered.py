@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("onnxruntime")
 
+from quasar_deploy.backends import cpu_attention  # noqa: E402
 from quasar_deploy.backends.onnx_layered import ROTARY_CHUNK, LayeredOnnxLM, RotaryTable  # noqa: E402
 from quasar_deploy.backends.onnxruntime import load_onnx  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
@@ -20,9 +21,18 @@ PROMPT = [3, 17, 52, 9, 300, 41, 41, 7]
 NEEDS = ("layer_skip",)
 
 
-@pytest.fixture(scope="module")
-def layered(tiny_artifact) -> LayeredOnnxLM:
-    return load_onnx(tiny_artifact.path, threads=1, needs=NEEDS)
+@pytest.fixture(scope="module", params=["kernel", "GroupQueryAttention"])
+def layered(request, tiny_artifact) -> LayeredOnnxLM:
+    """The layer graphs with each attention they may run: the C kernel (where this machine builds and runs it) and ORT's
+    GroupQueryAttention (where it does not)."""
+    if request.param == "kernel" and cpu_attention.load() is None:
+        pytest.skip(f"the C attention kernel does not run here: {cpu_attention.why_not()}")
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param != "kernel":
+            patch.setattr(cpu_attention, "load", lambda: None)
+        lm = load_onnx(tiny_artifact.path, threads=2, needs=NEEDS)
+    assert (lm.model.kernel is not None) == (request.param == "kernel")
+    return lm
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +112,8 @@ def test_an_int8_head_runs_as_a_graph_of_its_own_and_batches(tiny_int8_head_arti
 
 
 def test_a_rows_logits_do_not_depend_on_its_blocks_size(layered):
-    """A one-token decode and the same row in a verify block agree (one row is sent as two: ``_attend``), so speculative
-    greedy output is the verifier's own greedy decode."""
+    """A one-token decode and the same row in a verify block agree (the kernel by construction; GroupQueryAttention gets
+    one row sent as two: ``_attend``), so speculative greedy output is the verifier's own greedy decode."""
     block = [4, 17, 300, 9, 2, 41, 7, 8]
     lm = layered.new_sequence()
     lm.prefill(PROMPT)
@@ -150,7 +160,7 @@ def test_the_cache_grows_past_its_first_buffers_keeping_every_row(layered):
     for block in ([5, 6, 7, 8, 9, 10], [11] * 6, [12, 13]):  # across 256 positions: the grown one's first capacity
         assert torch.equal(grown.verify(block), roomy.verify(block))
     assert grown._capacity == roomy._capacity
-    held = sum(v.numpy().nbytes for pair in grown._cache for v in pair)
+    held = sum(v.nbytes if isinstance(v, np.ndarray) else v.numpy().nbytes for pair in grown._cache for v in pair)
     assert held <= grown.kv_cache_bytes(grown.length)
 
 

@@ -7,8 +7,12 @@ What the whole-graph export (``backends/onnxruntime``) cannot do, this does:
   values do not depend on its neighbours (see the exporter's docstring), so a request's output is the same alone and in
   a batch: this is a ``BatchVerifyingLM``, and ``serve`` batches on it.
 - **Layers skipped** (``verify_skipping``, the layerskip drafter): a skipped layer's graphs are simply not run.
-- **Rollback without copies.** Each sequence's keys and values live in preallocated buffers that
-  ``GroupQueryAttention`` writes in place; truncating moves a length (the whole graph slices its cache values instead).
+- **Rollback without copies.** Each sequence's keys and values live in preallocated buffers that attention writes in
+  place; truncating moves a length (the whole graph slices its cache values instead).
+
+Attention runs in ``cpu_attention``'s C kernel where this CPU runs it (every sequence of a step in one call per layer),
+else in ORT's ``GroupQueryAttention``, one call per sequence and layer. Both keep a row's result independent of its
+company; they round differently from each other, so a process uses one of them throughout.
 
 The graphs are built from the artifact at load, a layer at a time, in memory: nothing is exported to disk. The float
 lm_head runs beside them on torch, as ``load_head`` does for an export (bf16 where the CPU computes it); an int8 head
@@ -18,6 +22,7 @@ lm_head runs beside them on torch, as ``load_head`` does for an export (bf16 whe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -31,6 +36,7 @@ from ..kernels import dtype_name
 from ..memory import EMBEDDINGS, kv_cache_bytes, return_freed_memory
 from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, as_stored, load_linear, rotary, round_up, tensor_loader
 from ..speculative.causal_lm import split_batch
+from . import cpu_attention
 from .onnxruntime import head_beside, session_options
 
 ROTARY_CHUNK = 1024  # rotary tables are made for fixed chunks of positions, so a position's cos/sin are always the same bits
@@ -98,7 +104,13 @@ class LayeredModel:
             self.outputs.append(session(onnx_layers.layer_output(spec, layer, i)))
             del layer
             return_freed_memory()
-        self.attention = session(onnx_layers.attention(spec))
+        kernel = cpu_attention.load()
+        if kernel is not None and not cpu_attention.supports(spec.num_heads, spec.num_kv_heads, spec.head_dim, kernel.width):
+            kernel = None
+        # attention: the C kernel (threads share a step's sequences and heads), else ORT's GroupQueryAttention per sequence
+        self.kernel = kernel
+        self.pool = ThreadPoolExecutor(self.threads - 1, "quasar-attention") if kernel and self.threads > 1 else None
+        self.attention = session(onnx_layers.attention(spec)) if kernel is None else None
         self.final_norm = session(onnx_layers.final_norm(spec, RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)))
         self.table = as_stored(source, EMBEDDINGS, torch.float32)
         if int8_head:
@@ -109,7 +121,11 @@ class LayeredModel:
             self.int8_head, self.float_head = None, head_beside(weight, load(f"{HEAD}.bias", False))
             head = f"{dtype_name(self.float_head.dtype)} lm_head on torch"
         self.rotary = RotaryTable(rope_inv_freq(spec).float())
-        self.description = f"onnxruntime cpu (W8A8 integer layer graphs, rows of all sequences batched, {head}), {self.threads} threads"
+        attention = kernel.description if kernel else "ORT GroupQueryAttention"
+        self.description = (
+            f"onnxruntime cpu (W8A8 integer layer graphs, rows of all sequences batched, {head}, attention: {attention}), "
+            f"{self.threads} threads"
+        )
 
     def head(self, hidden: np.ndarray) -> torch.Tensor:
         if self.int8_head is not None:
@@ -128,7 +144,9 @@ class LayeredOnnxLM:
         self.description = model.description
         self._length = 0
         self._capacity = 0
-        self._cache: list[tuple] = []  # per layer: (keys, values) OrtValues [1, kv_heads, capacity, head_dim]
+        # per layer (keys, values): numpy arrays in the C kernel's layout (``cpu_attention.new_cache``), else OrtValues
+        # [1, kv_heads, capacity, head_dim] for GroupQueryAttention
+        self._cache: list[tuple] = []
         self._bindings: list = []  # per layer: the attention call's binding, its cache and lengths bound once (``_bind``)
         # the attention call's seqlens_k and total_sequence_length, set in place before each call: OrtValues over them
         # are bound once per layer
@@ -198,12 +216,20 @@ class LayeredOnnxLM:
         end = self._length + extra
         if end > self.max_length:
             raise QuasarError(f"sequence of {end} tokens exceeds the context window ({self.max_length})")
-        end += extra == 1  # the copy a one-row block is sent with (``_attend``)
+        kernel = self.model.kernel is not None
+        end += extra == 1 and not kernel  # the copy a one-row block is sent with to GroupQueryAttention (``_attend``)
         if end <= self._capacity:
+            return
+        capacity = max(2 * self._capacity, round_up(end, KEY_CHUNK))
+        if kernel:
+            spec = self.spec
+            grown = [cpu_attention.new_cache(spec.num_kv_heads, capacity, spec.head_dim) for _ in range(spec.num_layers)]
+            for old, new in zip(self._cache, grown):
+                cpu_attention.copy_cache(old, new, self._length)
+            self._cache, self._capacity = grown, capacity
             return
         from onnxruntime import OrtValue
 
-        capacity = max(2 * self._capacity, round_up(end, KEY_CHUNK))
         shape = (1, self.spec.num_kv_heads, capacity, self.spec.head_dim)
         grown = []
         for i in range(self.spec.num_layers):
@@ -274,14 +300,24 @@ class LayeredOnnxLM:
         ids = torch.as_tensor([token for block in blocks for token in block], dtype=torch.long)
         x = model.table[ids].float().numpy()
         ends = np.cumsum(sizes).tolist()
+        step = None
+        if model.kernel is not None:
+            spec = self.spec
+            step = cpu_attention.StepAttention(
+                model.kernel, model.pool, model.threads, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                [sequence._cache for sequence in sequences], [sequence.length for sequence in sequences], sizes,
+            )  # fmt: skip
         for i in range(self.spec.num_layers):
             if i in skip_layers:
                 continue
             q, k, v = model.inputs[i].run(None, {onnx_layers.X: x, onnx_layers.COS: cos, onnx_layers.SIN: sin})
-            context = np.empty((len(x), q.shape[1]), np.float32)
-            for sequence, n, end in zip(sequences, sizes, ends):
-                rows = slice(end - n, end)
-                context[rows] = sequence._attend(i, q[rows], k[rows], v[rows])
+            if step is not None:
+                context = step(i, q, k, v)
+            else:
+                context = np.empty((len(x), q.shape[1]), np.float32)
+                for sequence, n, end in zip(sequences, sizes, ends):
+                    rows = slice(end - n, end)
+                    context[rows] = sequence._attend(i, q[rows], k[rows], v[rows])
             x = model.outputs[i].run(None, {onnx_layers.X: x, onnx_layers.CTX: context})[0]
         for sequence, n in zip(sequences, sizes):
             sequence._length += n

@@ -42,6 +42,9 @@ def doctor(path, as_json, exact, exact_source):
     ort_text = "not installed" if ort is None else ", ".join(ort) or "exact without options"
     onednn = "exact" if probes["onednn_int8_exact"] else "not exact"
     click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; onnxruntime {ort_text}")
+    why = probes["layer_graph_attention_why"]
+    how = f": {why}" if why else ", chosen by running it"
+    click.echo(f"attention      {probes['layer_graph_attention']} (onnxruntime's layer graphs{how})")
     gpu = info["gpu"]
     if "gpu" in gpu:
         cores = "int8 tensor cores usable" if gpu["int8_tensor_cores"] else "no int8 tensor cores"

@@ -1,0 +1,285 @@
+/* Causal attention of new rows over each sequence's own cache, for ONNX Runtime's layer graphs on the CPU
+ * (quasar_deploy/backends/cpu_attention.py builds and probes this file; onnx_layered.py calls it).
+ *
+ * Why its own kernel: ORT's GroupQueryAttention multiplies head by head through a general GEMM that packs the whole
+ * cache for every query head of every call, so at verify sizes (6 rows over a few hundred positions) a call costs
+ * about as much as reading the cache ten times. Here the rows of one kv head's group share every load of its keys
+ * and values, and one call serves every sequence of a step.
+ *
+ * Every value of a row depends on that row's query, its position and the cache below it, and on nothing else: each
+ * score is one chain of fused multiply-adds over the head dimension in order; the softmax's sum and the weighted sum
+ * of values run over the row's keys in order, lane by lane, and keys past the row's length enter as exact zeros. So a
+ * row gives the same bits alone, in a block of any size, beside any other sequences and on any thread.
+ *
+ * Layout, per sequence and layer: keys [kv_heads][capacity / TILE][dim][TILE] (a score step reads W keys' d-th
+ * components as one vector, and a tile is contiguous), values [kv_heads][capacity][dim]; capacity a multiple of TILE.
+ * Built with W = 16 (AVX-512) or W = 8 (AVX2), whichever runs on the CPU (the caller probes by running it).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef W
+#error "W (floats per vector) must be defined"
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+#define TILE 16
+/* Register blocking, sized to the vector registers (32 with AVX-512, 16 with AVX2): the scores of up to ROWS rows
+ * (12: 6 verify rows of a group of 2 query heads) take ROWS x KEYS accumulators, a pass over the values PV_ROWS x 4. */
+#if W == 16
+#define KEYS 2
+#define PV_ROWS 6
+#else
+#define KEYS 1
+#define PV_ROWS 2
+#endif
+#define ROWS 12
+#define FEW 4 /* at most this many rows (a decode step's group) take a narrower pass: no work on spare rows */
+#define INLINE static inline __attribute__((always_inline))
+
+static inline vf load(const float *p) { return *(const vfu *)p; }
+static inline void store(float *p, vf x) { *(vfu *)p = x; }
+static inline vf splat(float x) { return __builtin_shuffle((vf){x}, (vi){0}); }
+
+static inline vf pick(vi mask, vf a, vf b) { /* mask ? a : b, lane by lane: C has no vector conditional */
+    vi ia, ib, r;
+    vf out;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    r = (mask & ia) | (~mask & ib);
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* exp for x <= 0 (scores less their maximum): Cephes' expf, a reduction by ln 2 and a degree-5 polynomial; 0 below
+ * -87.3. */
+static inline vf vexp(vf x) {
+    const vf lo = splat(-87.33654f);
+    vi small = x < lo;
+    x = pick(small, lo, x);
+    vf t = x * 1.44269504088896341f + 0.5f;
+    vf fn = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+    fn = pick(fn > t, fn - 1.0f, fn); /* floor */
+    vi n = __builtin_convertvector(fn, vi);
+    vf r = x - fn * 0.693359375f;
+    r = r - fn * -2.12194440e-4f;
+    vf p = splat(1.9875691500E-4f);
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * (r * r) + r + 1.0f;
+    vi bits = (n + 127) << 23;
+    vf scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return pick(small, splat(0.0f), p * scale);
+}
+
+static inline float hsum(vf x) { /* lanes in order */
+    float s = 0.0f;
+    for (int i = 0; i < W; i++) s += x[i];
+    return s;
+}
+
+static inline float hmax(vf x) {
+    float m = x[0];
+    for (int i = 1; i < W; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static inline float *key_at(float *keys, int position, int d, int dim) {
+    return keys + ((size_t)(position / TILE) * dim + d) * TILE + position % TILE;
+}
+
+/* The scores of R rows (R a constant where inlined; rows <= R of them stored) for keys [j * W, (j + count) * W), count
+ * <= KEYS, into scratch (row i at i * stride). */
+INLINE void scores(int R, int rows, const float *const *q, float *keys, int j, int count, int dim, float scale,
+                   float *scratch, int stride) {
+    vf acc[ROWS][KEYS];
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < KEYS; c++) acc[i][c] = (vf){0};
+    for (int d = 0; d < dim; d++) {
+        vf k[KEYS];
+        for (int c = 0; c < KEYS; c++) k[c] = c < count ? load(key_at(keys, (j + c) * W, d, dim)) : (vf){0};
+        for (int i = 0; i < R; i++) {
+            vf qd = splat(q[i][d]);
+            for (int c = 0; c < KEYS; c++) acc[i][c] += qd * k[c];
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < count; c++) store(scratch + (size_t)i * stride + (size_t)(j + c) * W, acc[i][c] * scale);
+}
+
+/* out_i[c .. c + V * W) = inv_i * sum over t < last of weights_i[t] V[t][c ..], for R rows (R and V constants where
+ * inlined; rows <= R of them stored). Past a row's own length its weights are exact zeros. */
+INLINE void weigh_chunk(int R, int V, int rows, const float *const *p, int last, float *const *out, const float *values,
+                        int dim, int c, const float *inv) {
+    vf acc[PV_ROWS][4];
+    for (int i = 0; i < R; i++)
+        for (int e = 0; e < V; e++) acc[i][e] = (vf){0};
+    const float *v = values + c;
+    for (int t = 0; t < last; t++, v += dim) {
+        vf vv[4];
+        for (int e = 0; e < V; e++) vv[e] = load(v + e * W);
+        for (int i = 0; i < R; i++) {
+            vf pt = splat(p[i][t]);
+            for (int e = 0; e < V; e++) acc[i][e] += pt * vv[e];
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int e = 0; e < V; e++) store(out[i] + c + e * W, acc[i][e] * inv[i]);
+}
+
+/* out_i = inv_i * sum over t < len_i of weights_i[t] V[t], for R rows (a constant where inlined; rows <= R stored). */
+INLINE void weigh_values(int R, int rows, const float *weights, int stride, const int *len, float *const *out,
+                         const float *values, int dim, const float *inv) {
+    const float *p[PV_ROWS];
+    int last = 0;
+    for (int i = 0; i < R; i++) {
+        int row = i < rows ? i : rows - 1;
+        p[i] = weights + (size_t)row * stride;
+        last = len[row] > last ? len[row] : last;
+    }
+    int c = 0;
+    for (; c + 4 * W <= dim; c += 4 * W) weigh_chunk(R, 4, rows, p, last, out, values, dim, c, inv);
+    switch ((dim - c) / W) {
+    case 3: weigh_chunk(R, 3, rows, p, last, out, values, dim, c, inv); break;
+    case 2: weigh_chunk(R, 2, rows, p, last, out, values, dim, c, inv); break;
+    case 1: weigh_chunk(R, 1, rows, p, last, out, values, dim, c, inv); break;
+    }
+}
+
+/* Up to ROWS query rows over one kv head: out_i = softmax(scale * q_i . K[:len_i]) V[:len_i]. */
+static void attend_rows(int rows, const float *const *q, const int *len, float *const *out, float *keys,
+                        const float *values, int dim, float scale, float *scratch) {
+    int longest = 0;
+    for (int i = 0; i < rows; i++) longest = len[i] > longest ? len[i] : longest;
+    int blocks = (longest + W - 1) / W, stride = blocks * W;
+    const float *qq[ROWS];
+    for (int i = 0; i < ROWS; i++) qq[i] = q[i < rows ? i : rows - 1]; /* spare rows repeat the last, unstored */
+    int j = 0;
+    if (rows <= FEW) {
+        for (; j + KEYS <= blocks; j += KEYS) scores(FEW, rows, qq, keys, j, KEYS, dim, scale, scratch, stride);
+        if (j < blocks) scores(FEW, rows, qq, keys, j, blocks - j, dim, scale, scratch, stride);
+    } else {
+        for (; j + KEYS <= blocks; j += KEYS) scores(ROWS, rows, qq, keys, j, KEYS, dim, scale, scratch, stride);
+        if (j < blocks) scores(ROWS, rows, qq, keys, j, blocks - j, dim, scale, scratch, stride);
+    }
+    float inv[ROWS];
+    for (int i = 0; i < rows; i++) {
+        float *s = scratch + (size_t)i * stride;
+        for (int t = len[i]; t < stride; t++) s[t] = -3.0e38f;
+        vf m = load(s);
+        for (int b = 1; b < blocks; b++) m = pick(load(s + b * W) > m, load(s + b * W), m);
+        vf top = splat(hmax(m)), total = {0};
+        for (int b = 0; b < blocks; b++) {
+            vf e = vexp(load(s + b * W) - top);
+            store(s + b * W, e);
+            total += e;
+        }
+        inv[i] = 1.0f / hsum(total);
+    }
+    for (int i0 = 0; i0 < rows;) {
+        if (rows - i0 <= 2) {
+            weigh_values(2, rows - i0, scratch + (size_t)i0 * stride, stride, len + i0, out + i0, values, dim, inv + i0);
+            i0 = rows;
+        } else {
+            int here = rows - i0 < PV_ROWS ? rows - i0 : PV_ROWS;
+            weigh_values(PV_ROWS, here, scratch + (size_t)i0 * stride, stride, len + i0, out + i0, values, dim, inv + i0);
+            i0 += here;
+        }
+    }
+}
+
+/* Items [begin, end) of the (sequence, kv head) pairs, sequence-major. For each: write the sequence's new rows' keys
+ * and values for that head into its cache at past .. past + count - 1, then attend each of its rows for each query
+ * head of the group. q and out: [rows][heads * dim]; k and v: [rows][kv_heads * dim]; a sequence's rows are
+ * row_start .. row_start + count - 1. scratch: ROWS * round_up(longest length, W) floats. */
+void quasar_attend(int begin, int end, const float *q, const float *k, const float *v, float *out,
+                   const int64_t *key_caches, const int64_t *value_caches, const int32_t *capacities,
+                   const int32_t *pasts, const int32_t *row_start, const int32_t *row_count, int heads, int kv_heads,
+                   int dim, float scale, float *scratch) {
+    int group = heads / kv_heads;
+    for (int item = begin; item < end; item++) {
+        int s = item / kv_heads, h = item % kv_heads;
+        int capacity = capacities[s], past = pasts[s], r0 = row_start[s], n = row_count[s];
+        float *keys = (float *)(intptr_t)key_caches[s] + (size_t)h * dim * capacity;
+        float *values = (float *)(intptr_t)value_caches[s] + (size_t)h * capacity * dim;
+        for (int r = 0; r < n; r++) {
+            const float *kr = k + (size_t)(r0 + r) * kv_heads * dim + (size_t)h * dim;
+            for (int d = 0; d < dim; d++) *key_at(keys, past + r, d, dim) = kr[d];
+            memcpy(values + (size_t)(past + r) * dim, v + (size_t)(r0 + r) * kv_heads * dim + (size_t)h * dim,
+                   dim * sizeof(float));
+        }
+        for (int i0 = 0; i0 < n * group; i0 += ROWS) { /* rows in order, each with its group's heads */
+            int rows = n * group - i0 < ROWS ? n * group - i0 : ROWS;
+            const float *qs[ROWS];
+            float *outs[ROWS];
+            int lens[ROWS];
+            for (int i = 0; i < rows; i++) {
+                int r = (i0 + i) / group;
+                size_t at = (size_t)(r0 + r) * heads * dim + (size_t)(h * group + (i0 + i) % group) * dim;
+                qs[i] = q + at;
+                outs[i] = out + at;
+                lens[i] = past + r + 1;
+            }
+            attend_rows(rows, qs, lens, outs, keys, values, dim, scale, scratch);
+        }
+    }
+}
+
+int quasar_width(void) { return W; }
+
+/* Rows of scratch a call needs, each as long as its longest row's keys rounded up to a vector. */
+int quasar_scratch_rows(void) { return ROWS; }
+
+/* Runs the kernel on a small case against a plain double-precision reference: 0 when they agree. Called in a child
+ * process, so a CPU without this build's instructions fails the probe instead of the caller. */
+int quasar_probe(void) {
+    enum { HEADS = 4, KV = 2, DIM = 2 * W + W, CAP = 64, PAST = 21, N = 3 };
+    static float keys[KV * CAP * DIM], values[KV * CAP * DIM], q[N * HEADS * DIM], k[N * KV * DIM], v[N * KV * DIM];
+    static float out[N * HEADS * DIM], scratch[ROWS * CAP];
+    unsigned state = 12345;
+    float kp[KV][CAP][DIM];
+#define NEXT() ((state = state * 1103515245u + 12345u) >> 9) * (1.0f / 8388608.0f) - 1.0f
+    for (int h = 0; h < KV; h++)
+        for (int t = 0; t < PAST; t++)
+            for (int d = 0; d < DIM; d++) {
+                kp[h][t][d] = NEXT();
+                *key_at(keys + (size_t)h * DIM * CAP, t, d, DIM) = kp[h][t][d];
+                values[((size_t)h * CAP + t) * DIM + d] = NEXT();
+            }
+    for (int i = 0; i < N * HEADS * DIM; i++) q[i] = NEXT();
+    for (int i = 0; i < N * KV * DIM; i++) {
+        k[i] = NEXT();
+        v[i] = NEXT();
+    }
+    int64_t kc = (int64_t)(intptr_t)keys, vc = (int64_t)(intptr_t)values;
+    int32_t cap = CAP, past = PAST, start = 0, count = N;
+    float scale = 0.125f;
+    quasar_attend(0, KV, q, k, v, out, &kc, &vc, &cap, &past, &start, &count, HEADS, KV, DIM, scale, scratch);
+    for (int r = 0; r < N; r++)
+        for (int hq = 0; hq < HEADS; hq++) {
+            int h = hq / (HEADS / KV), len = PAST + r + 1;
+            double s[CAP], top = -1e300, total = 0;
+            for (int t = 0; t < len; t++) {
+                const float *kt = t < PAST ? kp[h][t] : k + (size_t)(t - PAST) * KV * DIM + h * DIM;
+                s[t] = 0;
+                for (int d = 0; d < DIM; d++) s[t] += (double)q[(r * HEADS + hq) * DIM + d] * kt[d];
+                s[t] *= scale;
+                top = s[t] > top ? s[t] : top;
+            }
+            for (int t = 0; t < len; t++) total += (s[t] = exp(s[t] - top));
+            for (int d = 0; d < DIM; d++) {
+                double o = 0;
+                for (int t = 0; t < len; t++)
+                    o += s[t] * (t < PAST ? values[((size_t)h * CAP + t) * DIM + d] : v[(t - PAST) * KV * DIM + h * DIM + d]);
+                if (fabs(o / total - out[(r * HEADS + hq) * DIM + d]) > 1e-5) return 1;
+            }
+        }
+    return 0;
+}

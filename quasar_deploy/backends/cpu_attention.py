@@ -1,0 +1,220 @@
+"""Attention for ONNX Runtime's layer graphs on the CPU: ``cpu_attention.c``, compiled here on first use and probed.
+
+ORT's ``GroupQueryAttention`` costs a layer-graph step more than its arithmetic: it runs one call per sequence, and
+each call multiplies head by head through a general GEMM that packs the sequence's whole cache for every query head. At
+verify sizes that is most of a call's time, and a call per sequence and layer is most of what an extra sequence costs a
+serving step (docs/serving.md). The C kernel attends every sequence of a step in one call per layer, its rows sharing
+each load of keys and values, with each row's result the same bits in any company (the file's header says why).
+
+It is built with the system's C compiler (``$CC``, else ``cc``) into the cache directory, once per source and vector
+width (or found prebuilt in ``$QUASAR_KERNELS``, as the CPU image has it), and chosen by running it: a child process
+runs each build's self-check (``quasar_probe``), and the widest that passes is used, AVX-512 (16 floats) before AVX2
+(8). Flags are not asked: a CPU may list instructions it cannot run. Without a compiler, or where no build passes, the
+layer graphs keep ORT's ``GroupQueryAttention`` (``why_not`` says why; ``doctor`` prints it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+TILE = 16  # keys are stored in tiles of this many positions: [kv_heads][capacity / TILE][head_dim][TILE]
+# a thread's share of a step's attention is at least this much work (new rows x positions, summed over kv heads): handing
+# a share to another thread costs about as much as one sequence's 6 rows over 150 positions (16 kv heads) take to attend
+MIN_SHARE = 20_000
+BUILDS = {16: ["-mavx512f", "-mfma"], 8: ["-mavx2", "-mfma"]}  # floats per vector: the flags that build it
+PREBUILT_ENV = "QUASAR_KERNELS"  # a directory of prebuilt cpu_attention-<width>.so, used before compiling
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A built and probed ``cpu_attention.c``: its library and vector width."""
+
+    library: ctypes.CDLL
+    width: int
+    path: Path
+
+    @property
+    def description(self) -> str:
+        return f"quasar C kernel, {self.width} floats per vector ({'AVX-512' if self.width == 16 else 'AVX2'})"
+
+
+def load() -> Kernel | None:
+    """The kernel this CPU runs, or None (``why_not`` then says why)."""
+    kernel, _ = _probe()
+    return kernel
+
+
+def why_not() -> str | None:
+    """Why the layer graphs attend with ORT's ``GroupQueryAttention`` here; None where the kernel runs."""
+    return _probe()[1]
+
+
+@functools.cache
+def _probe() -> tuple[Kernel | None, str | None]:
+    reasons = []
+    for width in BUILDS:
+        kernel, reason = probe(width)
+        if kernel is not None:
+            return kernel, None
+        reasons.append(reason)
+    return None, "; ".join(reasons)
+
+
+def probe(width: int) -> tuple[Kernel | None, str | None]:
+    """The ``width``-wide build, built if need be and run once in a child process (its self-check); or None and why."""
+    try:
+        path = _build(width, BUILDS[width])
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"{width}-wide build: {_first_line(error)}"
+    check = subprocess.run(
+        [sys.executable, "-c", f"import ctypes, sys; sys.exit(ctypes.CDLL({str(path)!r}).quasar_probe())"],
+        capture_output=True,
+        timeout=60,
+    )
+    if check.returncode != 0:
+        return None, f"{width}-wide build failed its self-check (exit {check.returncode})"
+    return Kernel(_open(path), width, path), None
+
+
+def _first_line(error: Exception) -> str:
+    text = getattr(error, "stderr", None) or str(error)
+    text = text.decode(errors="replace") if isinstance(text, bytes) else text
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def _build(width: int, flags: list[str]) -> Path:
+    """The shared library for ``width``: prebuilt in ``$QUASAR_KERNELS`` (the CPU image builds it in a stage of its
+    own, and has no compiler), else compiled once per source into the cache (atomically: a rename)."""
+    from ..cache import cache_dir
+
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt and (Path(prebuilt) / f"cpu_attention-{width}.so").is_file():
+        return Path(prebuilt) / f"cpu_attention-{width}.so"
+    compiler = os.environ.get("CC") or "cc"
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + repr((compiler, flags)).encode()).hexdigest()[:16]
+    directory = cache_dir() / "kernels"
+    path = directory / f"cpu_attention-{width}-{digest}.so"
+    if path.exists():
+        return path
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C compiler ({compiler}) on PATH")
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
+    os.close(handle)
+    try:
+        command = [compiler, "-O3", "-shared", "-fPIC", f"-DW={width}", *flags, "-o", partial, str(SOURCE), "-lm"]
+        subprocess.run(command, check=True, capture_output=True, timeout=300)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return path
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    library.quasar_attend.argtypes = [integer, integer, *[pointer] * 10, integer, integer, integer, ctypes.c_float, pointer]
+    library.quasar_attend.restype = None
+    return library
+
+
+class StepAttention:
+    """One step's attention over several sequences, layer after layer: what stays for the step (cache pointers,
+    lengths, row ranges, each thread's share of the work) is made once, and each layer is one kernel call per thread.
+
+    ``caches[s]`` is sequence s's per-layer (keys, values) arrays in the kernel's layout, ``pasts[s]`` its length
+    before the step and ``sizes[s]`` its new rows (stacked in order). Work is split by (sequence, kv head) pairs in
+    contiguous shares of about equal cost (rows x length), as many as ``threads`` and each at least ``MIN_SHARE``; a
+    pair's result does not depend on the thread that runs it."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        pool: ThreadPoolExecutor | None,
+        threads: int,
+        heads: int,
+        kv_heads: int,
+        dim: int,
+        caches: list[list[tuple[np.ndarray, np.ndarray]]],
+        pasts: list[int],
+        sizes: list[int],
+    ):
+        self.kernel, self.pool, self.heads, self.kv_heads, self.dim = kernel, pool, heads, kv_heads, dim
+        self.scale = float(dim**-0.5)
+        layers = len(caches[0])
+        self.keys = np.array([[seq[i][0].ctypes.data for seq in caches] for i in range(layers)], np.int64)
+        self.values = np.array([[seq[i][1].ctypes.data for seq in caches] for i in range(layers)], np.int64)
+        self.capacities = np.array([seq[0][1].shape[1] for seq in caches], np.int32)
+        self.pasts = np.array(pasts, np.int32)
+        self.counts = np.array(sizes, np.int32)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
+        longest = max(p + n for p, n in zip(pasts, sizes))
+        cost = np.repeat([n * (p + n) for p, n in zip(pasts, sizes)], kv_heads).astype(np.float64)
+        shares = max(1, min(threads, int(cost.sum() // MIN_SHARE)))
+        bounds = np.searchsorted(np.cumsum(cost), np.arange(1, shares) * cost.sum() / shares, side="right")
+        edges = [0, *sorted(set(int(b) for b in bounds)), len(cost)]
+        self.shares = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+        rows = kernel.library.quasar_scratch_rows()
+        self.scratch = [np.empty(rows * (longest + TILE), np.float32) for _ in self.shares]
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """q [rows, heads * dim], k and v [rows, kv_heads * dim] of every sequence's new rows at ``layer`` (written to
+        the caches); their attention's output, [rows, heads * dim]."""
+        q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
+        out = np.empty_like(q)
+        args = (
+            q.ctypes.data,
+            k.ctypes.data,
+            v.ctypes.data,
+            out.ctypes.data,
+            self.keys[layer].ctypes.data,
+            self.values[layer].ctypes.data,
+            self.capacities.ctypes.data,
+            self.pasts.ctypes.data,
+            self.starts.ctypes.data,
+            self.counts.ctypes.data,
+            self.heads,
+            self.kv_heads,
+            self.dim,
+            self.scale,
+        )
+        attend = self.kernel.library.quasar_attend
+        # ctypes lets go of the GIL for the call: the shares run side by side
+        pending = [self.pool.submit(attend, a, b, *args, self.scratch[t].ctypes.data) for t, (a, b) in enumerate(self.shares[1:], start=1)]
+        a, b = self.shares[0]
+        attend(a, b, *args, self.scratch[0].ctypes.data)
+        for future in pending:
+            future.result()
+        return out
+
+
+def supports(heads: int, kv_heads: int, dim: int, width: int) -> bool:
+    """Whether the kernel takes this attention shape: whole groups, and a head dimension of whole vectors."""
+    return heads % kv_heads == 0 and dim % width == 0
+
+
+def new_cache(kv_heads: int, capacity: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Zeroed keys and values of one layer of one sequence, in the kernel's layout (capacity a multiple of TILE)."""
+    return np.zeros((kv_heads, capacity // TILE, dim, TILE), np.float32), np.zeros((kv_heads, capacity, dim), np.float32)
+
+
+def copy_cache(source: tuple[np.ndarray, np.ndarray], target: tuple[np.ndarray, np.ndarray], length: int) -> None:
+    """Positions ``0 .. length`` of one layer into a larger buffer pair (tiles are position-major: whole tiles copy)."""
+    tiles = -(-length // TILE)
+    target[0][:, :tiles] = source[0][:, :tiles]
+    target[1][:, :length] = source[1][:, :length]

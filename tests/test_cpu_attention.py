@@ -1,0 +1,166 @@
+"""The C attention kernel of the layer graphs (``backends/cpu_attention``): its values, the independence of a row's bits
+from its company, and the choice of build by probe."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from quasar_deploy.backends import cpu_attention
+from quasar_deploy.backends.cpu_attention import BUILDS, StepAttention, new_cache
+
+HEADS, KV, LAYERS = 4, 2, 2
+PASTS, SIZES = [0, 37, 150], [5, 1, 8]  # a prompt, a one-token decode, a verify block
+
+
+def runnable_widths() -> list[int]:
+    return [width for width in BUILDS if cpu_attention.probe(width)[0] is not None]
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernel(request) -> cpu_attention.Kernel:
+    built, reason = cpu_attention.probe(request.param)
+    if built is None:
+        if request.param == 8 and cpu_attention.load() is not None:
+            pytest.fail(f"a wider build runs here but the 8-wide one does not: {reason}")
+        pytest.skip(f"the {request.param}-wide build does not run on this CPU: {reason}")
+    return built
+
+
+def case(dim: int, seed: int = 0):
+    """Caches holding random past keys and values, and the new rows of each sequence, at every layer."""
+    rng = np.random.default_rng(seed)
+    caches, history = [], []
+    for past in PASTS:
+        layers, kept = [], []
+        for _ in range(LAYERS):
+            keys, values = new_cache(KV, 256, dim)
+            k, v = rng.standard_normal((2, KV, past, dim)).astype(np.float32)
+            for t in range(past):
+                keys[:, t // 16, :, t % 16] = k[:, t]
+            values[:, :past] = v
+            layers.append((keys, values))
+            kept.append((k, v))
+        caches.append(layers)
+        history.append(kept)
+    rows = sum(SIZES)
+    new = [rng.standard_normal((rows, width)).astype(np.float32) for width in (HEADS * dim, KV * dim, KV * dim)]
+    return caches, history, new
+
+
+def reference(history, new, layer: int, dim: int) -> np.ndarray:
+    """Causal attention in float64, sequence by sequence."""
+    q, k, v = (a.astype(np.float64) for a in new)
+    out, start = np.zeros_like(q), 0
+    for past, n, kept in zip(PASTS, SIZES, history):
+        rows = slice(start, start + n)
+        keys = np.concatenate([kept[layer][0], k[rows].reshape(n, KV, dim).transpose(1, 0, 2)], axis=1)
+        values = np.concatenate([kept[layer][1], v[rows].reshape(n, KV, dim).transpose(1, 0, 2)], axis=1)
+        for head in range(HEADS):
+            group = head // (HEADS // KV)
+            for r in range(n):
+                scores = keys[group, : past + r + 1] @ q[start + r, head * dim : (head + 1) * dim] / np.sqrt(dim)
+                weights = np.exp(scores - scores.max())
+                out[start + r, head * dim : (head + 1) * dim] = weights @ values[group, : past + r + 1] / weights.sum()
+        start += n
+    return out
+
+
+def attend(kernel, caches, pasts, sizes, new, layer=0, threads=1):
+    pool = cpu_attention.ThreadPoolExecutor(threads - 1) if threads > 1 else None
+    dim = new[0].shape[1] // HEADS
+    return StepAttention(kernel, pool, threads, HEADS, KV, dim, caches, pasts, sizes)(layer, *new)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_it_computes_causal_attention_over_each_sequences_cache(kernel, dim):
+    if dim % kernel.width:
+        pytest.skip("not a whole number of vectors")
+    caches, history, new = case(dim)
+    for layer in range(LAYERS):
+        got = attend(kernel, caches, PASTS, SIZES, new, layer, threads=2)
+        np.testing.assert_allclose(got, reference(history, new, layer, dim), rtol=0, atol=2e-6)
+
+
+def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_the_threads(kernel, monkeypatch):
+    """Each sequence alone, its rows one at a time (decode steps), and all of them together on two threads whatever the
+    split: the same bits for every row, which is what keeps a served request's output its output alone."""
+    dim = 64
+    monkeypatch.setattr(cpu_attention, "MIN_SHARE", 1)  # split the small case over the threads too
+    caches, _, new = case(dim)
+    together = attend(kernel, caches, PASTS, SIZES, new, threads=2)
+    start = 0
+    for s, (past, n) in enumerate(zip(PASTS, SIZES)):
+        rows = slice(start, start + n)
+        fresh, _, _ = case(dim)
+        alone = attend(kernel, [fresh[s]], [past], [n], [a[rows] for a in new])
+        assert np.array_equal(alone, together[rows])
+        fresh, _, _ = case(dim)
+        for r in range(n):  # one row a step, its keys written as it goes
+            row = slice(start + r, start + r + 1)
+            decoded = attend(kernel, [fresh[s]], [past + r], [1], [a[row] for a in new], threads=2)
+            assert np.array_equal(decoded[0], together[start + r])
+        start += n
+
+
+def test_the_widest_build_that_passes_its_probe_is_chosen(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
+    real_run = subprocess.run
+    failing: set[int] = set()
+
+    def run(command, **kwargs):
+        if command[0] != "cc" and "quasar_probe" in command[-1]:  # the child that runs a build's self-check
+            width = int(command[-1].split("cpu_attention-")[1].split("-")[0])
+            if width in failing:
+                return subprocess.CompletedProcess(command, -4)  # as a SIGILL would end it
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(cpu_attention.subprocess, "run", run)
+    outcomes = {}
+    for failing_now in (set(), {16}, {16, 8}):
+        failing.clear()
+        failing.update(failing_now)
+        cpu_attention._probe.cache_clear()
+        kernel = cpu_attention.load()
+        outcomes[frozenset(failing_now)] = (kernel.width if kernel else None, cpu_attention.why_not())
+    cpu_attention._probe.cache_clear()
+    runs_here = runnable_widths()
+    if runs_here:
+        assert outcomes[frozenset()] == (runs_here[0], None)
+    if 8 in runs_here:
+        assert outcomes[frozenset({16})] == (8, None)
+    width, why = outcomes[frozenset({16, 8})]
+    assert width is None and "16-wide build failed its self-check (exit -4)" in why and "8-wide" in why
+
+
+def test_without_a_compiler_the_layer_graphs_keep_group_query_attention(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    cpu_attention._probe.cache_clear()
+    try:
+        assert cpu_attention.load() is None
+        assert "no C compiler (no-such-compiler) on PATH" in cpu_attention.why_not()
+    finally:
+        cpu_attention._probe.cache_clear()
+
+
+def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
+    """``$QUASAR_KERNELS`` (the cpu image's): libraries found there are probed and used, with no compiler around."""
+    runs_here = runnable_widths()
+    if not runs_here:
+        pytest.skip("no build runs on this CPU")
+    prebuilt = tmp_path / "kernels"
+    prebuilt.mkdir()
+    for width in runs_here:
+        (prebuilt / f"cpu_attention-{width}.so").write_bytes(cpu_attention.probe(width)[0].path.read_bytes())
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv(cpu_attention.PREBUILT_ENV, str(prebuilt))
+    cpu_attention._probe.cache_clear()
+    try:
+        kernel = cpu_attention.load()
+        assert kernel is not None and kernel.width == runs_here[0] and kernel.path.parent == prebuilt
+    finally:
+        cpu_attention._probe.cache_clear()

@@ -190,6 +190,9 @@ def test_batched_step_times_each_serving_backend_at_each_count(tiny_artifact):
     for bad in (["--backends", "tpu"], ["--sequences", "0"]):
         refused = CliRunner().invoke(main, [*args, *bad])
         assert refused.exit_code == 1 and refused.output.startswith("error: --") and len(refused.output.strip().splitlines()) == 1
+    both = json.loads(CliRunner().invoke(main, [*args, "--backends", "onnxruntime,onnxruntime-gqa", "--json"]).output)["figures"]
+    assert "attention: ORT GroupQueryAttention" in both["descriptions"]["onnxruntime-gqa"]
+    assert set(both["ms"]) == {"onnxruntime", "onnxruntime-gqa"}
 
 
 def test_bench_kernels_names_its_kernels():

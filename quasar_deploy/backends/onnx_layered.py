@@ -43,6 +43,7 @@ ROTARY_CHUNK = 1024  # rotary tables are made for fixed chunks of positions, so 
 # prompts prefill in pieces of this many tokens, alone and in a server's rounds alike (``BatchVerifyingLM.prefill_chunk``):
 # the server's prompt-token budget per round (``scheduler.PREFILL_TOKENS``) holds one piece
 PREFILL_CHUNK = 256
+ATTENTIONS = ("auto", "ort")
 
 
 def unsupported(files: ModelFiles) -> str | None:
@@ -83,8 +84,13 @@ class LayeredModel:
     """What every sequence shares: the sessions (two per layer, attention, final norm, an int8 head), the embedding table,
     the float head and the rotary table."""
 
-    def __init__(self, files: ModelFiles, threads: int | None = None, progress: bool = True):
+    def __init__(self, files: ModelFiles, threads: int | None = None, progress: bool = True, attention: str = "auto"):
+        """``attention``: "auto" (the C kernel where it runs, else ORT's) or "ort" (ORT's ``GroupQueryAttention``, as
+        ``bench batched-step``'s contender ``onnxruntime-gqa`` times it)."""
         import onnxruntime as ort
+
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention is one of {', '.join(ATTENTIONS)}, not {attention!r}")
 
         spec, source = files.spec, files.checkpoint
         self.spec = spec
@@ -104,7 +110,7 @@ class LayeredModel:
             self.outputs.append(session(onnx_layers.layer_output(spec, layer, i)))
             del layer
             return_freed_memory()
-        kernel = cpu_attention.load()
+        kernel = cpu_attention.load() if attention == "auto" else None
         if kernel is not None and not cpu_attention.supports(spec.num_heads, spec.num_kv_heads, spec.head_dim, kernel.width):
             kernel = None
         # attention: the C kernel (threads share a step's sequences and heads), else ORT's GroupQueryAttention per sequence
@@ -327,7 +333,7 @@ class LayeredOnnxLM:
         return model.head(hidden)
 
 
-def load_layered(files: ModelFiles, threads: int | None = None, progress: bool = True) -> LayeredOnnxLM:
+def load_layered(files: ModelFiles, threads: int | None = None, progress: bool = True, attention: str = "auto") -> LayeredOnnxLM:
     """A W8A8 artifact on ONNX Runtime as batched layer graphs; refused in one line where ``unsupported(files)`` says why."""
     reason = unsupported(files)
     if reason is not None:
@@ -335,4 +341,4 @@ def load_layered(files: ModelFiles, threads: int | None = None, progress: bool =
             f"{files.path}: layer skipping and batched serving on ONNX Runtime need a W8A8 artifact whose layers are all int8; "
             f"this one is {reason}"
         )
-    return LayeredOnnxLM(LayeredModel(files, threads, progress))
+    return LayeredOnnxLM(LayeredModel(files, threads, progress, attention))

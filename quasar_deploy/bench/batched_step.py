@@ -26,6 +26,10 @@ from .memory import check_fits
 from .micro import settled
 
 BACKENDS = ("cpu", "onnxruntime")
+# the layer graphs attending with ORT's GroupQueryAttention instead of the C kernel (what ``onnxruntime`` serves with
+# where no kernel build runs): the kernel's gain, in the same run
+GQA_CONTENDER = "onnxruntime-gqa"
+CONTENDERS = (*BACKENDS, GQA_CONTENDER)
 
 
 @dataclass
@@ -46,6 +50,11 @@ def serving_lm(backend: str, artifact: str) -> BatchVerifyingLM:
     """What ``serve --backend BACKEND`` steps: the model as it serves (``needs`` of the server), which must batch."""
     from ..cli.serve import SERVER_NEEDS
 
+    if backend == GQA_CONTENDER:
+        from ..artifact import open_model_files
+        from ..backends.onnx_layered import load_layered
+
+        return load_layered(open_model_files(artifact), progress=False, attention="ort")
     lm = create_backend(backend, artifact, SERVER_NEEDS)
     if not isinstance(lm, BatchVerifyingLM):
         raise QuasarError(f"backend {backend!r} serves {Path(artifact).name} round-robin: it has no batched step to time")

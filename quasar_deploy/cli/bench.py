@@ -270,18 +270,19 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
     "--backends",
     default="cpu,onnxruntime",
     show_default=True,
-    help="Comma-separated backends that batch a server's steps (each as `serve --backend` loads it).",
+    help="Comma-separated backends that batch a server's steps (each as `serve --backend` loads it); onnxruntime-gqa: the "
+    "layer graphs with ORT's attention instead of the C kernel.",
 )
 @json_option
 def batched_step(artifact, sequences, tokens, context, repeats, backends, as_json):
     """A serving step, N sequences' verify blocks in one forward, on each backend that batches: its cost at each N."""
+    from ..bench.batched_step import CONTENDERS, describe
     from ..bench.batched_step import batched_step as measure
-    from ..bench.batched_step import describe
 
     names = tuple(b.strip() for b in backends.split(",") if b.strip())
-    unknown = [b for b in names if b not in BACKENDS]
+    unknown = [b for b in names if b not in CONTENDERS]
     if not names or unknown:
-        raise QuasarError(f"--backends takes names of {', '.join(BACKENDS)}, not {backends!r}")
+        raise QuasarError(f"--backends takes names of {', '.join(CONTENDERS)}, not {backends!r}")
     if not sequences or min(sequences) < 1:
         raise QuasarError("--sequences takes integers >= 1, e.g. 1,8")
     result = measure(artifact, sequences, tokens, context, repeats, names, progress=not as_json)

@@ -7,6 +7,8 @@ import subprocess
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from quasar_deploy.backends import cpu_attention
 from quasar_deploy.backends.cpu_attention import BUILDS, StepAttention, new_cache
@@ -164,3 +166,57 @@ def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
         assert kernel is not None and kernel.width == runs_here[0] and kernel.path.parent == prebuilt
     finally:
         cpu_attention._probe.cache_clear()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.sampled_from([(4, 2), (8, 2), (4, 4), (6, 1), (16, 2)]),
+    vectors=st.integers(1, 9),
+    blocks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 20)), min_size=1, max_size=4),
+    threads=st.integers(1, 2),
+)
+def test_any_shape_matches_the_reference_and_any_company(kernel, monkeypatch, shape, vectors, blocks, threads):
+    """Group sizes, head dimensions of any whole number of vectors, any lengths and block sizes: the values of causal
+    attention, and a sequence's bits the same alone as among the others."""
+    heads, kv = shape
+    dim = vectors * kernel.width
+    monkeypatch.setattr(cpu_attention, "MIN_SHARE", 1)
+    rng = np.random.default_rng(len(blocks) * 1000 + dim)
+    pasts, sizes = [p for p, _ in blocks], [n for _, n in blocks]
+
+    def caches():
+        made = []
+        for past, n in blocks:
+            capacity = -(-(past + n) // 256) * 256
+            keys, values = new_cache(kv, capacity, dim)
+            seeded = np.random.default_rng(past)
+            k, v = seeded.standard_normal((2, kv, past, dim)).astype(np.float32)
+            for t in range(past):
+                keys[:, t // 16, :, t % 16] = k[:, t]
+            values[:, :past] = v
+            made.append(([(keys, values)], (k, v)))
+        return made
+
+    rows = sum(sizes)
+    q, k, v = (rng.standard_normal((rows, width)).astype(np.float32) for width in (heads * dim, kv * dim, kv * dim))
+    pool = cpu_attention.ThreadPoolExecutor(1)
+    made = caches()
+    together = StepAttention(kernel, pool, threads, heads, kv, dim, [c for c, _ in made], pasts, sizes)(0, q, k, v)
+    start = 0
+    for s, (past, n) in enumerate(blocks):
+        rows_of = slice(start, start + n)
+        cache, (old_k, old_v) = caches()[s]
+        alone = StepAttention(kernel, pool, 1, heads, kv, dim, [cache], [past], [n])(0, q[rows_of], k[rows_of], v[rows_of])
+        assert np.array_equal(alone, together[rows_of])
+        keys = np.concatenate([old_k, k[rows_of].reshape(n, kv, dim).transpose(1, 0, 2)], axis=1).astype(np.float64)
+        values = np.concatenate([old_v, v[rows_of].reshape(n, kv, dim).transpose(1, 0, 2)], axis=1).astype(np.float64)
+        for head in range(heads):
+            group = head // (heads // kv)
+            for r in range(n):
+                query = q[start + r, head * dim : (head + 1) * dim].astype(np.float64)
+                scores = keys[group, : past + r + 1] @ query / np.sqrt(dim)
+                weights = np.exp(scores - scores.max())
+                expected = weights @ values[group, : past + r + 1] / weights.sum()
+                np.testing.assert_allclose(together[start + r, head * dim : (head + 1) * dim], expected, rtol=0, atol=5e-6)
+        start += n
+    pool.shutdown()

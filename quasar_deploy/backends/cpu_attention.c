@@ -232,8 +232,6 @@ void quasar_attend(int begin, int end, const float *q, const float *k, const flo
     }
 }
 
-int quasar_width(void) { return W; }
-
 /* Rows of scratch a call needs, each as long as its longest row's keys rounded up to a vector. */
 int quasar_scratch_rows(void) { return ROWS; }
 

@@ -108,6 +108,7 @@ def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_the_threads(kerne
 
 
 def test_the_widest_build_that_passes_its_probe_is_chosen(monkeypatch, tmp_path):
+    runs_here = runnable_widths()  # this CPU's own answer, before the self-checks are made to fail
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     real_run = subprocess.run
     failing: set[int] = set()
@@ -121,14 +122,15 @@ def test_the_widest_build_that_passes_its_probe_is_chosen(monkeypatch, tmp_path)
 
     monkeypatch.setattr(cpu_attention.subprocess, "run", run)
     outcomes = {}
-    for failing_now in (set(), {16}, {16, 8}):
-        failing.clear()
-        failing.update(failing_now)
-        cpu_attention._probe.cache_clear()
-        kernel = cpu_attention.load()
-        outcomes[frozenset(failing_now)] = (kernel.width if kernel else None, cpu_attention.why_not())
-    cpu_attention._probe.cache_clear()
-    runs_here = runnable_widths()
+    try:
+        for failing_now in (set(), {16}, {16, 8}):
+            failing.clear()
+            failing.update(failing_now)
+            cpu_attention.probe.cache_clear()
+            kernel = cpu_attention.load()
+            outcomes[frozenset(failing_now)] = (kernel.width if kernel else None, cpu_attention.why_not())
+    finally:
+        cpu_attention.probe.cache_clear()  # the next caller probes this CPU itself
     if runs_here:
         assert outcomes[frozenset()] == (runs_here[0], None)
     if 8 in runs_here:
@@ -137,15 +139,27 @@ def test_the_widest_build_that_passes_its_probe_is_chosen(monkeypatch, tmp_path)
     assert width is None and "16-wide build failed its self-check (exit -4)" in why and "8-wide" in why
 
 
+def test_a_head_the_widest_build_cannot_take_goes_to_a_narrower_one():
+    """A head of 24 floats is three 8-float vectors but not whole 16-float ones: the 8-wide build takes it where it runs,
+    and where no build takes it ``why_not`` says so for each."""
+    runs_here = runnable_widths()
+    if 8 not in runs_here:
+        pytest.skip("the 8-wide build does not run on this CPU")
+    assert cpu_attention.load(24).width == 8
+    assert cpu_attention.load(64).width == runs_here[0]
+    assert cpu_attention.load(12) is None
+    assert "8-wide build: a head of 12 floats is not whole 8-float vectors" in cpu_attention.why_not(12)
+
+
 def test_without_a_compiler_the_layer_graphs_keep_group_query_attention(monkeypatch, tmp_path):
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    cpu_attention._probe.cache_clear()
+    cpu_attention.probe.cache_clear()
     try:
         assert cpu_attention.load() is None
         assert "no C compiler (no-such-compiler) on PATH" in cpu_attention.why_not()
     finally:
-        cpu_attention._probe.cache_clear()
+        cpu_attention.probe.cache_clear()
 
 
 def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
@@ -160,12 +174,12 @@ def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv(cpu_attention.PREBUILT_ENV, str(prebuilt))
-    cpu_attention._probe.cache_clear()
+    cpu_attention.probe.cache_clear()
     try:
         kernel = cpu_attention.load()
         assert kernel is not None and kernel.width == runs_here[0] and kernel.path.parent == prebuilt
     finally:
-        cpu_attention._probe.cache_clear()
+        cpu_attention.probe.cache_clear()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -29,7 +29,7 @@ def layered(request, tiny_artifact) -> LayeredOnnxLM:
         pytest.skip(f"the C attention kernel does not run here: {cpu_attention.why_not()}")
     with pytest.MonkeyPatch.context() as patch:
         if request.param != "kernel":
-            patch.setattr(cpu_attention, "load", lambda: None)
+            patch.setattr(cpu_attention, "load", lambda dim=None: None)
         lm = load_onnx(tiny_artifact.path, threads=2, needs=NEEDS)
     assert (lm.model.kernel is not None) == (request.param == "kernel")
     return lm

@@ -8,9 +8,10 @@ each load of keys and values, with each row's result the same bits in any compan
 
 It is built with the system's C compiler (``$CC``, else ``cc``) into the cache directory, once per source and vector
 width (or found prebuilt in ``$QUASAR_KERNELS``, as the CPU image has it), and chosen by running it: a child process
-runs each build's self-check (``quasar_probe``), and the widest that passes is used, AVX-512 (16 floats) before AVX2
-(8). Flags are not asked: a CPU may list instructions it cannot run. Without a compiler, or where no build passes, the
-layer graphs keep ORT's ``GroupQueryAttention`` (``why_not`` says why; ``doctor`` prints it).
+runs each build's self-check (``quasar_probe``), and the widest that passes and takes the model's head (whole vectors)
+is used, AVX-512 (16 floats) before AVX2 (8). Flags are not asked: a CPU may list instructions it cannot run. Without
+a compiler, or where no build passes and fits, the layer graphs keep ORT's ``GroupQueryAttention`` (``why_not`` says
+why; ``doctor`` prints it).
 """
 
 from __future__ import annotations
@@ -51,30 +52,31 @@ class Kernel:
         return f"quasar C kernel, {self.width} floats per vector ({'AVX-512' if self.width == 16 else 'AVX2'})"
 
 
-def load() -> Kernel | None:
-    """The kernel this CPU runs, or None (``why_not`` then says why)."""
-    kernel, _ = _probe()
-    return kernel
+def load(dim: int | None = None) -> Kernel | None:
+    """The widest build this CPU runs that takes heads of ``dim`` floats (whole vectors; any dimension where None), or
+    None (``why_not`` then says why)."""
+    for width in BUILDS:
+        kernel, _ = probe(width)
+        if kernel is not None and (dim is None or dim % width == 0):
+            return kernel
+    return None
 
 
-def why_not() -> str | None:
+def why_not(dim: int | None = None) -> str | None:
     """Why the layer graphs attend with ORT's ``GroupQueryAttention`` here; None where the kernel runs."""
-    return _probe()[1]
+    if load(dim) is not None:
+        return None
+    reasons = []
+    for width in BUILDS:
+        _, reason = probe(width)
+        reasons.append(reason or f"{width}-wide build: a head of {dim} floats is not whole {width}-float vectors")
+    return "; ".join(reasons)
 
 
 @functools.cache
-def _probe() -> tuple[Kernel | None, str | None]:
-    reasons = []
-    for width in BUILDS:
-        kernel, reason = probe(width)
-        if kernel is not None:
-            return kernel, None
-        reasons.append(reason)
-    return None, "; ".join(reasons)
-
-
 def probe(width: int) -> tuple[Kernel | None, str | None]:
-    """The ``width``-wide build, built if need be and run once in a child process (its self-check); or None and why."""
+    """The ``width``-wide build, built if need be and run once in a child process (its self-check), once per process;
+    or None and why."""
     try:
         path = _build(width, BUILDS[width])
     except (OSError, subprocess.SubprocessError) as error:
@@ -201,11 +203,6 @@ class StepAttention:
         for future in pending:
             future.result()
         return out
-
-
-def supports(heads: int, kv_heads: int, dim: int, width: int) -> bool:
-    """Whether the kernel takes this attention shape: whole groups, and a head dimension of whole vectors."""
-    return heads % kv_heads == 0 and dim % width == 0
 
 
 def new_cache(kv_heads: int, capacity: int, dim: int) -> tuple[np.ndarray, np.ndarray]:

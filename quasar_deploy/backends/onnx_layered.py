@@ -110,9 +110,7 @@ class LayeredModel:
             self.outputs.append(session(onnx_layers.layer_output(spec, layer, i)))
             del layer
             return_freed_memory()
-        kernel = cpu_attention.load() if attention == "auto" else None
-        if kernel is not None and not cpu_attention.supports(spec.num_heads, spec.num_kv_heads, spec.head_dim, kernel.width):
-            kernel = None
+        kernel = cpu_attention.load(spec.head_dim) if attention == "auto" else None
         # attention: the C kernel (threads share a step's sequences and heads), else ORT's GroupQueryAttention per sequence
         self.kernel = kernel
         self.pool = ThreadPoolExecutor(self.threads - 1, "quasar-attention") if kernel and self.threads > 1 else None

@@ -157,6 +157,7 @@ class StepAttention:
         sizes: list[int],
     ):
         self.kernel, self.pool, self.heads, self.kv_heads, self.dim = kernel, pool, heads, kv_heads, dim
+        self.caches = caches  # held: the kernel gets raw pointers into these arrays, which must outlive the step
         self.scale = float(dim**-0.5)
         layers = len(caches[0])
         self.keys = np.array([[seq[i][0].ctypes.data for seq in caches] for i in range(layers)], np.int64)

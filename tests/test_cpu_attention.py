@@ -31,37 +31,40 @@ def kernel(request) -> cpu_attention.Kernel:
     return built
 
 
+def filled_cache(k: np.ndarray, v: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's cache in the kernel's layout holding past keys and values ``k``, ``v`` [kv_heads, past, dim]."""
+    kv, past, dim = k.shape
+    keys, values = new_cache(kv, capacity, dim)
+    for t in range(past):
+        keys[:, t // 16, :, t % 16] = k[:, t]
+    values[:, :past] = v
+    return keys, values
+
+
 def case(dim: int, seed: int = 0):
     """Caches holding random past keys and values, and the new rows of each sequence, at every layer."""
     rng = np.random.default_rng(seed)
     caches, history = [], []
     for past in PASTS:
-        layers, kept = [], []
-        for _ in range(LAYERS):
-            keys, values = new_cache(KV, 256, dim)
-            k, v = rng.standard_normal((2, KV, past, dim)).astype(np.float32)
-            for t in range(past):
-                keys[:, t // 16, :, t % 16] = k[:, t]
-            values[:, :past] = v
-            layers.append((keys, values))
-            kept.append((k, v))
-        caches.append(layers)
+        kept = [tuple(rng.standard_normal((2, KV, past, dim)).astype(np.float32)) for _ in range(LAYERS)]
+        caches.append([filled_cache(k, v, 256) for k, v in kept])
         history.append(kept)
     rows = sum(SIZES)
     new = [rng.standard_normal((rows, width)).astype(np.float32) for width in (HEADS * dim, KV * dim, KV * dim)]
     return caches, history, new
 
 
-def reference(history, new, layer: int, dim: int) -> np.ndarray:
-    """Causal attention in float64, sequence by sequence."""
+def reference(past_kv, new, pasts, sizes, heads: int, kv: int) -> np.ndarray:
+    """Causal attention in float64, sequence by sequence: ``past_kv[s]`` is sequence s's past (keys, values)."""
     q, k, v = (a.astype(np.float64) for a in new)
+    dim = q.shape[1] // heads
     out, start = np.zeros_like(q), 0
-    for past, n, kept in zip(PASTS, SIZES, history):
+    for past, n, (old_k, old_v) in zip(pasts, sizes, past_kv):
         rows = slice(start, start + n)
-        keys = np.concatenate([kept[layer][0], k[rows].reshape(n, KV, dim).transpose(1, 0, 2)], axis=1)
-        values = np.concatenate([kept[layer][1], v[rows].reshape(n, KV, dim).transpose(1, 0, 2)], axis=1)
-        for head in range(HEADS):
-            group = head // (HEADS // KV)
+        keys = np.concatenate([old_k, k[rows].reshape(n, kv, dim).transpose(1, 0, 2)], axis=1)
+        values = np.concatenate([old_v, v[rows].reshape(n, kv, dim).transpose(1, 0, 2)], axis=1)
+        for head in range(heads):
+            group = head // (heads // kv)
             for r in range(n):
                 scores = keys[group, : past + r + 1] @ q[start + r, head * dim : (head + 1) * dim] / np.sqrt(dim)
                 weights = np.exp(scores - scores.max())
@@ -83,7 +86,8 @@ def test_it_computes_causal_attention_over_each_sequences_cache(kernel, dim):
     caches, history, new = case(dim)
     for layer in range(LAYERS):
         got = attend(kernel, caches, PASTS, SIZES, new, layer, threads=2)
-        np.testing.assert_allclose(got, reference(history, new, layer, dim), rtol=0, atol=2e-6)
+        expected = reference([kept[layer] for kept in history], new, PASTS, SIZES, HEADS, KV)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
 
 
 def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_the_threads(kernel, monkeypatch):
@@ -198,39 +202,21 @@ def test_any_shape_matches_the_reference_and_any_company(kernel, monkeypatch, sh
     rng = np.random.default_rng(len(blocks) * 1000 + dim)
     pasts, sizes = [p for p, _ in blocks], [n for _, n in blocks]
 
-    def caches():
-        made = []
-        for past, n in blocks:
-            capacity = -(-(past + n) // 256) * 256
-            keys, values = new_cache(kv, capacity, dim)
-            seeded = np.random.default_rng(past)
-            k, v = seeded.standard_normal((2, kv, past, dim)).astype(np.float32)
-            for t in range(past):
-                keys[:, t // 16, :, t % 16] = k[:, t]
-            values[:, :past] = v
-            made.append(([(keys, values)], (k, v)))
-        return made
+    past_kv = [tuple(np.random.default_rng(past).standard_normal((2, kv, past, dim)).astype(np.float32)) for past in pasts]
+
+    def cache(s: int) -> list[tuple[np.ndarray, np.ndarray]]:  # sequence s's one layer, fresh
+        return [filled_cache(*past_kv[s], -(-(pasts[s] + sizes[s]) // 256) * 256)]
 
     rows = sum(sizes)
     q, k, v = (rng.standard_normal((rows, width)).astype(np.float32) for width in (heads * dim, kv * dim, kv * dim))
     pool = cpu_attention.ThreadPoolExecutor(1)
-    made = caches()
-    together = StepAttention(kernel, pool, threads, heads, kv, dim, [c for c, _ in made], pasts, sizes)(0, q, k, v)
+    caches = [cache(s) for s in range(len(blocks))]
+    together = StepAttention(kernel, pool, threads, heads, kv, dim, caches, pasts, sizes)(0, q, k, v)
+    np.testing.assert_allclose(together, reference(past_kv, (q, k, v), pasts, sizes, heads, kv), rtol=0, atol=5e-6)
     start = 0
     for s, (past, n) in enumerate(blocks):
         rows_of = slice(start, start + n)
-        cache, (old_k, old_v) = caches()[s]
-        alone = StepAttention(kernel, pool, 1, heads, kv, dim, [cache], [past], [n])(0, q[rows_of], k[rows_of], v[rows_of])
+        alone = StepAttention(kernel, pool, 1, heads, kv, dim, [cache(s)], [past], [n])(0, q[rows_of], k[rows_of], v[rows_of])
         assert np.array_equal(alone, together[rows_of])
-        keys = np.concatenate([old_k, k[rows_of].reshape(n, kv, dim).transpose(1, 0, 2)], axis=1).astype(np.float64)
-        values = np.concatenate([old_v, v[rows_of].reshape(n, kv, dim).transpose(1, 0, 2)], axis=1).astype(np.float64)
-        for head in range(heads):
-            group = head // (heads // kv)
-            for r in range(n):
-                query = q[start + r, head * dim : (head + 1) * dim].astype(np.float64)
-                scores = keys[group, : past + r + 1] @ query / np.sqrt(dim)
-                weights = np.exp(scores - scores.max())
-                expected = weights @ values[group, : past + r + 1] / weights.sum()
-                np.testing.assert_allclose(together[start + r, head * dim : (head + 1) * dim], expected, rtol=0, atol=5e-6)
         start += n
     pool.shutdown()

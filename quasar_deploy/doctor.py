@@ -55,7 +55,7 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
 
 def probes() -> dict:
     """What running the kernels once showed (``kernels``'s probes), and the float dtype chosen from it."""
-    from .backends import cpu_attention
+    from .backends import cpu_attention, cpu_int8
     from .backends.onnxruntime import exact_int8_entries
     from .backends.registry import unavailable
 
@@ -66,6 +66,7 @@ def probes() -> dict:
     return {
         "fbgemm_int8_sums_32bit": vnni_available(),
         "onednn_int8_exact": onednn_int8_exact(),
+        "quasar_int8_why_not": cpu_int8.why_not(),
         "int8_ms": {name: round(ms, 3) for name, ms in int8.ms.items()},
         "int8_kernel_why": int8.reason,
         "onnxruntime_int8_options": [f"{k}={v}" for k, v in exact_int8_entries()] if unavailable("onnxruntime") is None else None,

@@ -30,10 +30,14 @@ accumulation; they differ only in speed and in where they run):
   without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only where running it
   once shows exact sums (``onednn_int8_exact``).
   No pinning rows and no float64 recovery. Tested bit-identical to the reference.
+- ``quasar-vnni``: our own AVX-512 VNNI kernel (``backends/cpu_int8.c``), built with the system's C compiler and
+  offered where its self-check runs (``cpu_int8.why_not``). It streams weights packed for it, so a verify step's
+  linears read int8 weights at close to the memory's rate, which the library kernels do not; it quantizes, sums and
+  scales in C, bit for bit as the reference does. Tested bit-identical to the reference.
 - ``cuda`` / ``npu`` kernels live with their backends.
 
-Where both 32-bit kernels are exact, the default is the one a timing on a verify step's shape finds faster
-(``int8_probe``): both compute the same bits, so the choice moves speed, never an output.
+Where several 32-bit kernels are exact, the default is the one a timing on a verify step's shape finds fastest
+(``int8_probe``): all compute the same bits, so the choice moves speed, never an output.
 
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
 once for oneDNN, measured faster than MKL at small M on AMD parts). Only ``onednn`` is
@@ -58,7 +62,7 @@ from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activatio
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 ZERO_POINT = 128  # int8 codes shifted to uint8 for oneDNN's u8 x s8 kernel
-INT8_KERNELS = ("reference", "fbgemm", "fbgemm-vnni", "onednn-vnni")
+INT8_KERNELS = ("reference", "fbgemm", "fbgemm-vnni", "onednn-vnni", "quasar-vnni")
 FLOAT_KERNELS = ("torch", "onednn")
 
 
@@ -83,6 +87,13 @@ def vnni_available() -> bool:
     project's machines list instruction sets (AMX) that do not run.
     """
     return fbgemm_available() and _sums_exactly(lambda wq, w_scale: _fbgemm(wq, w_scale, None, None, split=False))
+
+
+def quasar_int8_available() -> bool:
+    """Whether our own VNNI kernel built and passed its self-check here (``backends.cpu_int8``)."""
+    from .backends import cpu_int8
+
+    return cpu_int8.why_not() is None
 
 
 @functools.cache
@@ -128,16 +139,16 @@ class Int8Probe:
         if len(self.ms) == 1:
             return "the only exact 32-bit int8 kernel here"
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
-        return f"the faster at {' and '.join(map(str, PROBE_ROWS))} rows ({times})"
+        return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times})"
 
 
 @functools.cache
 def int8_probe() -> Int8Probe:
-    """Times ``fbgemm-vnni`` and ``onednn-vnni`` (those that sum exactly here) on one linear of a verify step's shape,
-    once per process. Both compute the same bits (exact), so the choice changes speed only, never an output; which is
-    faster depends on the CPU and the row count (oneDNN has measured faster at 48 rows and in prefills on Zen 4, FBGEMM
-    at one row), so it is timed rather than assumed."""
+    """Times ``fbgemm-vnni``, ``onednn-vnni`` and ``quasar-vnni`` (those that sum exactly here) on one linear of a verify
+    step's shape, once per process. All compute the same bits (exact), so the choice changes speed only, never an
+    output; which is fastest depends on the CPU and the row count, so it is timed rather than assumed."""
     kernels = [name for name, exact in (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact())) if exact]
+    kernels += ["quasar-vnni"] if quasar_int8_available() else []
     if len(kernels) < 2:
         return Int8Probe({name: 0.0 for name in kernels})
     generator = torch.Generator().manual_seed(0)
@@ -383,6 +394,10 @@ def int8_linear(
         return _reference(wq, w_scale, bias, input_scale)
     if kernel == "onednn-vnni":
         return _onednn_int8(wq, w_scale, bias, input_scale)
+    if kernel == "quasar-vnni":
+        from .backends.cpu_int8 import PackedInt8Linear
+
+        return PackedInt8Linear(wq, w_scale, bias, input_scale)
     return _fbgemm(wq, w_scale, bias, input_scale, split=kernel == "fbgemm")
 
 
@@ -396,6 +411,10 @@ def check_int8_kernel(kernel: str) -> None:
         raise QuasarError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
     if kernel == "onednn-vnni" and not onednn_int8_exact():
         raise QuasarError("the onednn-vnni kernel needs a CPU where oneDNN's int8 linear sums in 32 bits (AVX-512 VNNI)")
+    if kernel == "quasar-vnni" and not quasar_int8_available():
+        from .backends import cpu_int8
+
+        raise QuasarError(f"the quasar-vnni kernel does not run here: {cpu_int8.why_not()}")
 
 
 __all__ = [
@@ -410,6 +429,7 @@ __all__ = [
     "float_probe",
     "int8_probe",
     "onednn_int8_exact",
+    "quasar_int8_available",
     "INT8_KERNELS",
     "QMAX",
     "default_float_kernel",

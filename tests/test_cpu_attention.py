@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quasar_deploy.backends import cpu_attention
+from quasar_deploy.backends import cpu_attention, native
 from quasar_deploy.backends.cpu_attention import BUILDS, StepAttention, new_cache
 
 HEADS, KV, LAYERS = 4, 2, 2
@@ -124,7 +124,7 @@ def test_the_widest_build_that_passes_its_probe_is_chosen(monkeypatch, tmp_path)
                 return subprocess.CompletedProcess(command, -4)  # as a SIGILL would end it
         return real_run(command, **kwargs)
 
-    monkeypatch.setattr(cpu_attention.subprocess, "run", run)
+    monkeypatch.setattr(native.subprocess, "run", run)
     outcomes = {}
     try:
         for failing_now in (set(), {16}, {16, 8}):
@@ -140,7 +140,7 @@ def test_the_widest_build_that_passes_its_probe_is_chosen(monkeypatch, tmp_path)
     if 8 in runs_here:
         assert outcomes[frozenset({16})] == (8, None)
     width, why = outcomes[frozenset({16, 8})]
-    assert width is None and "16-wide build failed its self-check (exit -4)" in why and "8-wide" in why
+    assert width is None and "16-wide build: failed its self-check (exit -4)" in why and "8-wide" in why
 
 
 def test_a_head_the_widest_build_cannot_take_goes_to_a_narrower_one():
@@ -177,7 +177,7 @@ def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
         (prebuilt / f"cpu_attention-{width}.so").write_bytes(cpu_attention.probe(width)[0].path.read_bytes())
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("CC", "no-such-compiler")
-    monkeypatch.setenv(cpu_attention.PREBUILT_ENV, str(prebuilt))
+    monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
     cpu_attention.probe.cache_clear()
     try:
         kernel = cpu_attention.load()

@@ -409,16 +409,18 @@ def test_scripts_parse():
     assert all(target in smoke for target in TARGETS) and "/health" in smoke and "/v1/completions" in smoke
 
 
-def test_the_cpu_image_prebuilds_the_attention_kernel_as_the_package_would():
-    """The cpu image has no compiler: a build stage compiles each width of ``cpu_attention`` with the module's own flags,
-    and the image points ``$QUASAR_KERNELS`` at them."""
-    from quasar_deploy.backends import cpu_attention
+def test_the_cpu_image_prebuilds_our_kernels_as_the_package_would():
+    """The cpu image has no compiler: a build stage compiles every build of our C kernels with the modules' own commands
+    (``native.compile_command``), and the image points ``$QUASAR_KERNELS`` at them."""
+    from quasar_deploy.backends import cpu_attention, cpu_int8, native
 
     steps = instructions(DOCKERFILES["cpu"])
     builds = " ".join(args for name, args in steps[: len(steps) - len(final_stage(steps))] if name == "RUN")
-    for width, flags in cpu_attention.BUILDS.items():
-        command = f"cc -O3 -shared -fPIC -DW={width} {' '.join(flags)} -o /kernels/cpu_attention-{width}.so /src/cpu_attention.c -lm"
+    wanted = [(f"cpu_attention-{width}", "cpu_attention.c", [f"-DW={width}", *flags]) for width, flags in cpu_attention.BUILDS.items()]
+    wanted += [(name, "cpu_int8.c", flags) for name, flags in cpu_int8.BUILDS.items()]
+    for name, source, flags in wanted:
+        command = " ".join(native.compile_command("cc", f"/src/{source}", f"/kernels/{name}.so", flags))
         assert command in builds, command
     final = final_stage(steps)
     assert ("COPY", "--from=kernels /kernels /opt/quasar-deploy/kernels") in final
-    assert image_env("cpu")[cpu_attention.PREBUILT_ENV] == "/opt/quasar-deploy/kernels"
+    assert image_env("cpu")[native.PREBUILT_ENV] == "/opt/quasar-deploy/kernels"

@@ -117,16 +117,17 @@ def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
         kernels.check_int8_kernel("fbgemm-vnni")
 
 
-@pytest.mark.parametrize("fbgemm, onednn", [(True, False), (False, True), (False, False)])
-def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgemm, onednn):
+@pytest.mark.parametrize("fbgemm, onednn, ours", [(True, False, False), (False, True, False), (False, False, True), (False, False, False)])
+def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgemm, onednn, ours):
     monkeypatch.setattr(kernels, "vnni_available", lambda: fbgemm)
     monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: onednn)
+    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: ours)
     kernels.int8_probe.cache_clear()
     try:
         probe = kernels.int8_probe()
     finally:
         kernels.int8_probe.cache_clear()  # the next caller probes this CPU itself
-    expected = [name for name, exact in (("fbgemm-vnni", fbgemm), ("onednn-vnni", onednn)) if exact]
+    expected = [name for name, exact in (("fbgemm-vnni", fbgemm), ("onednn-vnni", onednn), ("quasar-vnni", ours)) if exact]
     assert list(probe.ms) == expected and all(ms == 0.0 for ms in probe.ms.values())
 
 

@@ -11,6 +11,7 @@ from quasar_deploy.kernels import (
     int8_probe,
     onednn_int8_available,
     onednn_int8_exact,
+    quasar_int8_available,
     vnni_available,
 )
 from quasar_deploy.scheme import int8_matmul_exact, per_token_scale, quantize_activation, quantize_weight, reference_linear
@@ -49,17 +50,20 @@ def test_reference_is_batch_invariant():
         assert torch.equal(reference_linear(x[i : i + 1], wq, scale, bias)[0], batch[i])
 
 
-FBGEMM_KERNELS = [
+NEEDS_VNNI = "needs AVX-512 VNNI"
+EXACT_KERNELS = [
     pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")),
     pytest.param("fbgemm-vnni", marks=pytest.mark.skipif(not (fbgemm_available() and vnni_available()), reason="needs AVX-512 VNNI")),
-    pytest.param("onednn-vnni", marks=pytest.mark.skipif(not (onednn_int8_available() and vnni_available()), reason="needs AVX-512 VNNI")),
+    pytest.param("onednn-vnni", marks=pytest.mark.skipif(not (onednn_int8_available() and vnni_available()), reason=NEEDS_VNNI)),
+    pytest.param("quasar-vnni", marks=pytest.mark.skipif(not quasar_int8_available(), reason="our VNNI kernel does not run here")),
 ]
+VNNI_KERNELS = EXACT_KERNELS[2:]
 
 
-@pytest.mark.parametrize("kernel", FBGEMM_KERNELS)
+@pytest.mark.parametrize("kernel", EXACT_KERNELS)
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("in_features", [1, 96, 1024, 4096])
-def test_fbgemm_kernels_equal_reference(kernel, static, in_features):
+def test_int8_kernels_equal_reference(kernel, static, in_features):
     weight, x, bias = _layer(in_features=in_features)
     x[:, :4] *= 40  # outlier channels: full-range int8 codes in every row
     wq, scale = quantize_weight(weight)
@@ -71,8 +75,8 @@ def test_fbgemm_kernels_equal_reference(kernel, static, in_features):
     assert torch.equal(one_row[0], got[2])
 
 
-@pytest.mark.skipif(not (onednn_int8_available() and vnni_available()), reason="needs AVX-512 VNNI")
-def test_onednn_kernel_is_exact_past_float32s_integer_range():
+@pytest.mark.parametrize("kernel", VNNI_KERNELS)
+def test_32_bit_kernels_are_exact_past_float32s_integer_range(kernel):
     """Accumulators past 2^24 (full-range codes, K = 8192) round as the reference's ``.float()`` rounds them."""
     k = 8192
     weight = torch.ones(4, k)
@@ -81,11 +85,12 @@ def test_onednn_kernel_is_exact_past_float32s_integer_range():
     x[1, ::3], x[2] = -1, torch.linspace(-1, 1, k) + 1e-3
     wq, scale = quantize_weight(weight)
     expected = int8_linear(wq, scale, None, None, "reference")(x)
-    assert expected.abs().max() > 0 and torch.equal(int8_linear(wq, scale, None, None, "onednn-vnni")(x), expected)
+    assert expected.abs().max() > 0 and torch.equal(int8_linear(wq, scale, None, None, kernel)(x), expected)
 
 
 def test_the_default_int8_kernel_follows_the_cpu():
-    exact = [name for name, ok in (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact())) if ok]
+    offered = (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact()), ("quasar-vnni", quasar_int8_available()))
+    exact = [name for name, ok in offered if ok]
     probe = int8_probe()
     assert sorted(probe.ms) == sorted(exact)  # every exact 32-bit kernel timed, and no other
     expected = "reference" if not fbgemm_available() else probe.kernel if exact else "fbgemm"

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from . import native
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 TILE = 16  # keys are stored in tiles of this many positions: [kv_heads][capacity / TILE][head_dim][TILE]
@@ -36,7 +32,6 @@ TILE = 16  # keys are stored in tiles of this many positions: [kv_heads][capacit
 # a share to another thread costs about as much as one sequence's 6 rows over 150 positions (16 kv heads) take to attend
 MIN_SHARE = 20_000
 BUILDS = {16: ["-mavx512f", "-mfma"], 8: ["-mavx2", "-mfma"]}  # floats per vector: the flags that build it
-PREBUILT_ENV = "QUASAR_KERNELS"  # a directory of prebuilt cpu_attention-<width>.so, used before compiling
 
 
 @dataclass(frozen=True)
@@ -77,54 +72,10 @@ def why_not(dim: int | None = None) -> str | None:
 def probe(width: int) -> tuple[Kernel | None, str | None]:
     """The ``width``-wide build, built if need be and run once in a child process (its self-check), once per process;
     or None and why."""
-    try:
-        path = _build(width, BUILDS[width])
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, f"{width}-wide build: {_first_line(error)}"
-    check = subprocess.run(
-        [sys.executable, "-c", f"import ctypes, sys; sys.exit(ctypes.CDLL({str(path)!r}).quasar_probe())"],
-        capture_output=True,
-        timeout=60,
-    )
-    if check.returncode != 0:
-        return None, f"{width}-wide build failed its self-check (exit {check.returncode})"
+    path, reason = native.built_and_probed(SOURCE, f"cpu_attention-{width}", [f"-DW={width}", *BUILDS[width]])
+    if path is None:
+        return None, f"{width}-wide build: {reason}"
     return Kernel(_open(path), width, path), None
-
-
-def _first_line(error: Exception) -> str:
-    text = getattr(error, "stderr", None) or str(error)
-    text = text.decode(errors="replace") if isinstance(text, bytes) else text
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
-
-
-def _build(width: int, flags: list[str]) -> Path:
-    """The shared library for ``width``: prebuilt in ``$QUASAR_KERNELS`` (the CPU image builds it in a stage of its
-    own, and has no compiler), else compiled once per source into the cache (atomically: a rename)."""
-    from ..cache import cache_dir
-
-    prebuilt = os.environ.get(PREBUILT_ENV)
-    if prebuilt and (Path(prebuilt) / f"cpu_attention-{width}.so").is_file():
-        return Path(prebuilt) / f"cpu_attention-{width}.so"
-    compiler = os.environ.get("CC") or "cc"
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + repr((compiler, flags)).encode()).hexdigest()[:16]
-    directory = cache_dir() / "kernels"
-    path = directory / f"cpu_attention-{width}-{digest}.so"
-    if path.exists():
-        return path
-    if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler ({compiler}) on PATH")
-    directory.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-    os.close(handle)
-    try:
-        command = [compiler, "-O3", "-shared", "-fPIC", f"-DW={width}", *flags, "-o", partial, str(SOURCE), "-lm"]
-        subprocess.run(command, check=True, capture_output=True, timeout=300)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
-    return path
 
 
 def _open(path: Path) -> ctypes.CDLL:

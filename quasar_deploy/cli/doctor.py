@@ -41,7 +41,8 @@ def doctor(path, as_json, exact, exact_source):
     ort = probes["onnxruntime_int8_options"]
     ort_text = "not installed" if ort is None else ", ".join(ort) or "exact without options"
     onednn = "exact" if probes["onednn_int8_exact"] else "not exact"
-    click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; onnxruntime {ort_text}")
+    ours = probes["quasar_int8_why_not"] or "runs (its self-check passed)"
+    click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; quasar-vnni {ours}; onnxruntime {ort_text}")
     why = probes["layer_graph_attention_why"]
     how = f": {why}" if why else ", chosen by running it"
     click.echo(f"attention      {probes['layer_graph_attention']} (onnxruntime's layer graphs{how})")

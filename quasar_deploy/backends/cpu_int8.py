@@ -1,0 +1,106 @@
+"""The ``quasar-vnni`` int8 kernel: ``cpu_int8.c`` (AVX-512 VNNI), compiled here on first use and probed by running it.
+
+At verify sizes a W8A8 linear is a pass over its int8 weights, and the library kernels read them more slowly than their
+bf16 kernels read twice the bytes, which took most of W8A8's advantage over a bf16 float model. This kernel streams its
+packed weights at close to the memory's rate, computes the scheme's linear bit for bit (``scheme.reference_linear``:
+the activation quantization, the exact integer sums and the float epilogue in the reference's order), and is one of the
+exact int8 kernels ``kernels.int8_probe`` times: where it runs and is fastest, the cpu backend uses it.
+
+Built and probed as ``cpu_attention`` is (``native``): where it cannot be built or its self-check fails (no compiler, no
+AVX-512 VNNI), it is not offered, and ``why_not`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from . import native
+
+SOURCE = Path(__file__).with_name("cpu_int8.c")
+BUILDS = {"cpu_int8-avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]}  # name: flags
+BLOCK = 64  # output columns per packed block, the unit of a thread's share
+# a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about
+# what reading this much takes (a few tens of microseconds)
+MIN_SHARE_BYTES = 1 << 19
+
+
+@functools.cache
+def library() -> tuple[ctypes.CDLL | None, str | None]:
+    """The built and probed kernel, once per process; or None and why."""
+    ((name, flags),) = BUILDS.items()
+    path, reason = native.built_and_probed(SOURCE, name, flags)
+    if path is None:
+        return None, f"{name}: {reason}"
+    lib = ctypes.CDLL(str(path))
+    pointer, integer, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    lib.quasar_int8_packed_bytes.argtypes, lib.quasar_int8_packed_bytes.restype = [integer, integer], size
+    lib.quasar_int8_scratch_bytes.argtypes, lib.quasar_int8_scratch_bytes.restype = [integer, integer], size
+    lib.quasar_int8_pack.argtypes, lib.quasar_int8_pack.restype = [pointer, integer, integer, pointer, pointer], None
+    lib.quasar_int8_linear.argtypes = [pointer, integer, integer, *[pointer] * 5, integer, integer, integer, pointer, pointer]
+    lib.quasar_int8_linear.restype = None
+    return lib, None
+
+
+def why_not() -> str | None:
+    """Why the kernel is not offered here; None where it runs."""
+    return library()[1]
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="quasar-int8")
+
+
+class PackedInt8Linear:
+    """One W8A8 linear on the kernel: the weights packed once (the original can then be released), each call's output
+    columns shared between ``torch.get_num_threads()`` threads (Python threads: ctypes lets go of the GIL), in shares
+    of whole blocks of at least ``MIN_SHARE_BYTES``. A row's result is the same bits whatever the rows beside it and
+    whichever thread computed it: its sums are exact integers, its epilogue runs per element."""
+
+    def __init__(self, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None):
+        lib, reason = library()
+        if lib is None:
+            raise RuntimeError(f"the quasar-vnni kernel does not run here: {reason}")
+        self.lib = lib
+        self.out_features, self.in_features = wq.shape
+        wq = wq.detach().cpu().contiguous()
+        self.packed = torch.empty(lib.quasar_int8_packed_bytes(*wq.shape), dtype=torch.int8)
+        self.row_sums = torch.empty(self.out_features, dtype=torch.int32)
+        lib.quasar_int8_pack(wq.data_ptr(), *wq.shape, self.packed.data_ptr(), self.row_sums.data_ptr())
+        self.w_scale = w_scale.detach().float().reshape(-1).contiguous()
+        self.bias = None if bias is None else bias.detach().float().reshape(-1).contiguous()
+        self.input_scale = None if input_scale is None else input_scale.detach().float().reshape(1).contiguous()
+        self.blocks = -(-self.out_features // BLOCK)
+        self.max_shares = max(1, min(self.blocks, wq.numel() // MIN_SHARE_BYTES))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().float().contiguous()
+        rows = x.shape[0]
+        out = torch.empty(rows, self.out_features)
+        shares = min(torch.get_num_threads(), self.max_shares)
+        edges = [self.blocks * t // shares for t in range(shares + 1)]
+        scratch = torch.empty(shares, self.lib.quasar_int8_scratch_bytes(rows, self.in_features), dtype=torch.uint8)
+        args = (
+            x.data_ptr(),
+            rows,
+            self.in_features,
+            self.packed.data_ptr(),
+            self.row_sums.data_ptr(),
+            self.w_scale.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            None if self.input_scale is None else self.input_scale.data_ptr(),
+            self.out_features,
+        )
+        run = self.lib.quasar_int8_linear
+        pending = [
+            _pool(shares - 1).submit(run, *args, edges[t], edges[t + 1], out.data_ptr(), scratch[t].data_ptr()) for t in range(1, shares)
+        ]
+        run(*args, edges[0], edges[1], out.data_ptr(), scratch[0].data_ptr())
+        for future in pending:
+            future.result()
+        return out

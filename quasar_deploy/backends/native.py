@@ -1,0 +1,81 @@
+"""Our C kernels (``cpu_attention.c``, ``cpu_int8.c``): built with the system's C compiler, and probed by running them.
+
+A kernel is compiled once per source, compiler and flags into the cache directory (``kernels/``), or found prebuilt in
+``$QUASAR_KERNELS`` (the CPU image builds them in a stage of its own and carries no compiler). Whether a build can run
+here is decided by running its self-check (``quasar_probe``, 0 when its results match a scalar reference) in a child
+process: an instruction the CPU lacks kills the child, not the caller. Flags are not asked: a CPU may list instructions
+it cannot run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..files import first_line
+
+PREBUILT_ENV = "QUASAR_KERNELS"  # a directory of prebuilt <name>.so, used before compiling
+COMMON_FLAGS = ["-O3", "-shared", "-fPIC"]
+
+
+def compile_command(compiler: str, source: Path | str, output: Path | str, flags: list[str]) -> list[str]:
+    """The command that builds ``source`` into ``output``: the one the cache and the CPU image's build stage both run."""
+    return [compiler, *COMMON_FLAGS, *flags, "-o", str(output), str(source), "-lm"]
+
+
+def build(source: Path, name: str, flags: list[str]) -> Path:
+    """The shared library ``name`` of ``source`` built with ``flags``: ``$QUASAR_KERNELS/<name>.so`` where it is there,
+    else compiled once into the cache (atomically: a rename), the compiler being ``$CC`` or ``cc``. Raises OSError
+    (no compiler) or ``subprocess.CalledProcessError`` (the compiler's error)."""
+    from ..cache import cache_dir
+
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt and (Path(prebuilt) / f"{name}.so").is_file():
+        return Path(prebuilt) / f"{name}.so"
+    compiler = os.environ.get("CC") or "cc"
+    digest = hashlib.sha256(source.read_bytes() + repr((compiler, flags)).encode()).hexdigest()[:16]
+    directory = cache_dir() / "kernels"
+    path = directory / f"{name}-{digest}.so"
+    if path.exists():
+        return path
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C compiler ({compiler}) on PATH")
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
+    os.close(handle)
+    try:
+        subprocess.run(compile_command(compiler, source, partial, flags), check=True, capture_output=True, timeout=300)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return path
+
+
+def built_and_probed(source: Path, name: str, flags: list[str]) -> tuple[Path | None, str | None]:
+    """``build`` then the build's self-check in a child process: the library's path, or None and why (one line: the
+    compiler's complaint, or the self-check's exit status)."""
+    try:
+        path = build(source, name, flags)
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, _error_line(error)
+    check = subprocess.run(
+        [sys.executable, "-c", f"import ctypes, sys; sys.exit(ctypes.CDLL({str(path)!r}).quasar_probe())"],
+        capture_output=True,
+        timeout=60,
+    )
+    if check.returncode != 0:
+        return None, f"failed its self-check (exit {check.returncode})"
+    return path, None
+
+
+def _error_line(error: Exception) -> str:
+    """A compiler's first line of complaint, else the error's own."""
+    stderr = getattr(error, "stderr", None)
+    stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+    return stderr.strip().splitlines()[0] if stderr and stderr.strip() else first_line(error)

@@ -30,18 +30,22 @@ static size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
 
 size_t quasar_int8_packed_bytes(int n, int k) { return round_up((size_t)n, BLOCK) * round_up((size_t)k, GROUP); }
 
-/* w [n][k] int8 -> packed (quasar_int8_packed_bytes(n, k) bytes) and row sums wsum [n] */
+/* w [n][k] int8 -> packed (quasar_int8_packed_bytes(n, k) bytes) and row sums wsum [n]. Written in order, 4 bytes
+ * at a time, from 64 rows read side by side: an 8B model's 7 GB pack in seconds. */
 void quasar_int8_pack(const int8_t *w, int n, int k, int8_t *packed, int32_t *wsum) {
-    size_t k4 = round_up((size_t)k, GROUP), n64 = round_up((size_t)n, BLOCK);
-    memset(packed, 0, n64 * k4);
+    size_t k4 = round_up((size_t)k, GROUP), whole = (size_t)k / GROUP * GROUP;
+    memset(packed, 0, round_up((size_t)n, BLOCK) * k4);
+    for (int first = 0; first < n; first += BLOCK) {
+        int rows = n - first < BLOCK ? n - first : BLOCK;
+        int8_t *out = packed + (size_t)first * k4;
+        for (size_t j = 0; j < whole; j += GROUP, out += BLOCK * GROUP)
+            for (int c = 0; c < rows; c++) memcpy(out + c * GROUP, w + (size_t)(first + c) * k + j, GROUP);
+        for (int c = 0; c < rows; c++)
+            for (size_t j = whole; j < (size_t)k; j++) out[c * GROUP + j - whole] = w[(size_t)(first + c) * k + j];
+    }
     for (int c = 0; c < n; c++) {
-        const int8_t *row = w + (size_t)c * k;
-        int8_t *block = packed + (size_t)(c / BLOCK) * BLOCK * k4 + (size_t)(c % BLOCK) * GROUP;
         int32_t sum = 0;
-        for (int j = 0; j < k; j++) {
-            block[(size_t)(j / GROUP) * BLOCK * GROUP + j % GROUP] = row[j];
-            sum += row[j];
-        }
+        for (int j = 0; j < k; j++) sum += w[(size_t)c * k + j];
         wsum[c] = sum;
     }
 }

@@ -65,20 +65,26 @@ def test_extreme_codes_and_deep_rows_sum_exactly():
 
 @runs_here
 def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(monkeypatch):
+    """Shares of one block each, as many as 5 threads, in torch's OpenMP pool and on Python threads."""
     wq, scale, bias, x = _layer(1000, 520, 17, 0, True)
     linear = kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")
     together = linear(x)
     monkeypatch.setattr(cpu_int8, "MIN_SHARE_BYTES", 1)  # every block a share of its own where threads allow
-    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_int8, "ROWS_PER_SHARE", 1)
+    threads, lib = torch.get_num_threads(), cpu_int8.library()[0]
+    runtime = cpu_int8._openmp_entry_points()
     try:
-        for count in (1, 2, 3, 5):
-            torch.set_num_threads(count)
-            split = kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")
-            assert torch.equal(split(x), together)
-            for i in (0, 6, 16):
-                assert torch.equal(split(x[i : i + 1])[0], together[i])
+        for openmp in (runtime, None):  # shares in torch's OpenMP pool, and on threads of our own where there is none
+            lib.quasar_int8_use_openmp(*(openmp or (None, None, None)))
+            for count in (1, 2, 3, 5):
+                torch.set_num_threads(count)
+                split = kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")
+                assert torch.equal(split(x), together)
+                for i in (0, 6, 16):
+                    assert torch.equal(split(x[i : i + 1])[0], together[i])
     finally:
         torch.set_num_threads(threads)
+        lib.quasar_int8_use_openmp(*(runtime or (None, None, None)))
 
 
 @pytest.fixture

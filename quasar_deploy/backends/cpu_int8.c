@@ -151,6 +151,49 @@ void quasar_int8_linear(const float *x, int m, int k, const int8_t *packed, cons
     }
 }
 
+/* Sharing a call's blocks among the threads of the caller's OpenMP pool (torch's): GOMP_parallel, omp_get_thread_num
+ * and omp_get_num_threads of the runtime the process has loaded, handed in by cpu_int8.py (libgomp and Intel's runtime
+ * both export them). Its workers are the ones torch's own ops use, often still spinning from the last of them: no
+ * hand-off to a thread of ours, and no third thread contending with them for two cores. */
+typedef void (*parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*count_fn)(void);
+static parallel_fn omp_parallel;
+static count_fn omp_thread, omp_threads;
+
+void quasar_int8_use_openmp(void *parallel, void *thread_num, void *num_threads) {
+    omp_parallel = (parallel_fn)parallel;
+    omp_thread = (count_fn)thread_num;
+    omp_threads = (count_fn)num_threads;
+}
+
+struct shared_call {
+    const float *x, *w_scale, *bias, *static_scale;
+    const int8_t *packed;
+    const int32_t *wsum, *edges;
+    float *out;
+    uint8_t *scratch;
+    size_t scratch_bytes;
+    int m, k, n, shares;
+};
+
+static void run_shares(void *data) {
+    const struct shared_call *c = data;
+    for (int s = omp_thread(); s < c->shares; s += omp_threads()) /* every share runs, however many threads came */
+        quasar_int8_linear(c->x, c->m, c->k, c->packed, c->wsum, c->w_scale, c->bias, c->static_scale, c->n, c->edges[s],
+                           c->edges[s + 1], c->out, c->scratch + (size_t)s * c->scratch_bytes);
+}
+
+/* quasar_int8_linear over shares of blocks [edges[s], edges[s + 1]), s < shares, side by side in the OpenMP pool; 1 where
+ * no runtime was handed in (the caller then shares them itself), else 0. scratch: shares x scratch_bytes. */
+int quasar_int8_linear_shared(const float *x, int m, int k, const int8_t *packed, const int32_t *wsum, const float *w_scale,
+                              const float *bias, const float *static_scale, int n, const int32_t *edges, int shares,
+                              float *out, uint8_t *scratch, size_t scratch_bytes) {
+    if (!omp_parallel) return 1;
+    struct shared_call call = {x, w_scale, bias, static_scale, packed, wsum, edges, out, scratch, scratch_bytes, m, k, n, shares};
+    omp_parallel(run_shares, &call, (unsigned)shares, 0);
+    return 0;
+}
+
 /* Self-check, run in a child process before first use (an instruction this CPU lacks kills the child, not the
  * caller): codes at the extremes (255 x +-127, the sums 16-bit lanes would saturate) and odd shapes, against a
  * scalar sum. 0 when every value matches. */

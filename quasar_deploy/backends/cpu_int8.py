@@ -27,11 +27,16 @@ BLOCK = 64  # output columns per packed block, the unit of a thread's share
 # a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about
 # what reading this much takes (a few tens of microseconds)
 MIN_SHARE_BYTES = 1 << 19
+# and at least this many rows: up to 8 rows a linear is bound by memory, which one core streams as fast as two here
+# (Zen 4: 25-26 GB/s at 1-6 rows on one thread, 21-24 on two), so a second thread only adds its hand-off and contends
+# with torch's OpenMP workers; past that the arithmetic binds, and two threads share it (15 against 12 GB/s at 16 rows)
+ROWS_PER_SHARE = 8
 
 
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The built and probed kernel, once per process; or None and why."""
+    """The built and probed kernel, once per process, handed the OpenMP runtime torch runs on where the process has one
+    (``quasar_int8_use_openmp``); or None and why."""
     ((name, flags),) = BUILDS.items()
     path, reason = native.built_and_probed(SOURCE, name, flags)
     if path is None:
@@ -43,7 +48,26 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.quasar_int8_pack.argtypes, lib.quasar_int8_pack.restype = [pointer, integer, integer, pointer, pointer], None
     lib.quasar_int8_linear.argtypes = [pointer, integer, integer, *[pointer] * 5, integer, integer, integer, pointer, pointer]
     lib.quasar_int8_linear.restype = None
+    lib.quasar_int8_linear_shared.argtypes = [pointer, integer, integer, *[pointer] * 5, integer, pointer, integer, pointer, pointer, size]
+    lib.quasar_int8_linear_shared.restype = integer
+    runtime = _openmp_entry_points()
+    if runtime is not None:
+        lib.quasar_int8_use_openmp.argtypes, lib.quasar_int8_use_openmp.restype = [pointer] * 3, None
+        lib.quasar_int8_use_openmp(*runtime)
     return lib, None
+
+
+def _openmp_entry_points() -> tuple[int, int, int] | None:
+    """GOMP_parallel, omp_get_thread_num and omp_get_num_threads of the OpenMP runtime torch has loaded (GNU's in its
+    CPU wheels; Intel's exports the same names), as addresses; None where the process has none."""
+    import torch  # noqa: F401  (loads the runtime into the process, so its symbols are found below)
+
+    process = ctypes.CDLL(None)
+    try:
+        names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+        return tuple(ctypes.cast(getattr(process, name), ctypes.c_void_p).value for name in names)
+    except AttributeError:
+        return None
 
 
 def why_not() -> str | None:
@@ -58,8 +82,9 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 class PackedInt8Linear:
     """One W8A8 linear on the kernel: the weights packed once (the original can then be released), each call's output
-    columns shared between ``torch.get_num_threads()`` threads (Python threads: ctypes lets go of the GIL), in shares
-    of whole blocks of at least ``MIN_SHARE_BYTES``. A row's result is the same bits whatever the rows beside it and
+    columns shared between up to ``torch.get_num_threads()`` threads of torch's OpenMP pool (``quasar_int8_linear_shared``;
+    where the process has no OpenMP runtime, Python threads of ours), in shares of whole blocks of at least
+    ``MIN_SHARE_BYTES`` and ``ROWS_PER_SHARE`` rows. A row's result is the same bits whatever the rows beside it and
     whichever thread computed it: its sums are exact integers, its epilogue runs per element."""
 
     def __init__(self, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None):
@@ -82,9 +107,10 @@ class PackedInt8Linear:
         x = x.detach().float().contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, self.out_features)
-        shares = min(torch.get_num_threads(), self.max_shares)
+        shares = min(torch.get_num_threads(), self.max_shares, -(-rows // ROWS_PER_SHARE))
         edges = [self.blocks * t // shares for t in range(shares + 1)]
-        scratch = torch.empty(shares, self.lib.quasar_int8_scratch_bytes(rows, self.in_features), dtype=torch.uint8)
+        scratch_bytes = self.lib.quasar_int8_scratch_bytes(rows, self.in_features)
+        scratch = torch.empty(shares, scratch_bytes, dtype=torch.uint8)
         args = (
             x.data_ptr(),
             rows,
@@ -96,6 +122,13 @@ class PackedInt8Linear:
             None if self.input_scale is None else self.input_scale.data_ptr(),
             self.out_features,
         )
+        if shares == 1:
+            self.lib.quasar_int8_linear(*args, 0, self.blocks, out.data_ptr(), scratch.data_ptr())
+            return out
+        bounds = torch.tensor(edges, dtype=torch.int32)
+        if self.lib.quasar_int8_linear_shared(*args, bounds.data_ptr(), shares, out.data_ptr(), scratch.data_ptr(), scratch_bytes) == 0:
+            return out
+        # no OpenMP runtime in the process: threads of our own (ctypes lets go of the GIL), the caller's taking the first
         run = self.lib.quasar_int8_linear
         pending = [
             _pool(shares - 1).submit(run, *args, edges[t], edges[t + 1], out.data_ptr(), scratch[t].data_ptr()) for t in range(1, shares)

@@ -27,9 +27,9 @@ BLOCK = 64  # output columns per packed block, the unit of a thread's share
 # a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about
 # what reading this much takes (a few tens of microseconds)
 MIN_SHARE_BYTES = 1 << 19
-# and at least this many rows: up to 8 rows a linear is bound by memory, which one core streams as fast as two here
-# (Zen 4: 25-26 GB/s at 1-6 rows on one thread, 21-24 on two), so a second thread only adds its hand-off and contends
-# with torch's OpenMP workers; past that the arithmetic binds, and two threads share it (15 against 12 GB/s at 16 rows)
+# and, on threads of our own (a process without OpenMP), at least this many rows: up to 8 rows a linear is bound by
+# memory, which one core streams about as fast as two, so a second thread of ours only adds its hand-off; torch's
+# OpenMP workers, already running, gain at any row count
 ROWS_PER_SHARE = 8
 
 
@@ -84,7 +84,7 @@ class PackedInt8Linear:
     """One W8A8 linear on the kernel: the weights packed once (the original can then be released), each call's output
     columns shared between up to ``torch.get_num_threads()`` threads of torch's OpenMP pool (``quasar_int8_linear_shared``;
     where the process has no OpenMP runtime, Python threads of ours), in shares of whole blocks of at least
-    ``MIN_SHARE_BYTES`` and ``ROWS_PER_SHARE`` rows. A row's result is the same bits whatever the rows beside it and
+    ``MIN_SHARE_BYTES`` (and, on threads of ours, ``ROWS_PER_SHARE`` rows). A row's result is the same bits whatever the rows beside it and
     whichever thread computed it: its sums are exact integers, its epilogue runs per element."""
 
     def __init__(self, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None):
@@ -107,8 +107,7 @@ class PackedInt8Linear:
         x = x.detach().float().contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, self.out_features)
-        shares = min(torch.get_num_threads(), self.max_shares, -(-rows // ROWS_PER_SHARE))
-        edges = [self.blocks * t // shares for t in range(shares + 1)]
+        shares = min(torch.get_num_threads(), self.max_shares)
         scratch_bytes = self.lib.quasar_int8_scratch_bytes(rows, self.in_features)
         scratch = torch.empty(shares, scratch_bytes, dtype=torch.uint8)
         args = (
@@ -122,13 +121,13 @@ class PackedInt8Linear:
             None if self.input_scale is None else self.input_scale.data_ptr(),
             self.out_features,
         )
-        if shares == 1:
-            self.lib.quasar_int8_linear(*args, 0, self.blocks, out.data_ptr(), scratch.data_ptr())
-            return out
-        bounds = torch.tensor(edges, dtype=torch.int32)
-        if self.lib.quasar_int8_linear_shared(*args, bounds.data_ptr(), shares, out.data_ptr(), scratch.data_ptr(), scratch_bytes) == 0:
-            return out
+        if shares > 1:
+            edges = torch.tensor([self.blocks * t // shares for t in range(shares + 1)], dtype=torch.int32)
+            if self.lib.quasar_int8_linear_shared(*args, edges.data_ptr(), shares, out.data_ptr(), scratch.data_ptr(), scratch_bytes) == 0:
+                return out
         # no OpenMP runtime in the process: threads of our own (ctypes lets go of the GIL), the caller's taking the first
+        shares = min(shares, -(-rows // ROWS_PER_SHARE))
+        edges = [self.blocks * t // shares for t in range(shares + 1)]
         run = self.lib.quasar_int8_linear
         pending = [
             _pool(shares - 1).submit(run, *args, edges[t], edges[t + 1], out.data_ptr(), scratch[t].data_ptr()) for t in range(1, shares)

@@ -226,7 +226,7 @@ def linear_kernels(
 
     sizes = linear_sizes(synthetic_spec(shape))
     check_fits(kernels_peak_bytes(sizes), f"kernels --synthetic {shape}")
-    float_kernel = default_float_kernel()
+    float_kernel, dtype = default_float_kernel(), default_float_dtype("cpu")
     int8_kernel, *others = int8_kernels or (default_int8_kernel(),)
     bandwidth = memory_bandwidth()
     results = []
@@ -234,7 +234,7 @@ def linear_kernels(
     for out_features, in_features in tqdm(sizes, desc="kernels", disable=not progress):
         copies = _copies(out_features, in_features)
         weights = [torch.randn(out_features, in_features, generator=generator) * 0.02 for _ in range(copies)]
-        float_fns = [float_linear(w, None, float_kernel) for w in weights]
+        float_fns = [float_linear(w.to(dtype), None, float_kernel) for w in weights]
         quantized = [quantize_weight(w) for w in weights]
         del weights
         int8_fns = {k: [int8_linear(*q, None, None, k) for q in quantized] for k in (int8_kernel, *others)}
@@ -243,10 +243,11 @@ def linear_kernels(
             x = torch.randn(m, in_features, generator=generator)
             timings = {}
             for name, fns in (("float", float_fns), *int8_fns.items()):
+                rows_in = x.to(dtype) if name == "float" else x
                 for fn in fns[:2]:
-                    fn(x)
-                timings[name] = min(_time_all(fns, x) for _ in range(repeats)) / copies
-            float_bound = out_features * in_features * 4 / bandwidth
+                    fn(rows_in)
+                timings[name] = min(_time_all(fns, rows_in) for _ in range(repeats)) / copies
+            float_bound = out_features * in_features * dtype.itemsize / bandwidth
             int8_bound = out_features * in_features / bandwidth
             results.append(
                 {
@@ -265,6 +266,7 @@ def linear_kernels(
     return {
         "shape": shape,
         "float_kernel": float_kernel,
+        "float_dtype": dtype_name(dtype),
         "int8_kernel": int8_kernel,
         "other_int8_kernels": others,
         "threads": torch.get_num_threads(),
@@ -276,7 +278,8 @@ def linear_kernels(
 def describe_linear_kernels(result: dict) -> str:
     others = result["other_int8_kernels"]
     lines = [
-        f"linear kernels at {result['shape']} sizes; float {result['float_kernel']}, int8 {result['int8_kernel']}, "
+        f"linear kernels at {result['shape']} sizes; float {result['float_kernel']} in {result['float_dtype']}, "
+        f"int8 {result['int8_kernel']}, "
         f"{result['threads']} threads; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s",
         f"{'out x in':>13} {'M':>3} {'float ms':>9} {'W8A8 ms':>8} {'speed-up':>8} {'float %bw':>9} {'W8A8 %bw':>8}"
         + "".join(f" {k + ' ms':>15}" for k in others),

@@ -16,15 +16,23 @@ from collections.abc import Callable
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the calling thread's pool; it is rebuilt if that thread runs again
 
 
-@functools.cache
-def _pause_all() -> Callable[[int], int] | None:
-    """``omp_pause_resource_all`` of the OpenMP runtime torch has loaded (GNU or Intel), or None where there is none."""
+def runtime_functions(*names: str) -> list[Callable] | None:
+    """The functions ``names`` of the OpenMP runtime torch has loaded (GNU's in its CPU wheels, or Intel's, which exports
+    the same names), or None where the process lacks any of them."""
     import torch  # noqa: F401  (loads the runtime into the process, so its symbols are found below)
 
     try:
-        return ctypes.CDLL(None).omp_pause_resource_all
+        process = ctypes.CDLL(None)
+        return [getattr(process, name) for name in names]
     except (AttributeError, OSError):
         return None
+
+
+@functools.cache
+def _pause_all() -> Callable[[int], int] | None:
+    """``omp_pause_resource_all`` of the OpenMP runtime torch has loaded, or None where there is none."""
+    found = runtime_functions("omp_pause_resource_all")
+    return found[0] if found else None
 
 
 def release_openmp_pool() -> bool:

@@ -2,8 +2,10 @@
  * probes this file; kernels.py offers it as the "quasar-vnni" int8 kernel).
  *
  * Why its own kernel: at verify sizes (1-16 rows) a linear is a pass over its weights, and the library kernels read
- * int8 weights more slowly than bf16 ones (oneDNN's and ONNX Runtime's 18-23 GB/s against 28-32 for bf16 here), so
- * a W8A8 step gained less than its bytes promise. Here each thread streams one contiguous run of packed weights.
+ * int8 weights more slowly than their bf16 kernels read twice the bytes, so a W8A8 step gained less than its bytes
+ * promise (`quasar-deploy bench kernels --int8-kernels quasar-vnni,onednn-vnni,fbgemm-vnni` times them against each
+ * other and the float kernel; its record is on docs/benchmarks.md). Here each thread streams one contiguous run of
+ * packed weights.
  *
  * What it computes, bit for bit as scheme.reference_linear: per-token (or the calibrated static) activation scale
  * max|x| / 127 (at least 1e-12); codes rint(x / scale) clamped to [-127, 127]; the exact int32 sum of code x weight

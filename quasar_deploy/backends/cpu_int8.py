@@ -57,17 +57,13 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
-def _openmp_entry_points() -> tuple[int, int, int] | None:
-    """GOMP_parallel, omp_get_thread_num and omp_get_num_threads of the OpenMP runtime torch has loaded (GNU's in its
-    CPU wheels; Intel's exports the same names), as addresses; None where the process has none."""
-    import torch  # noqa: F401  (loads the runtime into the process, so its symbols are found below)
+def _openmp_entry_points() -> tuple[int, ...] | None:
+    """GOMP_parallel, omp_get_thread_num and omp_get_num_threads of the OpenMP runtime torch has loaded, as addresses;
+    None where the process has none."""
+    from ..openmp import runtime_functions
 
-    process = ctypes.CDLL(None)
-    try:
-        names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
-        return tuple(ctypes.cast(getattr(process, name), ctypes.c_void_p).value for name in names)
-    except AttributeError:
-        return None
+    found = runtime_functions("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+    return None if found is None else tuple(ctypes.cast(function, ctypes.c_void_p).value for function in found)
 
 
 def why_not() -> str | None:
@@ -102,6 +98,13 @@ class PackedInt8Linear:
         self.input_scale = None if input_scale is None else input_scale.detach().float().reshape(1).contiguous()
         self.blocks = -(-self.out_features // BLOCK)
         self.max_shares = max(1, min(self.blocks, wq.numel() // MIN_SHARE_BYTES))
+        self._edges: dict[int, torch.Tensor] = {}  # share count -> the blocks' bounds, as the C call takes them
+
+    def edges(self, shares: int) -> torch.Tensor:
+        """The bounds of ``shares`` shares of about equal blocks, [shares + 1] int32 (made once per share count)."""
+        if shares not in self._edges:
+            self._edges[shares] = torch.tensor([self.blocks * t // shares for t in range(shares + 1)], dtype=torch.int32)
+        return self._edges[shares]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach().float().contiguous()
@@ -122,12 +125,12 @@ class PackedInt8Linear:
             self.out_features,
         )
         if shares > 1:
-            edges = torch.tensor([self.blocks * t // shares for t in range(shares + 1)], dtype=torch.int32)
-            if self.lib.quasar_int8_linear_shared(*args, edges.data_ptr(), shares, out.data_ptr(), scratch.data_ptr(), scratch_bytes) == 0:
+            bounds = self.edges(shares).data_ptr()
+            if self.lib.quasar_int8_linear_shared(*args, bounds, shares, out.data_ptr(), scratch.data_ptr(), scratch_bytes) == 0:
                 return out
         # no OpenMP runtime in the process: threads of our own (ctypes lets go of the GIL), the caller's taking the first
         shares = min(shares, -(-rows // ROWS_PER_SHARE))
-        edges = [self.blocks * t // shares for t in range(shares + 1)]
+        edges = self.edges(shares).tolist()
         run = self.lib.quasar_int8_linear
         pending = [
             _pool(shares - 1).submit(run, *args, edges[t], edges[t + 1], out.data_ptr(), scratch[t].data_ptr()) for t in range(1, shares)

@@ -147,7 +147,7 @@ def _gpu(f: dict) -> list[Quantity]:
 
 
 def _kernels(f: dict) -> list[Quantity]:
-    float_dtype = f.get("float_dtype", "float32")  # records before 2026-12-02 timed float32 on every CPU
+    float_dtype = f.get("float_dtype", "float32")  # records without it come from before the bench timed the CPU's float dtype
     kernels = f"W8A8 ({f['int8_kernel']}) vs float ({f['float_kernel']}, {float_dtype})"
     what = f"linear kernels, {f['shape']} sizes, {f['threads']} threads, {kernels}"
     return [(f"{what}: {r['out_features']}x{r['in_features']} at M={r['m']}", f"{r['speedup']:.2f}x") for r in f["rows"]]

@@ -9,7 +9,7 @@ import torch
 
 from .backends import available_backends
 from .backends.cuda import gpu_status
-from .backends.registry import auto_backend, default_backend
+from .backends.registry import auto_backend, auto_choice
 from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
 from .kernels import (
     FLOAT_DTYPE_ENV,
@@ -45,8 +45,10 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
         "probes": probes(),
         "gpu": gpu_status(),
         "targets": available_backends(),
-        "default_backend": default_backend(),
-        "layer_skip_backend": default_backend(("layer_skip",)),  # a W8A8 artifact's; a float checkpoint's is cpu
+        "artifact_backend": auto_choice(artifact=True),
+        "checkpoint_backend": auto_choice(artifact=False),
+        "layer_skip_backend": auto_choice(artifact=True, needs=("layer_skip",)),  # a W8A8 artifact's
+        "layer_skip_checkpoint_backend": auto_choice(artifact=False, needs=("layer_skip",)),
         "cache": cache_summary(),
         **({"memory": model_memory(path), "auto_backend": auto_backend(path)} if path is not None else {}),
         **({"exact_memory": exact_memory(path, exact_source)} if path is not None and exact else {}),

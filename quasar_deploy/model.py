@@ -42,6 +42,22 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 KernelFactory = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"], LinearFn]
 
 
+# (layer, q, k, v) -> attention output: the rows of one pass, [rows, heads * head_dim] (k, v: kv heads), q and k normed
+# and rotated; it writes the rows' keys and values to their caches itself
+StepAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class AttentionKernel(Protocol):
+    """A backend's own attention in place of ``Attention``'s torch ops (the cpu backend's C kernel, ``Decoder.attention_kernel``):
+    the caches it reads (with ``KVCache``'s ``length``, ``reserve`` and ``truncate``) and, per pass, a ``StepAttention``."""
+
+    itemsize: int  # bytes of a cached key or value
+
+    def new_cache(self, capacity: int): ...
+
+    def step(self, caches: list, sizes: list[int]) -> StepAttention: ...
+
+
 def cpu_kernels(float_kernel: str = "torch", int8_kernel: str = "reference") -> KernelFactory:
     """The ``KernelFactory`` of ``kernels.py``'s named kernels (the cpu backend, calibration, tests)."""
 
@@ -396,6 +412,11 @@ class Attention(nn.Module):
 
     def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of ``x`` [t, hidden] as [heads, t, head_dim], q and k normed and rotated (shared with the cuda backend)."""
+        q, k, v = self._rotated_rows(x, cos, sin)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def _rotated_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of ``x`` as [t, heads, head_dim], q and k normed and rotated (the same elementwise ops in any layout)."""
         s = self.spec
         t = x.shape[0]
         q, k, v = self._project(x)
@@ -404,7 +425,7 @@ class Attention(nn.Module):
         v = v.view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        cos, sin = cos[:, None], sin[:, None]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
@@ -412,7 +433,11 @@ class Attention(nn.Module):
         t = attended.shape[1]
         return self.o_proj(attended.transpose(0, 1).reshape(t, self.spec.num_heads * self.spec.head_dim))
 
-    def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int, step: StepAttention | None = None) -> torch.Tensor:
+        if step is not None:  # a backend's kernel attends every sequence's rows, over caches of its own
+            t = x.shape[0]
+            q, k, v = self._rotated_rows(x, cos, sin)
+            return self.o_proj(step(layer, q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)).to(x.dtype))
         q, k, v = self.rotated_qkv(x, cos, sin)
         outs, row = [], 0
         for seg in segments:  # each sequence attends over its own cache only
@@ -492,8 +517,8 @@ class DecoderLayer(nn.Module):
         self.self_attn.fuse(kernels)
         self.mlp.fuse(kernels)
 
-    def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
+    def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int, step: StepAttention | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -556,6 +581,7 @@ class Decoder(nn.Module):
             lm_head = Linear(as_stored(source, f"{HEAD}.weight", dtype), load(f"{HEAD}.bias", False), head_dtype)
         self.lm_head = lm_head
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
+        self.attention_kernel: AttentionKernel | None = None  # a backend's own attention, set before any cache is made
 
     def linears(self) -> Iterable[tuple[str, Linear]]:
         return ((n, m) for n, m in self.named_modules() if isinstance(m, Linear) and n != "lm_head")
@@ -592,6 +618,8 @@ class Decoder(nn.Module):
         return self.model.embed_tokens(ids).to(self.dtype)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
+        if self.attention_kernel is not None:
+            return self.attention_kernel.new_cache(capacity)
         return KVCache(self.spec, self.dtype, self.inv_freq.device, capacity)
 
     @torch.inference_mode()
@@ -617,15 +645,18 @@ class Decoder(nn.Module):
         for cache, t in zip(caches, sizes):
             cache.reserve(t)
         device = blocks[0].device
-        segments = [segment(self.spec, cache, t, device) for cache, t in zip(caches, sizes)]
-        ropes = [rotary(self.inv_freq, seg.start, seg.rows, self.dtype) for seg in segments]
+        starts = [cache.length for cache in caches]
+        kernel = self.attention_kernel
+        step = kernel.step(list(caches), sizes) if kernel is not None else None
+        segments = [] if step else [segment(self.spec, cache, t, device) for cache, t in zip(caches, sizes)]
+        ropes = [rotary(self.inv_freq, start, t, self.dtype) for start, t in zip(starts, sizes)]
         cos, sin = (torch.cat(parts) for parts in zip(*ropes)) if len(ropes) > 1 else ropes[0]
         x = self.embed(torch.cat(list(blocks)) if len(blocks) > 1 else blocks[0])
         for i, layer in enumerate(self.model.layers):
             if i not in skip_layers:
-                x = layer(x, cos, sin, segments, i)
-        for seg in segments:
-            seg.cache.length = seg.start + seg.rows
+                x = layer(x, cos, sin, segments, i, step)
+        for cache, start, t in zip(caches, starts, sizes):
+            cache.length = start + t
         if any(last_only):
             ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
             rows = [r for end, t, last in zip(ends, sizes, last_only) for r in ([end - 1] if last else range(end - t, end))]

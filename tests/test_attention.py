@@ -1,5 +1,6 @@
 """Attention after the prefill: a row computes the same bits alone (a one-token decode), in a verify block and beside
-other sequences of any cache length. Greedy speculation is lossless and serving batch-invariant because of it."""
+other sequences of any cache length, with torch's ops and with the C kernel the cpu backend attends with where it runs.
+Greedy speculation is lossless and serving batch-invariant because of it."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ pytestmark = pytest.mark.skipif(not onednn_available(), reason="bit-identical ro
 IDS = torch.randint(0, 4096, (KEY_CHUNK + 64,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-@pytest.fixture(scope="module", params=[("qwen3", {}), ("mistral", {"sliding_window": 40})], ids=["qwen3", "sliding-window"])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3", {}, "auto"), ("qwen3", {}, "torch"), ("mistral", {"sliding_window": 40}, "auto")],
+    ids=["qwen3", "qwen3-torch-attention", "sliding-window"],
+)
 def lm(request, tmp_path_factory) -> BatchingTorchCausalLM:
-    """A W8A8 verifier (naive weight quantization) on the cpu backend's row-invariant kernels."""
-    arch, overrides = request.param
+    """A W8A8 verifier (naive weight quantization) on the cpu backend's row-invariant kernels: its attention the C
+    kernel where this CPU runs it ("auto"; a sliding window keeps torch's ops), or torch's ops."""
+    arch, overrides, attention = request.param
     decoder = open_model_files(save_tiny(tmp_path_factory.mktemp(arch), arch, **overrides)).decoder()
     for _, linear in decoder.linears():
         linear.set_quantized(*quantize_weight(linear.weight.data), None)
-    lm = cpu_causal_lm(decoder)
+    lm = cpu_causal_lm(decoder, attention=attention)
     assert isinstance(lm, BatchingTorchCausalLM)
     return lm
 

@@ -1,4 +1,5 @@
-"""``backend="auto"`` on a CPU with ONNX Runtime: the artifact's exact integer graph, exported once into the cache.
+"""``backend="auto"`` on a CPU with ONNX Runtime: the artifact's exact integer graph, exported once into the cache, where
+the int8 probe picks a library kernel; the cpu backend where it picks our own (``registry.ours_int8``).
 
 What the choice must keep: the same tokens as the cpu backend's exact kernels, one export per model content (two
 processes started together included), a damaged cache entry repaired rather than run, a changed model re-exported,
@@ -24,6 +25,15 @@ pytest.importorskip("onnx")
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 
 
+@pytest.fixture(autouse=True)
+def library_int8_kernel(monkeypatch):
+    """A CPU whose int8 probe picks a library kernel, where artifacts go to ONNX Runtime: whichever the probe picks on the
+    CPU running the suite (``test_our_int8_kernel_keeps_artifacts_on_the_cpu_backend`` covers the other branch)."""
+    from quasar_deploy import kernels
+
+    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")
+
+
 @pytest.fixture
 def empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
@@ -41,7 +51,8 @@ def test_auto_runs_an_artifact_on_its_cached_integer_graph_with_the_exact_kernel
         assert (
             engine.generate(PROMPT, max_new_tokens=24, draft=draft).tokens == exact.generate(PROMPT, max_new_tokens=24, draft=draft).tokens
         )
-    assert [p.name for p in empty_cache.iterdir() if not p.name.startswith(".")] == [cache.onnx_export_path(tiny_artifact.path).name]
+    exports = [p.name for p in empty_cache.iterdir() if p.name.startswith("onnx-")]  # beside them: built C kernels, .index
+    assert exports == [cache.onnx_export_path(tiny_artifact.path).name]
 
     load(tiny_artifact.path)
     assert "exporting" not in capfd.readouterr().err  # reused
@@ -106,6 +117,19 @@ def test_needs_and_options_choose_a_backend_that_provides_them(tiny_artifact, ti
         registry.auto_backend(tiny_artifact.path, needs=("gpu",))
 
 
+def test_our_int8_kernel_keeps_artifacts_on_the_cpu_backend(tiny_artifact, tiny_qwen3, monkeypatch):
+    """Where the probe picks ``quasar-vnni`` the cpu backend runs W8A8 steps faster than ONNX Runtime's graphs (alone and
+    batched: docs/architecture.md), so auto keeps artifacts there, for generation and serving; float checkpoints are
+    not its business."""
+    from quasar_deploy import kernels
+    from quasar_deploy.cli.serve import SERVER_NEEDS
+
+    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "quasar-vnni")
+    assert registry.auto_backend(tiny_artifact.path) == "cpu"
+    assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "cpu"
+    assert registry.auto_backend(tiny_qwen3) == "onnxruntime"  # float32 here (the suite's float dtype): ORT's float graph
+
+
 def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, monkeypatch):
     from quasar_deploy import cpuinfo
     from quasar_deploy.artifact import open_model_files
@@ -117,3 +141,16 @@ def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, m
     assert registry.auto_backend(tiny_artifact.path) == "cpu"
     monkeypatch.setattr(cpuinfo, "memory_available", lambda: needed)
     assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
+
+
+@pytest.mark.parametrize(("int8_kernel", "artifacts"), [("quasar-vnni", "cpu"), ("onednn-vnni", "onnxruntime")])
+def test_doctor_names_what_auto_gives_each_kind_of_model(int8_kernel, artifacts, monkeypatch):
+    from click.testing import CliRunner
+
+    from quasar_deploy import kernels
+    from quasar_deploy.cli import main
+
+    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": int8_kernel)
+    output = CliRunner().invoke(main, ["doctor"]).output
+    expected = f"backend        {artifacts} for W8A8 artifacts, onnxruntime for float checkpoints (--backend auto"
+    assert expected in output and f"--draft layerskip and serve: {artifacts} and cpu)" in output

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 from click.testing import CliRunner
 
+from quasar_deploy.backends.registry import auto_backend
 from quasar_deploy.bench.serving import WideVocabulary, percentile
 from quasar_deploy.cli import main
+from quasar_deploy.cli.serve import SERVER_NEEDS
 from quasar_deploy.demo import demo_model_path
 from quasar_deploy.tokenizer import load_tokenizer
 
@@ -39,8 +40,10 @@ def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
     assert alone["tokens_per_s"] > 0 and 2 <= alone["output_tokens"] <= 16 and alone["backend"]
     assert report["levels"][0]["vs_generate"] == pytest.approx(report["levels"][0]["tokens_per_s"] / alone["tokens_per_s"])
     assert report["levels"][1]["vs_generate"] is None and "`generate` alone" in result.output
-    # what auto serves (ONNX Runtime's layer graphs where it is installed), named by the server process's startup line
-    auto = "onnxruntime cpu (W8A8 integer layer graphs" if importlib.util.find_spec("onnxruntime") else "cpu W8A8, "
+    # what auto serves here (the cpu backend where our int8 kernel runs, else ONNX Runtime's layer graphs where it is
+    # installed), named by the server process's startup line
+    served = auto_backend(tiny_artifact.path, SERVER_NEEDS)
+    auto = "onnxruntime cpu (W8A8 integer layer graphs" if served == "onnxruntime" else "cpu W8A8, "
     assert report["backend"].startswith(auto)
     assert len(report["environment"]["load_average_at_start"]) == 3
     assert "| 2 | 2 |" in (out / "report.md").read_text() and "| 2 | 2 |" in result.output

@@ -3,6 +3,7 @@
 import pytest
 
 from quasar_deploy import demo
+from quasar_deploy.backends import registry
 from quasar_deploy.calibration import CalibrationRecipe
 from quasar_deploy.demo.run import describe, run_demo
 from quasar_deploy.inflate import InflationTarget
@@ -15,6 +16,7 @@ def test_demo_measures_the_inflated_and_the_demo_model(monkeypatch, tmp_path):
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.setattr(demo, "demo_recipe", lambda: CalibrationRecipe(num_samples=8, seq_len=64))
     monkeypatch.setattr(demo, "inflation_target", lambda: SMALL)
+    monkeypatch.setattr(registry, "ours_int8", lambda path: False)  # an int8 probe that picks a library kernel: auto runs ORT
     printed = []
     package = sorted(demo.demo_model_path().parent.iterdir())
     result = run_demo(printed.append, progress=False, limit=2, max_new_tokens=16)

@@ -95,16 +95,18 @@ def test_only_backends_that_can_skip_layers_are_layer_skipping(tiny_qwen3):
     assert isinstance(OrtLike(), CausalLM) and not isinstance(OrtLike(), LayerSkippingLM)
 
 
-def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tiny_artifact, tiny_onnx, tmp_path):
-    from quasar_deploy.backends.registry import auto_backend, default_backend
+def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tiny_artifact, tiny_onnx, tmp_path, monkeypatch):
+    from quasar_deploy import kernels
+    from quasar_deploy.backends.registry import auto_backend, auto_choice
     from quasar_deploy.engine import load
 
     pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # a CPU whose int8 probe picks a library kernel
     # no GPU here, onnxruntime installed: the exact integer graph, exported to the cache on first use (test_backend_choice.py)
-    assert auto_backend(tiny_qwen3) == auto_backend(tiny_artifact.path) == default_backend() == "onnxruntime"
+    assert auto_backend(tiny_qwen3) == auto_backend(tiny_artifact.path) == auto_choice(True) == auto_choice(False) == "onnxruntime"
     # skipping layers: ONNX Runtime's layer graphs of a W8A8 artifact; a float checkpoint has none, so our torch decoder
-    assert auto_backend(tiny_artifact.path, needs=("layer_skip",)) == default_backend(("layer_skip",)) == "onnxruntime"
-    assert auto_backend(tiny_qwen3, needs=("layer_skip",)) == "cpu"
+    assert auto_backend(tiny_artifact.path, needs=("layer_skip",)) == auto_choice(True, ("layer_skip",)) == "onnxruntime"
+    assert auto_backend(tiny_qwen3, needs=("layer_skip",)) == auto_choice(False, ("layer_skip",)) == "cpu"
     assert auto_backend(tiny_onnx) == "onnxruntime"  # routed by the target its quasar-export.json records
     engine = load(tiny_onnx)
     assert engine.lm.description.startswith("onnxruntime") and engine.backend == "onnxruntime"
@@ -166,12 +168,14 @@ def test_a_corrupted_export_manifest_is_one_line(tmp_path):
         auto_backend(directory)
 
 
-def test_generate_runs_an_onnx_export_without_backend_and_names_the_backend(tiny_onnx, tiny_artifact):
+def test_generate_runs_an_onnx_export_without_backend_and_names_the_backend(tiny_onnx, tiny_artifact, monkeypatch):
     from click.testing import CliRunner
 
+    from quasar_deploy import kernels
     from quasar_deploy.cli import main
 
     pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # a CPU whose int8 probe picks a library kernel
     for path, options, backend in (
         (tiny_onnx, [], "backend: onnxruntime CPUExecutionProvider (W8A8 integer graph)"),
         (tiny_artifact.path, [], "backend: onnxruntime CPUExecutionProvider (W8A8 integer graph)"),

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from ..decoder_spec import DecoderSpec
+from ..errors import QuasarError
+from ..model import KEY_CHUNK, round_up
 from . import native
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -167,3 +171,67 @@ def copy_cache(source: tuple[np.ndarray, np.ndarray], target: tuple[np.ndarray, 
     tiles = -(-length // TILE)
     target[0][:, :tiles] = source[0][:, :tiles]
     target[1][:, :length] = source[1][:, :length]
+
+
+class TiledKVCache:
+    """One sequence's keys and values for the torch decoder, in the kernel's layout (``new_cache``, float32 whatever the
+    decoder computes in), with ``model.KVCache``'s life: truncation only moves ``length``, growth doubles."""
+
+    def __init__(self, spec: DecoderSpec, capacity: int):
+        self.spec = spec
+        self.length = 0
+        self.capacity = 0
+        self.layers: list[tuple[np.ndarray, np.ndarray]] = []
+        self._grow(round_up(capacity, TILE))
+
+    def _grow(self, capacity: int) -> None:
+        s = self.spec
+        grown = [new_cache(s.num_kv_heads, capacity, s.head_dim) for _ in range(s.num_layers)]
+        for old, new in zip(self.layers, grown):
+            copy_cache(old, new, self.length)
+        self.layers, self.capacity = grown, capacity
+
+    def reserve(self, extra: int) -> None:
+        """Room for ``extra`` more positions (grown to a multiple of ``KEY_CHUNK``, as ``KVCache`` grows)."""
+        end = self.length + extra
+        if end > self.capacity:
+            self._grow(max(2 * self.capacity, round_up(end, KEY_CHUNK)))
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+
+class TorchAttention:
+    """The kernel as the torch decoder's attention (``Decoder.attention_kernel``): the caches it reads and, per forward
+    pass, one ``StepAttention`` over them. Its q, k, v and output are float32; a bf16 decoder's are converted."""
+
+    itemsize = 4  # bytes of a cached key or value
+
+    def __init__(self, kernel: Kernel, spec: DecoderSpec, threads: int):
+        if spec.sliding_window is not None:
+            raise QuasarError("the C attention kernel is plain causal; this model's attention has a sliding window")
+        self.kernel, self.spec, self.threads = kernel, spec, threads
+        self.pool = ThreadPoolExecutor(threads - 1, "quasar-attention") if threads > 1 else None
+
+    @property
+    def description(self) -> str:
+        return self.kernel.description
+
+    def new_cache(self, capacity: int) -> TiledKVCache:
+        return TiledKVCache(self.spec, capacity)
+
+    def step(self, caches: list[TiledKVCache], sizes: list[int]):
+        """The attention of one pass appending ``sizes[i]`` rows to ``caches[i]`` (room reserved, lengths not yet
+        moved): ``(layer, q, k, v) -> output``, rows stacked as ``StepAttention`` takes them."""
+        s = self.spec
+        attend = StepAttention(
+            self.kernel, self.pool, self.threads, s.num_heads, s.num_kv_heads, s.head_dim,
+            [cache.layers for cache in caches], [cache.length for cache in caches], list(sizes),
+        )  # fmt: skip
+
+        def run(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(attend(layer, q.float().numpy(), k.float().numpy(), v.float().numpy()))
+
+        return run

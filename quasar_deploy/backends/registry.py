@@ -52,10 +52,11 @@ BACKENDS: dict[str, BackendEntry] = {
     ),
 }
 
-# "auto" takes the first of these that can run here, provides what the caller needs, and (ONNX Runtime) fits in memory.
-# On a CPU, ONNX Runtime's exact integer graph runs the W8A8 verify step faster than the torch cpu backend: one graph
-# with its int8 MatMulInteger, no per-op dispatch from Python (`bench onnx step` times both in one run; its record is in
-# docs/benchmarks.md); the artifact is exported to the cache on first use (``cache.py``).
+# "auto" takes the first of these that can run here, provides what the caller needs, and (ONNX Runtime) suits the model
+# (``suits_onnxruntime``): on a CPU, ONNX Runtime's exact integer graph, one graph with its int8 MatMulInteger and no
+# per-op dispatch from Python, runs a W8A8 verify step faster than the torch cpu backend on library kernels, but not than
+# the cpu backend on our own int8 and attention kernels (docs/architecture.md, "Choosing the backend"); the artifact is
+# exported to the cache on first use (``cache.py``).
 AUTO_ORDER = ("cuda", "onnxruntime", "cpu")
 # ONNX Runtime's session build peaks at about twice what it then holds (the graph's copy of the weights beside its own,
 # which ``memory.return_freed_memory`` then hands back): "auto" picks it only where twice the cpu backend's estimate
@@ -99,11 +100,6 @@ def candidates(needs: Collection[str] = (), options: Collection[str] = ()) -> li
     ]
 
 
-def default_backend(needs: Collection[str] = ()) -> str:
-    """The backend "auto" gives artifacts and float checkpoints here (before the memory check of ``auto_backend``)."""
-    return candidates(needs)[0]
-
-
 def fits_onnxruntime(path: Path) -> bool:
     """Whether ONNX Runtime's copy of the model at ``path`` fits in the memory available now (``ONNXRUNTIME_MEMORY_FACTOR``)."""
     from ..artifact import open_model_files
@@ -115,25 +111,53 @@ def fits_onnxruntime(path: Path) -> bool:
     return needed * ONNXRUNTIME_MEMORY_FACTOR <= memory_available()
 
 
-def bf16_float(path: Path) -> bool:
-    """A float checkpoint on a CPU whose float dtype is bf16: the cpu backend runs it in bf16, ORT's CPU kernels only in
-    float32 (twice the bytes per step), so "auto" keeps it off ONNX Runtime."""
-    from ..integrity import MANIFEST
-    from ..kernels import cpu_computes_bf16
+def cpu_runs_better(artifact: bool) -> bool:
+    """Whether the cpu backend runs a W8A8 artifact (``artifact``) or a float checkpoint better than ONNX Runtime on this
+    CPU. An artifact: where the int8 probe picks our own kernel (``quasar-vnni``), the cpu backend, with it and the C
+    attention, runs the verify step and the batched serving step faster than ONNX Runtime's graphs (``bench onnx step``,
+    ``bench batched-step``; docs/architecture.md). A float checkpoint: where the CPU computes bf16, the cpu backend runs
+    it in bf16 and ORT's CPU kernels only in float32 (twice the bytes per step)."""
+    from ..kernels import cpu_computes_bf16, default_int8_kernel
 
-    return not (path / MANIFEST).is_file() and cpu_computes_bf16()
+    return default_int8_kernel("cpu") == "quasar-vnni" if artifact else cpu_computes_bf16()
+
+
+def bf16_float(path: Path) -> bool:
+    """A float checkpoint the cpu backend runs better here (``cpu_runs_better``)."""
+    from ..integrity import MANIFEST
+
+    return not (path / MANIFEST).is_file() and cpu_runs_better(artifact=False)
+
+
+def ours_int8(path: Path) -> bool:
+    """A W8A8 artifact the cpu backend runs better here (``cpu_runs_better``)."""
+    from ..integrity import MANIFEST
+
+    return (path / MANIFEST).is_file() and cpu_runs_better(artifact=True)
+
+
+def auto_choice(artifact: bool, needs: Collection[str] = ()) -> str:
+    """The backend "auto" gives a W8A8 artifact (``artifact``) or a float checkpoint here, before its memory check; with
+    ``needs``, a float checkpoint has no ONNX Runtime form that provides them (``doctor`` prints both)."""
+    names = candidates(needs)
+    if names[0] == "onnxruntime" and (cpu_runs_better(artifact) or (needs and not artifact)):
+        return next(n for n in names if n != "onnxruntime")
+    return names[0]
 
 
 def suits_onnxruntime(path: Path, needs: Collection[str] = ()) -> bool:
-    """ONNX Runtime's copy fits in memory, and it is not a float checkpoint better served in bf16 by the cpu backend; with
-    ``needs``, the model runs as ONNX Runtime's layer graphs (a W8A8 artifact, every layer int8: ``onnx_layered``)."""
+    """ONNX Runtime's copy fits in memory, and the cpu backend would not serve it better: a float checkpoint in bf16
+    (``bf16_float``), a W8A8 artifact on our int8 kernel (``ours_int8``); with ``needs``, the model runs as ONNX Runtime's
+    layer graphs (a W8A8 artifact, every layer int8: ``onnx_layered``)."""
+    if bf16_float(path) or ours_int8(path):
+        return False
     if needs:
         from ..artifact import open_model_files
         from .onnx_layered import unsupported
 
         if unsupported(open_model_files(path)) is not None:
             return False
-    return fits_onnxruntime(path) and not bf16_float(path)
+    return fits_onnxruntime(path)
 
 
 def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
@@ -144,7 +168,9 @@ def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str
     directory = Path(path)
     target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
     if target is None:
-        return next(n for n in candidates(needs, options) if n != "onnxruntime" or suits_onnxruntime(directory, needs))
+        names = candidates(needs, options) or candidates(needs)  # none here takes the options: they are refused by name later
+        # an option only ONNX Runtime takes (a provider) asks for it, even where the cpu backend would run the model better
+        return next((n for n in names if n != "onnxruntime" or suits_onnxruntime(directory, needs)), names[0])
     if target == "npu":
         raise QuasarError(
             f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "

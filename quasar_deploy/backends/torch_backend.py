@@ -14,6 +14,7 @@ from ..kernels import default_float_dtype, default_float_kernel, default_int8_ke
 from ..memory import kv_cache_bytes
 from ..model import KEY_CHUNK, Decoder, KVCache, round_up
 from ..speculative.causal_lm import split_batch
+from . import cpu_attention
 
 
 def unavailable() -> None:
@@ -76,11 +77,14 @@ class TorchCausalLM:
     def kv_cache_bytes(self, tokens: int) -> int:
         """The most a sequence's KV cache holds at ``tokens`` positions: its capacity doubles as it grows from
         ``KEY_CHUNK`` (``KVCache.reserve``, ``StaticCache.make_room``), so up to twice them rounded up to a chunk."""
-        return kv_cache_bytes(self.spec, max(KEY_CHUNK, 2 * round_up(tokens, KEY_CHUNK)), self.decoder.dtype.itemsize)
+        kernel = self.decoder.attention_kernel
+        itemsize = kernel.itemsize if kernel is not None else self.decoder.dtype.itemsize
+        return kv_cache_bytes(self.spec, max(KEY_CHUNK, 2 * round_up(tokens, KEY_CHUNK)), itemsize)
 
 
 class BatchingTorchCausalLM(TorchCausalLM):
-    """A ``TorchCausalLM`` whose kernels are row-invariant (cpu: int8 FBGEMM or reference, float oneDNN), so it also
+    """A ``TorchCausalLM`` whose kernels are row-invariant (cpu: our int8 kernels, FBGEMM or reference; float oneDNN; the
+    C attention kernel or the torch attention's fixed shapes), so it also
     serves ``BatchVerifyingLM``: many sequences' verify blocks and prefills in one ``Decoder.forward_blocks`` pass."""
 
     prefill_chunk = None  # a prompt prefills whole (SDPA over it), alone and batched
@@ -105,35 +109,58 @@ def load_cpu(
     int8_kernel: str | None = None,
     threads: int | None = None,
     float_dtype: str | None = None,
+    attention: str = "auto",
 ) -> TorchCausalLM:
     """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has.
 
     ``float_dtype`` ("float32" or "bfloat16"; default ``kernels.default_float_dtype``: bf16 where the CPU computes it
     fast): a float checkpoint runs wholly in it, as the float baseline should on such a CPU; a W8A8 artifact keeps
-    float32 activations and computes its float lm_head in it.
+    float32 activations and computes its float lm_head in it. ``attention``: "auto" (``cpu_attention``'s C kernel where
+    it runs and the model's attention is plain causal, else torch's ops) or "torch".
     """
     files = path if isinstance(path, ModelFiles) else open_model_files(path)
     dtype = default_float_dtype("cpu", float_dtype)
     decoder = files.decoder(torch.float32, head_dtype=dtype) if files.is_artifact else files.decoder(dtype)
-    return cpu_causal_lm(decoder, float_kernel, int8_kernel, threads, "W8A8" if files.is_artifact else "float")
+    return cpu_causal_lm(decoder, float_kernel, int8_kernel, threads, "W8A8" if files.is_artifact else "float", attention)
+
+
+ATTENTIONS = ("auto", "torch")
 
 
 def cpu_causal_lm(
-    decoder: Decoder, float_kernel: str | None = None, int8_kernel: str | None = None, threads: int | None = None, kind: str = ""
+    decoder: Decoder,
+    float_kernel: str | None = None,
+    int8_kernel: str | None = None,
+    threads: int | None = None,
+    kind: str = "",
+    attention: str = "auto",
 ) -> TorchCausalLM:
     """``decoder`` with the cpu kernels bound (q/k/v and gate/up fused); batched serving steps where they are row-invariant.
 
     MKL's float GEMM rounds a row differently with the row count, so only the oneDNN float
-    kernel (the default where torch has it) gives a ``BatchingTorchCausalLM``.
+    kernel (the default where torch has it) gives a ``BatchingTorchCausalLM``. ``attention`` as ``load_cpu`` takes it.
     """
     # torch sizes its pool from the host's cores; never let it exceed what this process may use (affinity, cgroup quota)
     torch.set_num_threads(threads or min(torch.get_num_threads(), default_threads()))
     float_kernel = float_kernel or default_float_kernel("cpu")
     int8_kernel = int8_kernel or default_int8_kernel("cpu")
     decoder.prepare(float_kernel, int8_kernel, fuse=True)
+    bind_cpu_attention(decoder, attention)
+    attends = decoder.attention_kernel.description if decoder.attention_kernel else "torch ops"
     lm_class = BatchingTorchCausalLM if float_kernel == "onednn" else TorchCausalLM
     return lm_class(
         decoder,
         description=f"cpu {kind}, {torch.get_num_threads()} threads (float dtype {dtype_name(decoder.lm_head.dtype)}, "
-        f"float kernel {float_kernel}, int8 kernel {int8_kernel})",
+        f"float kernel {float_kernel}, int8 kernel {int8_kernel}, attention {attends})",
     )
+
+
+def bind_cpu_attention(decoder: Decoder, attention: str = "auto") -> None:
+    """Attend with ``cpu_attention``'s C kernel where this CPU runs it for this model's heads and the attention is plain
+    causal ("auto"; torch's ops elsewhere or with "torch"): at verify sizes torch's many small ops cost a step more
+    than its int8 linears do (``docs/architecture.md``). Its threads: torch's count. Before any cache is made."""
+    if attention not in ATTENTIONS:
+        raise QuasarError(f"attention is one of {', '.join(ATTENTIONS)}, not {attention!r}")
+    spec = decoder.spec
+    kernel = cpu_attention.load(spec.head_dim) if attention == "auto" and spec.sliding_window is None else None
+    decoder.attention_kernel = cpu_attention.TorchAttention(kernel, spec, torch.get_num_threads()) if kernel else None

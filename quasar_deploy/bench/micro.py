@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from ..backends.torch_backend import bind_cpu_attention
 from ..cpuinfo import cpu_model
 from ..decoder_spec import DecoderSpec
 from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name
@@ -97,6 +98,7 @@ def verify_step(
     for dtype in float_dtypes[:-1]:
         models[dtype] = Decoder(spec, RandomTensors(spec), dtype)
         models[dtype].prepare(float_kernel, int8_kernel, fuse=True)
+        bind_cpu_attention(models[dtype])
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, spec.vocab_size, (context,), generator=generator)
     ids = torch.randint(0, spec.vocab_size, (tokens,), generator=generator)

@@ -40,6 +40,7 @@ except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
 from ..backends.onnxruntime import PRECISE_INT8_OPTION, exact_int8_entries, head_beside, session_options
+from ..backends.torch_backend import bind_cpu_attention
 from ..cpuinfo import cpu_model
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..exporters import ONNX_HEAD_FILE, ONNX_HIDDEN_OUTPUT
@@ -440,6 +441,7 @@ def _torch_contender(
     """A torch decoder built alone (``make``) and prepared with ``kernels``: its steps (``_decoder_steps``)."""
     decoder = make()
     decoder.prepare(*kernels, fuse=True)
+    bind_cpu_attention(decoder)
     return _decoder_steps(decoder, context, ids, longer, positions)
 
 

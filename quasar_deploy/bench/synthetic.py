@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from ..backends.torch_backend import bind_cpu_attention
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
 from ..model import Decoder
@@ -125,25 +126,31 @@ def synthetic_decoders(
 
     Built lean, so a shape fits where its two engines fit: the W8A8 decoder shares the float one's
     embedding and norms and is quantized tensor by tensor. With ``kernels`` (float, int8) both are
-    prepared (fused), the float one first so that its unpacked weights are gone before the W8A8 one
-    is built, and both run one packed lm_head (their heads hold the same weights), unless ``int8_lm_head``: the W8A8
-    twin then has its own int8 head, quantized from the same values (and is untied, as an artifact with one is).
+    prepared (fused; on a CPU, attending as the cpu backend does, ``bind_cpu_attention``), the float one first so that
+    its unpacked weights are gone before the W8A8 one is built, and both run one packed lm_head (their heads hold the
+    same weights), unless ``int8_lm_head``: the W8A8 twin then has its own int8 head, quantized from the same values
+    (and is untied, as an artifact with one is).
 
     ``device``: where the weights are drawn and quantized (a GPU makes an 8B shape in seconds; the
     decoder's small buffers stay on the host until ``Decoder.move_to``).
     """
     spec = synthetic_spec(name)
     float_model = Decoder(spec, RandomTensors(spec, seed, device), dtype)
+    on_cpu = torch.device(device).type == "cpu"
     if kernels:
         float_model.prepare(*kernels, fuse=True)
+        if on_cpu:
+            bind_cpu_attention(float_model)
     own = {HEAD_WEIGHT} if int8_lm_head else set()
     shared = {n: t for n, t in float_model.state_dict().items() if not t.is_meta and not is_layer_linear(n) and n not in own}
     quant_spec = dataclasses.replace(spec, tie_word_embeddings=False) if int8_lm_head else spec
     source = RandomTensors(spec, seed, device, quantized=True, shared=shared, int8_lm_head=int8_lm_head)
-    activations = torch.float32 if torch.device(device).type == "cpu" else dtype
+    activations = torch.float32 if on_cpu else dtype
     quant_model = Decoder(quant_spec, source, activations, lm_head=None if int8_lm_head else float_model.lm_head, head_dtype=dtype)
     if kernels:
         quant_model.prepare(*kernels, fuse=True)
+        if on_cpu:
+            bind_cpu_attention(quant_model)
     return float_model, quant_model
 
 

@@ -45,7 +45,7 @@ def doctor(path, as_json, exact, exact_source):
     click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; quasar-vnni {ours}; onnxruntime {ort_text}")
     why = probes["layer_graph_attention_why"]
     how = f": {why}" if why else ", chosen by running it"
-    click.echo(f"attention      {probes['layer_graph_attention']} (onnxruntime's layer graphs{how})")
+    click.echo(f"attention      {probes['layer_graph_attention']} (the cpu backend and onnxruntime's layer graphs{how})")
     gpu = info["gpu"]
     if "gpu" in gpu:
         cores = "int8 tensor cores usable" if gpu["int8_tensor_cores"] else "no int8 tensor cores"
@@ -53,8 +53,9 @@ def doctor(path, as_json, exact, exact_source):
     else:
         click.echo(f"gpu            none: {gpu['reason']}")
     click.echo(
-        f"backend        {info['default_backend']} for artifacts and checkpoints (--backend auto; ONNX exports: onnxruntime; "
-        f"--draft layerskip and serve: {info['layer_skip_backend']} for W8A8 artifacts, cpu for float checkpoints)"
+        f"backend        {info['artifact_backend']} for W8A8 artifacts, {info['checkpoint_backend']} for float checkpoints "
+        f"(--backend auto, where memory allows; ONNX exports: onnxruntime; --draft layerskip and serve: "
+        f"{info['layer_skip_backend']} and {info['layer_skip_checkpoint_backend']})"
     )
     c = info["cache"]
     click.echo(

@@ -40,7 +40,7 @@ def backend_options(path: str, backend: str, provider: str | None, needs: tuple[
     from ..backends.registry import resolve_backend
     from ..errors import QuasarError
 
-    name = resolve_backend(backend, path, needs)
+    name = resolve_backend(backend, path, needs, ("provider",))
     if name != "onnxruntime":
         raise QuasarError(f"--provider applies to the onnxruntime backend, not {name}")
     return {"provider": provider}

@@ -1,0 +1,105 @@
+"""The cpu backend's attention: ``cpu_attention``'s C kernel inside the torch decoder where this CPU runs it, torch's
+ops elsewhere. Its choice, its caches' life (growth, truncation) and its values against torch's attention. Bit-level
+independence of a row from its block and company is ``test_attention``'s, for both attentions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar_deploy.artifact import open_model_files
+from quasar_deploy.backends import cpu_attention
+from quasar_deploy.backends.torch_backend import bind_cpu_attention, cpu_causal_lm, load_cpu
+from quasar_deploy.errors import QuasarError
+from quasar_deploy.model import KEY_CHUNK
+
+from .tiny import save_tiny
+
+IDS = torch.randint(0, 4096, (2 * KEY_CHUNK + 40,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def kernel_runs(dim: int = 16) -> bool:
+    return cpu_attention.load(dim) is not None
+
+
+needs_kernel = pytest.mark.skipif(not kernel_runs(), reason="no build of the C attention kernel runs on this CPU (doctor says why)")
+
+
+@needs_kernel
+def test_the_cpu_backend_attends_with_the_kernel_where_it_runs(tiny_qwen3):
+    lm = load_cpu(tiny_qwen3)
+    assert isinstance(lm.decoder.attention_kernel, cpu_attention.TorchAttention)
+    assert "attention quasar C kernel" in lm.description
+    assert isinstance(lm.cache, cpu_attention.TiledKVCache)
+
+
+def test_without_a_kernel_or_with_a_sliding_window_it_attends_with_torch_ops(tiny_qwen3, tmp_path, monkeypatch):
+    assert load_cpu(tiny_qwen3, attention="torch").decoder.attention_kernel is None
+    windowed = load_cpu(save_tiny(tmp_path / "mistral", "mistral", sliding_window=40))
+    assert windowed.decoder.attention_kernel is None and "attention torch ops" in windowed.description
+    monkeypatch.setattr(cpu_attention, "load", lambda dim=None: None)  # a CPU no build runs on, or no compiler
+    lm = load_cpu(tiny_qwen3)
+    assert lm.decoder.attention_kernel is None and "attention torch ops" in lm.description
+
+
+def test_an_unknown_attention_is_refused_in_one_line(tiny_qwen3):
+    with pytest.raises(QuasarError, match="attention is one of auto, torch"):
+        load_cpu(tiny_qwen3, attention="flash")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_its_logits_are_torch_attentions_within_float_rounding(tiny_qwen3, dtype):
+    """Prefill, a verify block and one-token decodes past a key chunk: the same logits as torch's attention up to the
+    rounding of float sums taken in another order (bf16: the float32 kernel's output rounded to bf16 once more)."""
+    files = open_model_files(tiny_qwen3)
+    kernel, ops = (cpu_causal_lm(files.decoder(dtype), attention=a) for a in ("auto", "torch"))
+    assert kernel.decoder.attention_kernel is not None and ops.decoder.attention_kernel is None
+    prompt = KEY_CHUNK - 4
+    got = [kernel.prefill(IDS[:prompt])[None], kernel.verify(IDS[prompt : prompt + 6])]
+    want = [ops.prefill(IDS[:prompt])[None], ops.verify(IDS[prompt : prompt + 6])]
+    for i in range(prompt + 6, prompt + 12):
+        got.append(kernel.verify(IDS[i : i + 1]))
+        want.append(ops.verify(IDS[i : i + 1]))
+    got, want = torch.cat(got), torch.cat(want)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1  # of logits ~1 in size: float32 sums, or bf16's 8-bit mantissa
+    assert (got - want).abs().max().item() < tolerance * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_kernel
+def test_a_cache_grown_mid_sequence_keeps_what_it_held(tiny_qwen3):
+    """A sequence whose cache grows while it decodes computes what one with room from the start computes."""
+    lm = load_cpu(tiny_qwen3)
+    roomy = lm.new_sequence()
+    roomy.cache = lm.decoder.new_cache(4 * KEY_CHUNK)
+    growing = lm.new_sequence()
+    assert growing.cache.capacity == KEY_CHUNK
+    for sequence in (roomy, growing):
+        sequence.prefill(IDS[: KEY_CHUNK - 2])
+    for start in range(KEY_CHUNK - 2, 2 * KEY_CHUNK - 20, 5):  # 6 rows verified, 5 kept: a rejected draft each time
+        block = IDS[start : start + 6]
+        assert torch.equal(growing.verify(block), roomy.verify(block))
+        growing.truncate(start + 5)
+        roomy.truncate(start + 5)
+    assert growing.cache.capacity == 2 * KEY_CHUNK
+
+
+@needs_kernel
+def test_its_cache_is_counted_in_float32(tiny_qwen3):
+    """The kernel caches float32 keys and values even for a bf16 decoder: memory budgets count four bytes each."""
+    files = open_model_files(tiny_qwen3)
+    kernel = cpu_causal_lm(files.decoder(torch.bfloat16))
+    ops = cpu_causal_lm(files.decoder(torch.bfloat16), attention="torch")
+    assert kernel.kv_cache_bytes(1000) == 2 * ops.kv_cache_bytes(1000)
+
+
+@needs_kernel
+def test_binding_decides_the_caches_a_decoder_makes(tiny_qwen3):
+    """The kernel reads caches of its own layout: a decoder bound to it makes those, unbound torch's again."""
+    decoder = open_model_files(tiny_qwen3).decoder()
+    decoder.prepare("torch", "reference", fuse=True)
+    bind_cpu_attention(decoder)
+    assert isinstance(decoder.new_cache(), cpu_attention.TiledKVCache)
+    bind_cpu_attention(decoder, "torch")
+    assert not isinstance(decoder.new_cache(), cpu_attention.TiledKVCache)

@@ -159,8 +159,9 @@ def test_a_long_prompt_prefills_a_piece_a_round_while_the_others_step(engine, mo
     """On a backend that prefills prompts in pieces (``prefill_chunk``), a long prompt takes a piece per round, within
     the round's prompt-token budget, the running sequences verifying beside it; outputs stay each request's own."""
     if getattr(engine.lm, "prefill_chunk", None) is None:
-        pytest.skip("this backend prefills a prompt whole")
-    monkeypatch.setattr(engine.lm.model, "prefill_chunk", 8)
+        pytest.skip("this backend prefills a prompt whole (the cpu backend without the C attention kernel)")
+    # where the chunk lives: the layer graphs' shared model, the cpu backend's attention kernel
+    monkeypatch.setattr(getattr(engine.lm, "model", None) or engine.lm.decoder.attention_kernel, "prefill_chunk", 8)
     prompts = [PROMPTS[0] * 3, *PROMPTS[1:4]]  # the first: ~60 tokens, 8 pieces
     alone = [engine.generate(p, max_new_tokens=16).tokens for p in prompts]
     forwards = count_forwards(engine, monkeypatch)

@@ -103,3 +103,24 @@ def test_binding_decides_the_caches_a_decoder_makes(tiny_qwen3):
     assert isinstance(decoder.new_cache(), cpu_attention.TiledKVCache)
     bind_cpu_attention(decoder, "torch")
     assert not isinstance(decoder.new_cache(), cpu_attention.TiledKVCache)
+
+
+@needs_kernel
+def test_a_prompt_prefilled_in_pieces_gives_the_bits_of_one_forward(tiny_qwen3, monkeypatch):
+    """With the kernel a prompt prefills a piece per forward (a server spreads a long one over rounds); every row is the
+    same bits in any block, so the pieces end where one forward over the prompt ends."""
+    lm = load_cpu(tiny_qwen3)
+    assert lm.prefill_chunk == 256
+    prompt = IDS[:100]
+    monkeypatch.setattr(lm.decoder.attention_kernel, "prefill_chunk", None)
+    assert lm.prefill_chunk is None
+    whole = lm.prefill(prompt)
+    after_whole = lm.verify(IDS[100:106])
+    for chunk in (16, 33, 1):
+        monkeypatch.setattr(lm.decoder.attention_kernel, "prefill_chunk", chunk)
+        assert torch.equal(lm.prefill(prompt), whole), chunk
+        assert torch.equal(lm.verify(IDS[100:106]), after_whole), chunk
+    sequence = lm.new_sequence()
+    sequence.prefill(prompt[:5])
+    with pytest.raises(ValueError, match="a prefill block is a piece of its prompt: at most 1 tokens"):
+        lm.verify_batch([sequence], [prompt[5:7]], [True])

@@ -28,6 +28,7 @@ import torch
 from ..decoder_spec import DecoderSpec
 from ..errors import QuasarError
 from ..model import KEY_CHUNK, round_up
+from ..speculative.causal_lm import PREFILL_CHUNK
 from . import native
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -208,6 +209,7 @@ class TorchAttention:
     pass, one ``StepAttention`` over them. Its q, k, v and output are float32; a bf16 decoder's are converted."""
 
     itemsize = 4  # bytes of a cached key or value
+    prefill_chunk = PREFILL_CHUNK  # a row's bits do not depend on its block, so a prompt may prefill a piece at a time
 
     def __init__(self, kernel: Kernel, spec: DecoderSpec, threads: int):
         if spec.sliding_window is not None:

@@ -35,14 +35,11 @@ from ..exporters import onnx_layers
 from ..kernels import dtype_name
 from ..memory import EMBEDDINGS, kv_cache_bytes, return_freed_memory
 from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, as_stored, load_linear, rotary, round_up, tensor_loader
-from ..speculative.causal_lm import split_batch
+from ..speculative.causal_lm import PREFILL_CHUNK, split_batch
 from . import cpu_attention
 from .onnxruntime import head_beside, session_options
 
 ROTARY_CHUNK = 1024  # rotary tables are made for fixed chunks of positions, so a position's cos/sin are always the same bits
-# prompts prefill in pieces of this many tokens, alone and in a server's rounds alike (``BatchVerifyingLM.prefill_chunk``):
-# the server's prompt-token budget per round (``scheduler.PREFILL_TOKENS``) holds one piece
-PREFILL_CHUNK = 256
 ATTENTIONS = ("auto", "ort")
 
 

@@ -44,9 +44,21 @@ class TorchCausalLM:
             raise QuasarError(f"sequence of {self.cache.length + len(ids)} tokens exceeds the context window ({self.max_length})")
         return torch.as_tensor(list(ids), dtype=torch.long, device=self._device)
 
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Pieces of this many prompt tokens where the C attention kernel attends (a row's bits the same in any block,
+        so a server may spread a long prompt over rounds); None: a prompt prefills whole (SDPA over it)."""
+        kernel = self.decoder.attention_kernel
+        return None if kernel is None else kernel.prefill_chunk
+
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """The prompt in one forward, or in pieces of ``prefill_chunk`` tokens, one forward each, as a server's rounds
+        run it."""
         self.cache.truncate(0)
-        return self.decoder.forward_blocks([self._ids(ids)], [self.cache], last_only=[True])[0]
+        chunk = self.prefill_chunk or max(1, len(ids))
+        for start in range(0, max(1, len(ids)), chunk):
+            logits = self.decoder.forward_blocks([self._ids(ids[start : start + chunk])], [self.cache], last_only=[True])[0]
+        return logits
 
     def verify(self, ids: Sequence[int]) -> torch.Tensor:
         return self.decoder(self._ids(ids), self.cache)
@@ -87,17 +99,18 @@ class BatchingTorchCausalLM(TorchCausalLM):
     C attention kernel or the torch attention's fixed shapes), so it also
     serves ``BatchVerifyingLM``: many sequences' verify blocks and prefills in one ``Decoder.forward_blocks`` pass."""
 
-    prefill_chunk = None  # a prompt prefills whole (SDPA over it), alone and batched
-
     def verify_batch(
         self, sequences: Sequence[TorchCausalLM], blocks: Sequence[Sequence[int]], prefills: Sequence[bool] = ()
     ) -> list[torch.Tensor]:
         if any(sequence.decoder is not self.decoder for sequence in sequences):
             raise ValueError("verify_batch takes sequences opened over this model's weights (new_sequence)")
         prefills = list(prefills) or [False] * len(blocks)
-        for sequence, prefill in zip(sequences, prefills):
-            if prefill:
+        chunk = self.prefill_chunk
+        for sequence, block, prefill in zip(sequences, blocks, prefills):
+            if prefill and chunk is None:
                 sequence.cache.truncate(0)
+            elif prefill and (len(block) > chunk or sequence.length % chunk):
+                raise ValueError(f"a prefill block is a piece of its prompt: at most {chunk} tokens, at a multiple of {chunk}")
         ids = [sequence._ids(block) for sequence, block in zip(sequences, blocks)]
         logits = self.decoder.forward_blocks(ids, [sequence.cache for sequence in sequences], last_only=prefills)
         return split_batch(logits, blocks, prefills)

@@ -86,6 +86,12 @@ class BatchVerifyingLM(ForkingLM, Protocol):
         last row's."""
 
 
+# prompts prefill in pieces of this many tokens on a backend whose attention gives a row the same bits in any block (the
+# layer graphs; the cpu backend on the C attention kernel), alone and in a server's rounds alike: the server's
+# prompt-token budget per round (``scheduler.PREFILL_TOKENS``) holds one piece
+PREFILL_CHUNK = 256
+
+
 def split_batch(logits: torch.Tensor, blocks: Sequence[Sequence[int]], prefills: Sequence[bool]) -> list[torch.Tensor]:
     """A batched forward's stacked logits back per sequence, as ``verify_batch`` returns them: a prefill's one row
     ([vocab]), a verify block's rows ([len, vocab])."""

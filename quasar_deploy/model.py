@@ -648,7 +648,7 @@ class Decoder(nn.Module):
         starts = [cache.length for cache in caches]
         kernel = self.attention_kernel
         step = kernel.step(list(caches), sizes) if kernel is not None else None
-        segments = [] if step else [segment(self.spec, cache, t, device) for cache, t in zip(caches, sizes)]
+        segments = [segment(self.spec, cache, t, device) for cache, t in zip(caches, sizes)] if step is None else []
         ropes = [rotary(self.inv_freq, start, t, self.dtype) for start, t in zip(starts, sizes)]
         cos, sin = (torch.cat(parts) for parts in zip(*ropes)) if len(ropes) > 1 else ropes[0]
         x = self.embed(torch.cat(list(blocks)) if len(blocks) > 1 else blocks[0])

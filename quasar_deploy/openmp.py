@@ -29,6 +29,13 @@ def runtime_functions(*names: str) -> list[Callable] | None:
 
 
 @functools.cache
+def parallel_entry_points() -> tuple[int, ...] | None:
+    """GOMP_parallel, omp_get_thread_num and omp_get_num_threads of the OpenMP runtime torch has loaded, as addresses, for
+    our C kernels to share a call among torch's own threads; None where the process has none."""
+    found = runtime_functions("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+    return None if found is None else tuple(ctypes.cast(function, ctypes.c_void_p).value for function in found)
+
+
 def _pause_all() -> Callable[[int], int] | None:
     """``omp_pause_resource_all`` of the OpenMP runtime torch has loaded, or None where there is none."""
     found = runtime_functions("omp_pause_resource_all")

@@ -274,17 +274,20 @@ def test_the_step_estimate_lets_a_streamed_1_7b_run_fit_24_gb_and_refuses_what_c
         memory.check_fits(needed, "bench onnx step --synthetic qwen3-8b", available=24 * GB)
 
 
-def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape, monkeypatch):
-    """On a bf16 CPU (monkeypatched probe): torch's float decoder in bf16, and the graph auto runs there, its head in bf16
-    beside ORT; the ideal ratio is against bf16."""
+@pytest.mark.parametrize(("int8_kernel", "auto"), [("onednn-vnni", "ORT W8A8 + bf16 head (auto)"), ("quasar-vnni", "torch W8A8 ")])
+def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape, monkeypatch, int8_kernel, auto):
+    """On a bf16 CPU (monkeypatched probe): torch's float decoder in bf16, and ORT's graph with its head in bf16 beside
+    it; the ideal ratio is against bf16. "(auto)" marks the W8A8 contender auto runs, as the int8 probe decides."""
     pytest.importorskip("onnxruntime")
     from quasar_deploy import kernels
     from quasar_deploy.bench import onnx as bench_onnx
 
     monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
     monkeypatch.setattr(kernels, "float_probe", lambda: kernels.FloatProbe(4.0, 1.5, True))
+    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": int8_kernel)
     lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
     assert "float dtype bfloat16" in lines[0] and "against bfloat16 float" in lines[5]
-    labels = ["ORT fp32", "ORT W8A8 + bf16 head (auto)", "torch float bfloat16", "torch W8A8"]
+    assert sum("(auto)" in line for line in lines[1:5]) == 1 and any(auto in line and "(auto)" in line for line in lines[1:5])
+    labels = ["ORT fp32", "ORT W8A8 + bf16 head", "torch float bfloat16", "torch W8A8"]
     assert [next(i for i, line in enumerate(lines) if label in line) for label in labels] == [1, 2, 3, 4]
     assert all("the best float" in lines[i] for i in (2, 4)) and not any("W8A8 integer" in line for line in lines)

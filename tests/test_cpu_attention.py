@@ -73,10 +73,10 @@ def reference(past_kv, new, pasts, sizes, heads: int, kv: int) -> np.ndarray:
     return out
 
 
-def attend(kernel, caches, pasts, sizes, new, layer=0, threads=1):
+def attend(kernel, caches, pasts, sizes, new, layer=0, threads=1, openmp=False):
     pool = cpu_attention.ThreadPoolExecutor(threads - 1) if threads > 1 else None
     dim = new[0].shape[1] // HEADS
-    return StepAttention(kernel, pool, threads, HEADS, KV, dim, caches, pasts, sizes)(layer, *new)
+    return StepAttention(kernel, pool, threads, HEADS, KV, dim, caches, pasts, sizes, openmp)(layer, *new)
 
 
 @pytest.mark.parametrize("dim", [16, 64, 128])
@@ -90,13 +90,18 @@ def test_it_computes_causal_attention_over_each_sequences_cache(kernel, dim):
         np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
 
 
-def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_the_threads(kernel, monkeypatch):
+@pytest.mark.parametrize("openmp", [False, True], ids=["own-threads", "openmp-pool"])
+def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_the_threads(kernel, monkeypatch, openmp):
     """Each sequence alone, its rows one at a time (decode steps), and all of them together on two threads whatever the
-    split: the same bits for every row, which is what keeps a served request's output its output alone."""
+    split, on threads of our own (the layer graphs) or in torch's OpenMP pool (the torch decoder): the same bits for
+    every row, which is what keeps a served request's output its output alone."""
+    if openmp and not kernel.openmp:
+        pytest.skip("this process has no OpenMP runtime to share a step in")
     dim = 64
     monkeypatch.setattr(cpu_attention, "MIN_SHARE", 1)  # split the small case over the threads too
+    monkeypatch.setattr(cpu_attention, "OPENMP_MIN_SHARE", 1)
     caches, _, new = case(dim)
-    together = attend(kernel, caches, PASTS, SIZES, new, threads=2)
+    together = attend(kernel, caches, PASTS, SIZES, new, threads=2, openmp=openmp)
     start = 0
     for s, (past, n) in enumerate(zip(PASTS, SIZES)):
         rows = slice(start, start + n)
@@ -106,7 +111,7 @@ def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_the_threads(kerne
         fresh, _, _ = case(dim)
         for r in range(n):  # one row a step, its keys written as it goes
             row = slice(start + r, start + r + 1)
-            decoded = attend(kernel, [fresh[s]], [past + r], [1], [a[row] for a in new], threads=2)
+            decoded = attend(kernel, [fresh[s]], [past + r], [1], [a[row] for a in new], threads=2, openmp=openmp)
             assert np.array_equal(decoded[0], together[start + r])
         start += n
 
@@ -192,13 +197,15 @@ def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
     vectors=st.integers(1, 9),
     blocks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 20)), min_size=1, max_size=4),
     threads=st.integers(1, 2),
+    openmp=st.booleans(),
 )
-def test_any_shape_matches_the_reference_and_any_company(kernel, monkeypatch, shape, vectors, blocks, threads):
+def test_any_shape_matches_the_reference_and_any_company(kernel, monkeypatch, shape, vectors, blocks, threads, openmp):
     """Group sizes, head dimensions of any whole number of vectors, any lengths and block sizes: the values of causal
     attention, and a sequence's bits the same alone as among the others."""
     heads, kv = shape
     dim = vectors * kernel.width
     monkeypatch.setattr(cpu_attention, "MIN_SHARE", 1)
+    monkeypatch.setattr(cpu_attention, "OPENMP_MIN_SHARE", 1)
     rng = np.random.default_rng(len(blocks) * 1000 + dim)
     pasts, sizes = [p for p, _ in blocks], [n for _, n in blocks]
 
@@ -211,7 +218,7 @@ def test_any_shape_matches_the_reference_and_any_company(kernel, monkeypatch, sh
     q, k, v = (rng.standard_normal((rows, width)).astype(np.float32) for width in (heads * dim, kv * dim, kv * dim))
     pool = cpu_attention.ThreadPoolExecutor(1)
     caches = [cache(s) for s in range(len(blocks))]
-    together = StepAttention(kernel, pool, threads, heads, kv, dim, caches, pasts, sizes)(0, q, k, v)
+    together = StepAttention(kernel, pool, threads, heads, kv, dim, caches, pasts, sizes, openmp)(0, q, k, v)
     np.testing.assert_allclose(together, reference(past_kv, (q, k, v), pasts, sizes, heads, kv), rtol=0, atol=5e-6)
     start = 0
     for s, (past, n) in enumerate(blocks):

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quasar_deploy import kernels
+from quasar_deploy import kernels, openmp
 from quasar_deploy.backends import cpu_int8, native
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.scheme import quantize_weight
@@ -72,10 +72,10 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(monkeypatch):
     monkeypatch.setattr(cpu_int8, "MIN_SHARE_BYTES", 1)  # every block a share of its own where threads allow
     monkeypatch.setattr(cpu_int8, "ROWS_PER_SHARE", 1)
     threads, lib = torch.get_num_threads(), cpu_int8.library()[0]
-    runtime = cpu_int8._openmp_entry_points()
+    runtime = openmp.parallel_entry_points()
     try:
-        for openmp in (runtime, None):  # shares in torch's OpenMP pool, and on threads of our own where there is none
-            lib.quasar_int8_use_openmp(*(openmp or (None, None, None)))
+        for handed in (runtime, None):  # shares in torch's OpenMP pool, and on threads of our own where there is none
+            lib.quasar_int8_use_openmp(*(handed or (None, None, None)))
             for count in (1, 2, 3, 5):
                 torch.set_num_threads(count)
                 split = kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")

@@ -232,6 +232,54 @@ void quasar_attend(int begin, int end, const float *q, const float *k, const flo
     }
 }
 
+/* Sharing a step's items among the threads of the caller's OpenMP pool (torch's, for the torch decoder): GOMP_parallel,
+ * omp_get_thread_num and omp_get_num_threads of the runtime the process has loaded, handed in by cpu_attention.py as
+ * cpu_int8.c takes them. Its workers are torch's own, often still spinning from its last op, so a share costs a few
+ * microseconds to hand over where a thread of ours costs a wake-up, and no third thread contends for two cores. */
+typedef void (*parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*count_fn)(void);
+static parallel_fn omp_parallel;
+static count_fn omp_thread, omp_threads;
+
+void quasar_attend_use_openmp(void *parallel, void *thread_num, void *num_threads) {
+    omp_parallel = (parallel_fn)parallel;
+    omp_thread = (count_fn)thread_num;
+    omp_threads = (count_fn)num_threads;
+}
+
+struct shared_call {
+    const float *q, *k, *v;
+    float *out;
+    const int64_t *key_caches, *value_caches;
+    const int32_t *capacities, *pasts, *row_start, *row_count, *edges;
+    int heads, kv_heads, dim, shares;
+    float scale;
+    float *scratch;
+    size_t scratch_floats;
+};
+
+static void run_shares(void *data) {
+    const struct shared_call *c = data;
+    for (int s = omp_thread(); s < c->shares; s += omp_threads()) /* every share runs, however many threads came */
+        quasar_attend(c->edges[s], c->edges[s + 1], c->q, c->k, c->v, c->out, c->key_caches, c->value_caches,
+                      c->capacities, c->pasts, c->row_start, c->row_count, c->heads, c->kv_heads, c->dim, c->scale,
+                      c->scratch + (size_t)s * c->scratch_floats);
+}
+
+/* quasar_attend over shares of items [edges[s], edges[s + 1]), s < shares, side by side in the OpenMP pool; 1 where no
+ * runtime was handed in (the caller then shares them itself), else 0. scratch: shares x scratch_floats. */
+int quasar_attend_shared(const int32_t *edges, int shares, const float *q, const float *k, const float *v, float *out,
+                         const int64_t *key_caches, const int64_t *value_caches, const int32_t *capacities,
+                         const int32_t *pasts, const int32_t *row_start, const int32_t *row_count, int heads,
+                         int kv_heads, int dim, float scale, float *scratch, size_t scratch_floats) {
+    if (!omp_parallel) return 1;
+    struct shared_call call = {q,      k,         v,          out,   key_caches, value_caches, capacities, pasts,
+                               row_start, row_count, edges, heads, kv_heads, dim, shares, scale, scratch,
+                               scratch_floats};
+    omp_parallel(run_shares, &call, (unsigned)shares, 0);
+    return 0;
+}
+
 /* Rows of scratch a call needs, each as long as its longest row's keys rounded up to a vector. */
 int quasar_scratch_rows(void) { return ROWS; }
 

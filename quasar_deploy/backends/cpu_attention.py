@@ -28,6 +28,7 @@ import torch
 from ..decoder_spec import DecoderSpec
 from ..errors import QuasarError
 from ..model import KEY_CHUNK, round_up
+from ..openmp import parallel_entry_points
 from ..speculative.causal_lm import PREFILL_CHUNK
 from . import native
 
@@ -36,6 +37,9 @@ TILE = 16  # keys are stored in tiles of this many positions: [kv_heads][capacit
 # a thread's share of a step's attention is at least this much work (new rows x positions, summed over kv heads): handing
 # a share to another thread costs about as much as one sequence's 6 rows over 150 positions (16 kv heads) take to attend
 MIN_SHARE = 20_000
+# in torch's OpenMP pool a share is handed to a worker still spinning from torch's last op, in a few microseconds: a
+# share is worth it from about a tenth of that work (one verify row over ~130 positions and 8 kv heads is ~1,000)
+OPENMP_MIN_SHARE = 2_000
 BUILDS = {16: ["-mavx512f", "-mfma"], 8: ["-mavx2", "-mfma"]}  # floats per vector: the flags that build it
 
 
@@ -46,6 +50,7 @@ class Kernel:
     library: ctypes.CDLL
     width: int
     path: Path
+    openmp: bool  # handed the OpenMP runtime torch runs on: ``quasar_attend_shared`` shares a step in torch's pool
 
     @property
     def description(self) -> str:
@@ -80,15 +85,24 @@ def probe(width: int) -> tuple[Kernel | None, str | None]:
     path, reason = native.built_and_probed(SOURCE, f"cpu_attention-{width}", [f"-DW={width}", *BUILDS[width]])
     if path is None:
         return None, f"{width}-wide build: {reason}"
-    return Kernel(_open(path), width, path), None
+    library, openmp = _open(path)
+    return Kernel(library, width, path, openmp), None
 
 
-def _open(path: Path) -> ctypes.CDLL:
+def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
+    """The library with its entry points typed, handed the OpenMP runtime torch runs on where the process has one."""
     library = ctypes.CDLL(str(path))
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     library.quasar_attend.argtypes = [integer, integer, *[pointer] * 10, integer, integer, integer, ctypes.c_float, pointer]
     library.quasar_attend.restype = None
-    return library
+    library.quasar_attend_shared.argtypes = [pointer, integer, *[pointer] * 10, integer, integer, integer, ctypes.c_float]
+    library.quasar_attend_shared.argtypes += [pointer, ctypes.c_size_t]
+    library.quasar_attend_shared.restype = integer
+    runtime = parallel_entry_points()
+    if runtime is not None:
+        library.quasar_attend_use_openmp.argtypes, library.quasar_attend_use_openmp.restype = [pointer] * 3, None
+        library.quasar_attend_use_openmp(*runtime)
+    return library, runtime is not None
 
 
 class StepAttention:
@@ -98,7 +112,9 @@ class StepAttention:
     ``caches[s]`` is sequence s's per-layer (keys, values) arrays in the kernel's layout, ``pasts[s]`` its length
     before the step and ``sizes[s]`` its new rows (stacked in order). Work is split by (sequence, kv head) pairs in
     contiguous shares of about equal cost (rows x length), as many as ``threads`` and each at least ``MIN_SHARE``; a
-    pair's result does not depend on the thread that runs it."""
+    pair's result does not depend on the thread that runs it. ``openmp`` (the torch decoder, whose threads are torch's):
+    the shares run in torch's OpenMP pool where the kernel has it, each at least ``OPENMP_MIN_SHARE``; else on ``pool``
+    (the layer graphs, whose threads are ONNX Runtime's)."""
 
     def __init__(
         self,
@@ -111,8 +127,10 @@ class StepAttention:
         caches: list[list[tuple[np.ndarray, np.ndarray]]],
         pasts: list[int],
         sizes: list[int],
+        openmp: bool = False,
     ):
         self.kernel, self.pool, self.heads, self.kv_heads, self.dim = kernel, pool, heads, kv_heads, dim
+        self.openmp = openmp and kernel.openmp
         self.caches = caches  # held: the kernel gets raw pointers into these arrays, which must outlive the step
         self.scale = float(dim**-0.5)
         layers = len(caches[0])
@@ -124,12 +142,13 @@ class StepAttention:
         self.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
         longest = max(p + n for p, n in zip(pasts, sizes))
         cost = np.repeat([n * (p + n) for p, n in zip(pasts, sizes)], kv_heads).astype(np.float64)
-        shares = max(1, min(threads, int(cost.sum() // MIN_SHARE)))
+        shares = max(1, min(threads, int(cost.sum() // (OPENMP_MIN_SHARE if self.openmp else MIN_SHARE))))
         bounds = np.searchsorted(np.cumsum(cost), np.arange(1, shares) * cost.sum() / shares, side="right")
-        edges = [0, *sorted(set(int(b) for b in bounds)), len(cost)]
-        self.shares = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
-        rows = kernel.library.quasar_scratch_rows()
-        self.scratch = [np.empty(rows * (longest + TILE), np.float32) for _ in self.shares]
+        edges = sorted({0, *(int(b) for b in bounds), len(cost)})
+        self.edges = np.array(edges, np.int32)
+        self.shares = list(zip(edges, edges[1:]))
+        self.scratch_floats = kernel.library.quasar_scratch_rows() * (longest + TILE)
+        self.scratch = np.empty(len(self.shares) * self.scratch_floats, np.float32)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """q [rows, heads * dim], k and v [rows, kv_heads * dim] of every sequence's new rows at ``layer`` (written to
@@ -152,11 +171,17 @@ class StepAttention:
             self.dim,
             self.scale,
         )
-        attend = self.kernel.library.quasar_attend
+        library, scratch = self.kernel.library, self.scratch.ctypes.data
+        if self.openmp and len(self.shares) > 1:
+            library.quasar_attend_shared(self.edges.ctypes.data, len(self.shares), *args, scratch, self.scratch_floats)
+            return out
         # ctypes lets go of the GIL for the call: the shares run side by side
-        pending = [self.pool.submit(attend, a, b, *args, self.scratch[t].ctypes.data) for t, (a, b) in enumerate(self.shares[1:], start=1)]
+        share_scratch = [scratch + 4 * t * self.scratch_floats for t in range(len(self.shares))]
+        pending = [
+            self.pool.submit(library.quasar_attend, a, b, *args, share_scratch[t]) for t, (a, b) in enumerate(self.shares[1:], start=1)
+        ]
         a, b = self.shares[0]
-        attend(a, b, *args, self.scratch[0].ctypes.data)
+        library.quasar_attend(a, b, *args, share_scratch[0])
         for future in pending:
             future.result()
         return out
@@ -230,7 +255,7 @@ class TorchAttention:
         s = self.spec
         attend = StepAttention(
             self.kernel, self.pool, self.threads, s.num_heads, s.num_kv_heads, s.head_dim,
-            [cache.layers for cache in caches], [cache.length for cache in caches], list(sizes),
+            [cache.layers for cache in caches], [cache.length for cache in caches], list(sizes), openmp=True,
         )  # fmt: skip
 
         def run(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

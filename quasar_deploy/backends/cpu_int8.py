@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..openmp import parallel_entry_points
 from . import native
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
@@ -50,20 +51,11 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.quasar_int8_linear.restype = None
     lib.quasar_int8_linear_shared.argtypes = [pointer, integer, integer, *[pointer] * 5, integer, pointer, integer, pointer, pointer, size]
     lib.quasar_int8_linear_shared.restype = integer
-    runtime = _openmp_entry_points()
+    runtime = parallel_entry_points()
     if runtime is not None:
         lib.quasar_int8_use_openmp.argtypes, lib.quasar_int8_use_openmp.restype = [pointer] * 3, None
         lib.quasar_int8_use_openmp(*runtime)
     return lib, None
-
-
-def _openmp_entry_points() -> tuple[int, ...] | None:
-    """GOMP_parallel, omp_get_thread_num and omp_get_num_threads of the OpenMP runtime torch has loaded, as addresses;
-    None where the process has none."""
-    from ..openmp import runtime_functions
-
-    found = runtime_functions("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
-    return None if found is None else tuple(ctypes.cast(function, ctypes.c_void_p).value for function in found)
 
 
 def why_not() -> str | None:

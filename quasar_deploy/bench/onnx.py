@@ -311,7 +311,7 @@ def step(
     )
     for label, series in times.items():
         speedup = "" if label in floats or not floats else f"   {_speedup(times, floats, series, round_robin):.2f}x the best float"
-        yield f"  {label:<26} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
+        yield f"  {label:<30} {1e3 * statistics.median(series):8.1f} ms (median){speedup}"
     yield from left_out
     yield f"  ideal W8A8 speed-up by weight bytes read, against {dtype_name(dtype)} float: {ideal:.2f}x"
     if float_label in times:
@@ -411,7 +411,7 @@ def _one_at_a_time(
     left_out = []
     for contender in contenders:
         if not fits(contender.alone_bytes):
-            left_out.append(f"  {contender.label:<26} left out: it needs ~{contender.alone_bytes / GB:.1f} GB alone")
+            left_out.append(f"  {contender.label:<30} left out: it needs ~{contender.alone_bytes / GB:.1f} GB alone")
             continue
         run, at = contender.build()
         os.sync()  # a graph's build leaves gigabytes of dirty pages: written back meanwhile, they slow the timed calls

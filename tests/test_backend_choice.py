@@ -1,5 +1,5 @@
 """``backend="auto"`` on a CPU with ONNX Runtime: the artifact's exact integer graph, exported once into the cache, where
-the int8 probe picks a library kernel; the cpu backend where it picks our own (``registry.ours_int8``).
+the int8 probe picks a library kernel; the cpu backend where it picks our own (``registry.cpu_runs_better``).
 
 What the choice must keep: the same tokens as the cpu backend's exact kernels, one export per model content (two
 processes started together included), a damaged cache entry repaired rather than run, a changed model re-exported,

@@ -16,7 +16,7 @@ def test_demo_measures_the_inflated_and_the_demo_model(monkeypatch, tmp_path):
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.setattr(demo, "demo_recipe", lambda: CalibrationRecipe(num_samples=8, seq_len=64))
     monkeypatch.setattr(demo, "inflation_target", lambda: SMALL)
-    monkeypatch.setattr(registry, "ours_int8", lambda path: False)  # an int8 probe that picks a library kernel: auto runs ORT
+    monkeypatch.setattr(registry, "cpu_runs_better", lambda artifact: False)  # a library int8 kernel, float32: auto runs ORT
     printed = []
     package = sorted(demo.demo_model_path().parent.iterdir())
     result = run_demo(printed.append, progress=False, limit=2, max_new_tokens=16)

@@ -724,11 +724,10 @@ def test_auto_places_both_models_where_it_sends_the_float_one(tiny_artifact, tin
     checkpoint to the cpu backend and the artifact with it, though alone the artifact would go to ONNX Runtime; the
     output is still the float model's own."""
     pytest.importorskip("onnxruntime")
-    from quasar_deploy import kernels
     from quasar_deploy.backends import registry
 
-    monkeypatch.setattr(registry, "bf16_float", lambda path: not (path / "quasar.json").is_file())
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # an int8 probe that picks a library kernel
+    # float checkpoints to the cpu backend (bf16), artifacts not (an int8 probe that picks a library kernel)
+    monkeypatch.setattr(registry, "cpu_runs_better", lambda artifact: not artifact)
     assert load(tiny_artifact.path).lm.description.startswith("onnxruntime")  # the artifact alone
     exact = load(tiny_artifact.path, verify="exact")
     assert exact.lm.description.startswith("cpu float") and exact.middle.description.startswith("cpu W8A8")

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from ..decoder_spec import DecoderSpec
-from ..errors import QuasarError
 from ..model import KEY_CHUNK, round_up
 from ..openmp import parallel_entry_points
 from ..speculative.causal_lm import PREFILL_CHUNK
@@ -230,17 +229,18 @@ class TiledKVCache:
 
 
 class TorchAttention:
-    """The kernel as the torch decoder's attention (``Decoder.attention_kernel``): the caches it reads and, per forward
-    pass, one ``StepAttention`` over them. Its q, k, v and output are float32; a bf16 decoder's are converted."""
+    """The kernel as the torch decoder's attention (``Decoder.attention_kernel``, for plain causal attention: bound by
+    ``torch_backend.bind_cpu_attention``): the caches it reads and, per forward pass, one ``StepAttention`` over them,
+    shared in torch's OpenMP pool (on threads of ours where the process has none). Its q, k, v and output are float32;
+    a bf16 decoder's are converted."""
 
     itemsize = 4  # bytes of a cached key or value
     prefill_chunk = PREFILL_CHUNK  # a row's bits do not depend on its block, so a prompt may prefill a piece at a time
 
     def __init__(self, kernel: Kernel, spec: DecoderSpec, threads: int):
-        if spec.sliding_window is not None:
-            raise QuasarError("the C attention kernel is plain causal; this model's attention has a sliding window")
         self.kernel, self.spec, self.threads = kernel, spec, threads
-        self.pool = ThreadPoolExecutor(threads - 1, "quasar-attention") if threads > 1 else None
+        own_threads = threads > 1 and not kernel.openmp
+        self.pool = ThreadPoolExecutor(threads - 1, "quasar-attention") if own_threads else None
 
     @property
     def description(self) -> str:

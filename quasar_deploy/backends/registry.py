@@ -122,18 +122,11 @@ def cpu_runs_better(artifact: bool) -> bool:
     return default_int8_kernel("cpu") == "quasar-vnni" if artifact else cpu_computes_bf16()
 
 
-def bf16_float(path: Path) -> bool:
-    """A float checkpoint the cpu backend runs better here (``cpu_runs_better``)."""
+def cpu_serves_better(path: Path) -> bool:
+    """``cpu_runs_better`` for the model at ``path``: a W8A8 artifact (it has our manifest) or a float checkpoint."""
     from ..integrity import MANIFEST
 
-    return not (path / MANIFEST).is_file() and cpu_runs_better(artifact=False)
-
-
-def ours_int8(path: Path) -> bool:
-    """A W8A8 artifact the cpu backend runs better here (``cpu_runs_better``)."""
-    from ..integrity import MANIFEST
-
-    return (path / MANIFEST).is_file() and cpu_runs_better(artifact=True)
+    return cpu_runs_better(artifact=(path / MANIFEST).is_file())
 
 
 def auto_choice(artifact: bool, needs: Collection[str] = ()) -> str:
@@ -146,10 +139,10 @@ def auto_choice(artifact: bool, needs: Collection[str] = ()) -> str:
 
 
 def suits_onnxruntime(path: Path, needs: Collection[str] = ()) -> bool:
-    """ONNX Runtime's copy fits in memory, and the cpu backend would not serve it better: a float checkpoint in bf16
-    (``bf16_float``), a W8A8 artifact on our int8 kernel (``ours_int8``); with ``needs``, the model runs as ONNX Runtime's
-    layer graphs (a W8A8 artifact, every layer int8: ``onnx_layered``)."""
-    if bf16_float(path) or ours_int8(path):
+    """ONNX Runtime's copy fits in memory, and the cpu backend would not serve it better (``cpu_serves_better``: a float
+    checkpoint in bf16, a W8A8 artifact on our int8 kernel); with ``needs``, the model runs as ONNX Runtime's layer graphs
+    (a W8A8 artifact, every layer int8: ``onnx_layered``)."""
+    if cpu_serves_better(path):
         return False
     if needs:
         from ..artifact import open_model_files

@@ -54,9 +54,11 @@ class TorchCausalLM:
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """The prompt in one forward, or in pieces of ``prefill_chunk`` tokens, one forward each, as a server's rounds
         run it."""
+        if len(ids) == 0:
+            raise ValueError("no tokens to run")
         self.cache.truncate(0)
-        chunk = self.prefill_chunk or max(1, len(ids))
-        for start in range(0, max(1, len(ids)), chunk):
+        chunk = self.prefill_chunk or len(ids)
+        for start in range(0, len(ids), chunk):
             logits = self.decoder.forward_blocks([self._ids(ids[start : start + chunk])], [self.cache], last_only=[True])[0]
         return logits
 

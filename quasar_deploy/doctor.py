@@ -76,7 +76,8 @@ def probes() -> dict:
         "layer_graph_attention_why": None if attention else cpu_attention.why_not(),
         "float32_ms": round(probe.float32_ms, 3),
         "bfloat16_ms": round(probe.bfloat16_ms, 3),
-        "bf16_row_invariant": probe.bf16_row_invariant,
+        "bf16_invariant_rows": probe.bf16_invariant_rows,
+        "bf16_rows": probe.rows_text,
         "float_dtype": dtype_name(default_float_dtype("cpu")),
         "float_dtype_why": f"set by {FLOAT_DTYPE_ENV}={chosen}" if chosen else probe.reason,
     }

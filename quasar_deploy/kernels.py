@@ -210,7 +210,7 @@ class FloatProbe:
 
     float32_ms: float
     bfloat16_ms: float
-    bf16_row_invariant: bool
+    bf16_invariant_rows: int  # the most rows one bf16 call takes with every row's bits those of the row alone
 
     @property
     def bf16_speedup(self) -> float:
@@ -218,53 +218,69 @@ class FloatProbe:
 
     @property
     def dtype(self) -> torch.dtype:
-        fast = self.bf16_speedup >= BF16_MIN_SPEEDUP
-        return torch.bfloat16 if fast and self.bf16_row_invariant else torch.float32
+        return torch.bfloat16 if self.bf16_speedup >= BF16_MIN_SPEEDUP else torch.float32
 
     @property
     def reason(self) -> str:
-        if not self.bf16_row_invariant:
-            return "bf16 rows change with the row count here (verification would not be lossless)"
         return f"bf16 {self.bf16_speedup:.1f}x float32 at a verify step's shape (bf16 needs {BF16_MIN_SPEEDUP}x)"
+
+    @property
+    def rows_text(self) -> str:
+        """How bf16 calls keep every row's bits its own, for reports."""
+        if self.bf16_invariant_rows >= BF16_ROW_COUNTS[-1]:
+            return f"bf16 rows invariant up to {self.bf16_invariant_rows} per call, every count checked"
+        return f"bf16 rows invariant up to {self.bf16_invariant_rows} per call here: larger calls are split"
+
+
+# The row counts the probe checks one bf16 call at: every count a verify step or a batched serving step of up to 64
+# rows makes, then prefill-sized ones up to PREFILL_CHUNK (256). Calls over the largest count that held are split.
+BF16_ROW_COUNTS = (*range(2, 65), 96, 128, 192, 256)
 
 
 @functools.cache
 def float_probe() -> FloatProbe:
     """Times one verify-sized linear (6 rows, 1024 x 4096) in float32 and bf16 on oneDNN's packed kernel, once per
-    process, and checks that a bf16 row's result does not depend on how many rows come with it.
+    process, and finds how many rows one bf16 call may take with each row's result the row's own (alone).
 
     CPUs with native bf16 (avx512_bf16, AMX) run bf16 2-4x faster than float32 at this shape, reading half the
     bytes; others emulate it several times slower. The gap is wide either way, so a short timing decides it, where
-    ``/proc/cpuinfo`` cannot (it lists instruction sets that fault here).
+    ``/proc/cpuinfo`` cannot (it lists instruction sets that fault here). oneDNN's bf16 kernel changes with the row
+    count on some CPUs (seen: rows agree up to 32 per call, then a call of 33 or more rounds some rows otherwise), so
+    bf16 calls are split at the largest count that held (``float_linear``): verification stays lossless and a
+    sequence's rows stay the same among other sequences'.
     """
     if not onednn_available():
-        return FloatProbe(1.0, 0.0, False)
+        return FloatProbe(1.0, 0.0, 1)
     generator = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(4096, 1024, generator=generator), torch.randn(48, 1024, generator=generator)
+    weight, x = torch.randn(4096, 1024, generator=generator), torch.randn(BF16_ROW_COUNTS[-1], 1024, generator=generator)
+    rows = _bf16_invariant_rows(_onednn_linear(weight.bfloat16(), None), x.bfloat16())
     times = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        times[dtype] = _fastest_ms(float_linear(weight.to(dtype), None, "onednn"), x[:6].to(dtype))
-    bf16 = float_linear(weight.bfloat16(), None, "onednn")
-    rows = x.bfloat16()
-    whole = bf16(rows)
-    invariant = all(torch.equal(bf16(rows[:m]), whole[:m]) for m in (1, 2, 6, 7, 16))
-    return FloatProbe(times[torch.float32], times[torch.bfloat16], invariant)
+    for dtype, most in ((torch.float32, None), (torch.bfloat16, rows)):
+        times[dtype] = _fastest_ms(_onednn_linear(weight.to(dtype), None, most), x[:6].to(dtype))
+    return FloatProbe(times[torch.float32], times[torch.bfloat16], rows)
+
+
+def _bf16_invariant_rows(linear: LinearFn, x: torch.Tensor) -> int:
+    """The largest of ``BF16_ROW_COUNTS`` up to which every count's call gives each row the bits it gets alone."""
+    alone = torch.cat([linear(row) for row in x.split(1)])
+    most = 1
+    for count in BF16_ROW_COUNTS:
+        if not torch.equal(linear(x[:count]), alone[:count]):
+            break
+        most = count
+    return most
 
 
 def default_float_dtype(device: str = "cpu", name: str | None = None) -> torch.dtype:
     """The dtype float weights compute in on ``device``: ``name`` ("float32" or "bfloat16"), else the user's
     ``QUASAR_FLOAT_DTYPE``, else on a CPU the probe's choice (bf16 where it is fast and row-invariant, float32
-    elsewhere); accelerators compute bf16. A CPU whose bf16 rows change with the row count is refused bf16: its
-    speculative output would no longer be the verifier's own greedy decode."""
+    elsewhere); accelerators compute bf16."""
     name = name or os.environ.get(FLOAT_DTYPE_ENV)
     if not name:
         return float_probe().dtype if device == "cpu" else torch.bfloat16
     if name not in FLOAT_DTYPES:
         raise QuasarError(f"unknown float dtype {name!r}: choose from {', '.join(FLOAT_DTYPES)}")
-    dtype = FLOAT_DTYPES[name]
-    if device == "cpu" and dtype == torch.bfloat16 and not float_probe().bf16_row_invariant:
-        raise QuasarError("bf16 is not row-invariant on this CPU (a row's result changes with the rows beside it): use float32")
-    return dtype
+    return FLOAT_DTYPES[name]
 
 
 def cpu_computes_bf16() -> bool:
@@ -295,22 +311,34 @@ def float_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -
     if kernel == "onednn":
         if not _onednn_packs(weight):
             return lambda x: F.linear(x, weight, bias)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        return _row_invariant(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+        most = float_probe().bf16_invariant_rows if weight.dtype == torch.bfloat16 else None
+        return _onednn_linear(weight, bias, most)
     raise ValueError(f"unknown float kernel {kernel!r}; choose from {FLOAT_KERNELS}")
 
 
-def _row_invariant(linear: LinearFn) -> LinearFn:
-    """``linear`` with one input row sent as two: every row's result then no longer depends on how many rows came along.
+def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None, most_rows: int | None = None) -> LinearFn:
+    """oneDNN's linear on ``weight`` packed once, made row-invariant (``_row_invariant``)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return _row_invariant(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), most_rows)
+
+
+def _row_invariant(linear: LinearFn, most_rows: int | None = None) -> LinearFn:
+    """``linear`` with one input row sent as two, and calls over ``most_rows`` rows split: every row's result then no
+    longer depends on how many rows came along.
 
     Tested (tests/test_batching.py): oneDNN computes each row of an M >= 2 call bit for bit alike whatever
-    M is, but takes another path for M = 1 when K > 1024, with other rounding. A one-token decode step and the
-    same row among other sequences' rows (a batched serving step) must agree exactly; the duplicate row costs
-    one more row of compute on weights read once.
+    M is, but takes another path for M = 1 when K > 1024, with other rounding; in bf16 some CPUs switch paths again
+    above some M (``float_probe`` finds where). A one-token decode step and the same row among other sequences' rows
+    (a batched serving step) must agree exactly; the duplicate row costs one more row of compute on weights read
+    once, a split call one more read of the weights.
     """
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return linear(x.repeat(2, 1))[:1] if x.shape[0] == 1 else linear(x)
+        if x.shape[0] == 1:
+            return linear(x.repeat(2, 1))[:1]
+        if most_rows is not None and x.shape[0] > most_rows:
+            return torch.cat([run(piece) for piece in x.split(most_rows)])
+        return linear(x)
 
     return run
 

@@ -283,7 +283,7 @@ def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape,
     from quasar_deploy.bench import onnx as bench_onnx
 
     monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
-    monkeypatch.setattr(kernels, "float_probe", lambda: kernels.FloatProbe(4.0, 1.5, True))
+    monkeypatch.setattr(kernels, "float_probe", lambda: kernels.FloatProbe(4.0, 1.5, 256))
     monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": int8_kernel)
     lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
     assert "float dtype bfloat16" in lines[0] and "against bfloat16 float" in lines[5]

@@ -7,10 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from quasar_deploy.backends.registry import auto_backend
 from quasar_deploy.bench.serving import WideVocabulary, percentile
 from quasar_deploy.cli import main
-from quasar_deploy.cli.serve import SERVER_NEEDS
 from quasar_deploy.demo import demo_model_path
 from quasar_deploy.tokenizer import load_tokenizer
 
@@ -40,11 +38,12 @@ def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
     assert alone["tokens_per_s"] > 0 and 2 <= alone["output_tokens"] <= 16 and alone["backend"]
     assert report["levels"][0]["vs_generate"] == pytest.approx(report["levels"][0]["tokens_per_s"] / alone["tokens_per_s"])
     assert report["levels"][1]["vs_generate"] is None and "`generate` alone" in result.output
-    # what auto serves here (the cpu backend where our int8 kernel runs, else ONNX Runtime's layer graphs where it is
-    # installed), named by the server process's startup line
-    served = auto_backend(tiny_artifact.path, SERVER_NEEDS)
-    auto = "onnxruntime cpu (W8A8 integer layer graphs" if served == "onnxruntime" else "cpu W8A8, "
-    assert report["backend"].startswith(auto)
+    # what auto serves (the cpu backend where the int8 probe picks our kernel, else ONNX Runtime's layer graphs), named
+    # by the server process's startup line. The server probes in its own process: where two kernels time alike (seen on
+    # the Intel Xeon kind) its pick may differ from this process's, so the line is checked against the rule itself.
+    backend = report["backend"]
+    assert backend.startswith(("onnxruntime cpu (W8A8 integer layer graphs", "cpu W8A8, "))
+    assert backend.startswith("cpu W8A8, ") == ("int8 kernel quasar-vnni" in backend)
     assert len(report["environment"]["load_average_at_start"]) == 3
     assert "| 2 | 2 |" in (out / "report.md").read_text() and "| 2 | 2 |" in result.output
     again = CliRunner().invoke(main, [*args, "-o", str(out)])  # the report directory is never overwritten

@@ -1,8 +1,9 @@
-"""The CPU float dtype: bf16 where running the kernel shows it fast and row-invariant, float32 elsewhere.
+"""The CPU float dtype: bf16 where running the kernel shows it fast, float32 elsewhere; bf16 calls split where the
+probe saw a row's bits change with the row count.
 
 The choice is covered on every CPU by monkeypatching the probe; the bf16 numerics run on the real kernels, which
-every CPU computes (natively or emulated): bf16 logits close to float32's, speculative output still the verifier's
-own greedy decode wherever bf16 rows are row-invariant (the only place the product runs bf16).
+every CPU computes (natively or emulated): bf16 logits close to float32's, every row's bits its own whatever the
+row count, speculative output still the verifier's own greedy decode.
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ def probe_says(monkeypatch, probe: FloatProbe) -> None:
 @pytest.mark.parametrize(
     ("probe", "expected"),
     [
-        (FloatProbe(4.0, 1.5, True), torch.bfloat16),  # native bf16: 2.7x
-        (FloatProbe(4.0, 3.5, True), torch.float32),  # barely faster: not worth the precision
-        (FloatProbe(4.0, 20.0, True), torch.float32),  # emulated: far slower
-        (FloatProbe(4.0, 1.5, False), torch.float32),  # fast but rows change with the row count
+        (FloatProbe(4.0, 1.5, 256), torch.bfloat16),  # native bf16: 2.7x
+        (FloatProbe(4.0, 1.5, 32), torch.bfloat16),  # native, its calls split over 32 rows: the timing already paid it
+        (FloatProbe(4.0, 3.5, 256), torch.float32),  # barely faster: not worth the precision
+        (FloatProbe(4.0, 20.0, 256), torch.float32),  # emulated: far slower
     ],
-    ids=["native", "marginal", "emulated", "not-row-invariant"],
+    ids=["native", "native-split", "marginal", "emulated"],
 )
 def test_the_probe_decides_the_cpu_float_dtype(monkeypatch, probe, expected):
     probe_says(monkeypatch, probe)
@@ -57,7 +58,7 @@ def test_the_probe_decides_the_cpu_float_dtype(monkeypatch, probe, expected):
 
 
 def test_a_named_dtype_or_the_environment_overrides_the_probe(monkeypatch):
-    probe_says(monkeypatch, FloatProbe(4.0, 1.5, True))
+    probe_says(monkeypatch, FloatProbe(4.0, 1.5, 256))
     assert default_float_dtype("cpu", "float32") == torch.float32
     monkeypatch.setenv(kernels.FLOAT_DTYPE_ENV, "float32")
     assert default_float_dtype("cpu") == torch.float32
@@ -65,17 +66,53 @@ def test_a_named_dtype_or_the_environment_overrides_the_probe(monkeypatch):
         default_float_dtype("cpu", "fp8")
 
 
-def test_bf16_is_refused_where_its_rows_are_not_invariant(monkeypatch):
-    probe_says(monkeypatch, FloatProbe(4.0, 1.5, False))
-    with pytest.raises(QuasarError, match="not row-invariant"):
-        default_float_dtype("cpu", "bfloat16")
+def test_the_probe_finds_the_row_count_where_a_kernel_changes_its_rounding():
+    """A kernel that rounds otherwise from 33 rows on (as oneDNN's bf16 one does on some CPUs) is found at 32; one that
+    never does, at the largest count checked; one that differs at 2 rows, at 1 (every call then split to rows)."""
+
+    def rounding_from(count):
+        def linear(x):
+            y = x.float().sum(-1, keepdim=True).repeat(1, 3)
+            return y + 1e-3 if x.shape[0] >= count else y
+
+        return linear
+
+    x = torch.randn(kernels.BF16_ROW_COUNTS[-1], 8)
+    assert kernels._bf16_invariant_rows(rounding_from(33), x) == 32
+    assert kernels._bf16_invariant_rows(rounding_from(10**6), x) == kernels.BF16_ROW_COUNTS[-1]
+    assert kernels._bf16_invariant_rows(rounding_from(2), x) == 1
+    assert "larger calls are split" in FloatProbe(4.0, 1.5, 32).rows_text
+    assert "every count checked" in FloatProbe(4.0, 1.5, 256).rows_text
 
 
-def test_the_real_probe_measures_both_dtypes():
+@pytest.mark.parametrize("most_rows", [1, 5, 32])
+def test_a_bf16_linear_splits_its_calls_at_the_probes_row_count(monkeypatch, most_rows):
+    if not kernels.onednn_available():
+        pytest.skip("the split lives in oneDNN's packed linear; this torch has no oneDNN")
+    probe_says(monkeypatch, FloatProbe(4.0, 1.5, most_rows))
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or real(x, *a), raising=False)
+    linear = kernels.float_linear(torch.randn(16, 8).bfloat16(), None, "onednn")
+    x = torch.randn(70, 8).bfloat16()
+    y = linear(x)
+    assert y.shape == (70, 16) and max(calls) <= max(most_rows, 2)  # a single row goes as two (oneDNN's M = 1 path)
+    assert torch.equal(y, torch.cat([linear(row) for row in x.split(1)]))
+
+
+def test_the_real_probe_measures_both_dtypes_and_bf16_rows_are_their_own_at_every_count():
+    """What every CPU guarantees after the probe: whatever count a bf16 call takes, each row gets its bits alone."""
     probe = kernels.float_probe()
-    if kernels.onednn_available():
-        assert probe.float32_ms > 0 and probe.bfloat16_ms > 0
+    if not kernels.onednn_available():
+        pytest.skip("no oneDNN in this torch: the product computes float32 with torch's kernel")
+    assert probe.float32_ms > 0 and probe.bfloat16_ms > 0 and probe.bf16_invariant_rows >= 1
     assert probe.dtype in (torch.float32, torch.bfloat16)
+    torch.manual_seed(0)
+    linear = kernels.float_linear(torch.randn(512, 2048).bfloat16(), None, "onednn")
+    x = torch.randn(300, 2048).bfloat16()
+    alone = torch.cat([linear(row) for row in x.split(1)])
+    for count in (2, 6, 32, 33, 48, 64, 256, 300):
+        assert torch.equal(linear(x[:count]), alone[:count]), count
 
 
 def test_the_int8_probe_tells_a_saturating_kernel_from_an_exact_one():
@@ -131,21 +168,9 @@ def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgem
     assert list(probe.ms) == expected and all(ms == 0.0 for ms in probe.ms.values())
 
 
-def _bf16_runs_here() -> bool:
-    try:
-        default_float_dtype("cpu", "bfloat16")
-    except QuasarError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_qwen3_tied"])
 def test_a_bf16_float_model_stays_close_to_float32_and_holds_no_float32_weight(request, checkpoint):
     path = request.getfixturevalue(checkpoint)
-    if not _bf16_runs_here():
-        with pytest.raises(QuasarError, match="not row-invariant"):
-            load_cpu(path, float_dtype="bfloat16")
-        return
     lm32, lm16 = load_cpu(path, float_dtype="float32"), load_cpu(path, float_dtype="bfloat16")
     assert lm16.description.startswith("cpu float, ") and "float dtype bfloat16" in lm16.description
     floats = {p.dtype for p in lm16.decoder.parameters() if p.dtype.is_floating_point}
@@ -156,8 +181,6 @@ def test_a_bf16_float_model_stays_close_to_float32_and_holds_no_float32_weight(r
 
 
 def test_a_w8a8_model_computes_its_head_in_bf16(tiny_artifact):
-    if not _bf16_runs_here():
-        return
     lm32 = load_cpu(tiny_artifact, float_dtype="float32")
     lm16 = load_cpu(tiny_artifact, float_dtype="bfloat16")
     assert lm16.decoder.lm_head.dtype == torch.bfloat16 and lm16.decoder.dtype == torch.float32
@@ -168,8 +191,6 @@ def test_a_w8a8_model_computes_its_head_in_bf16(tiny_artifact):
 
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_artifact"])
 def test_bf16_speculative_output_is_the_verifiers_own_greedy_decode(request, checkpoint):
-    if not _bf16_runs_here():
-        return
     lm = load_cpu(request.getfixturevalue(checkpoint), float_dtype="bfloat16")
     expected = greedy(lm, PROMPT, 24)
     for k in (1, 3, 6):

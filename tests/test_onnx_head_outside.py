@@ -94,12 +94,12 @@ def test_an_int8_head_stays_in_the_graph(tiny_int8_head_artifact, tmp_path):
 
 def test_auto_leaves_the_head_outside_where_the_cpu_computes_bf16(tiny_artifact, tiny_qwen3, monkeypatch):
     monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
-    monkeypatch.setattr(kernels, "float_probe", lambda: FloatProbe(4.0, 1.5, True))  # a bf16 CPU
+    monkeypatch.setattr(kernels, "float_probe", lambda: FloatProbe(4.0, 1.5, 256))  # a bf16 CPU
     monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # whose int8 probe picks a library kernel
     assert cache.head_outside(tiny_artifact.path) and not cache.head_outside(tiny_qwen3)
     outside = cache.onnx_export_path(tiny_artifact.path)
     assert registry.auto_backend(tiny_qwen3) == "cpu"  # a float checkpoint: bf16 on torch beats float32 on ORT
     assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
-    monkeypatch.setattr(kernels, "float_probe", lambda: FloatProbe(4.0, 20.0, True))  # bf16 emulated
+    monkeypatch.setattr(kernels, "float_probe", lambda: FloatProbe(4.0, 20.0, 256))  # bf16 emulated
     assert not cache.head_outside(tiny_artifact.path) and cache.onnx_export_path(tiny_artifact.path) != outside
     assert registry.auto_backend(tiny_qwen3) == "onnxruntime"

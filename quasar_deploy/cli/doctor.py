@@ -35,7 +35,7 @@ def doctor(path, as_json, exact, exact_source):
     probes = info["probes"]
     click.echo(
         f"float dtype    {probes['float_dtype']} (float models wholly, W8A8 models' lm_head; {probes['float_dtype_why']}; "
-        f"bf16 rows {'invariant' if probes['bf16_row_invariant'] else 'change with the row count'})"
+        f"{probes['bf16_rows']})"
     )
     int8 = "32-bit sums" if probes["fbgemm_int8_sums_32bit"] else "16-bit saturating sums: split kernel"
     ort = probes["onnxruntime_int8_options"]

@@ -47,16 +47,20 @@ batched serving step needs; MKL's blocking changes a row's rounding with M.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import hashlib
 import os
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import probe_store
 from .errors import QuasarError
 from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activation
 
@@ -126,6 +130,7 @@ class Int8Probe:
     summed, per kernel that sums exactly here."""
 
     ms: dict[str, float]
+    timed: str | None = None  # when a process here timed it, where it was kept (``probe_store``); None: not timed
 
     @property
     def kernel(self) -> str:
@@ -139,7 +144,8 @@ class Int8Probe:
         if len(self.ms) == 1:
             return "the only exact 32-bit int8 kernel here"
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
-        return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times})"
+        when = f"; timed {self.timed}, kept: {probe_store.REPROBE_ENV}=1 times again" if self.timed else ""
+        return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times}{when})"
 
 
 PROBE_SHAPE = (4096, 2048)  # (out, in) of the probe's weight: 8 MB, a 1.7B model's attention projection
@@ -151,12 +157,43 @@ def int8_probe() -> Int8Probe:
     """Times ``fbgemm-vnni``, ``onednn-vnni`` and ``quasar-vnni`` (those that sum exactly here) once per process, each on
     ``PROBE_COPIES`` packed copies of one linear of a verify step's shape in turn (more than a last-level cache holds,
     so the weights come from memory, as in a model's step; one cached weight times the arithmetic instead), the
-    kernels interleaved run by run so that drift hits all alike. All compute the same bits (exact), so the choice
-    changes speed only, never an output; which is fastest depends on the CPU and the row count, so it is timed."""
+    kernels interleaved run by run so that drift hits all alike. All compute the same bits (exact), so the kernel
+    changes speed only, never an output; which is fastest depends on the CPU and the row count, so it is timed. The
+    timing is kept (``probe_store``) and later processes on this machine reuse it: ``auto``'s backend follows the pick,
+    and a near tie must not send one process to another backend than the next."""
     kernels = [name for name, exact in (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact())) if exact]
     kernels += ["quasar-vnni"] if quasar_int8_available() else []
     if len(kernels) < 2:
         return Int8Probe({name: 0.0 for name in kernels})
+    key = _int8_probe_key(kernels)
+    kept = probe_store.recall(key)
+    if kept is not None and set(kept[0]) == set(kernels):
+        return Int8Probe({name: float(kept[0][name]) for name in kernels}, kept[1])
+    probe = _time_int8_kernels(kernels)
+    probe_store.keep(key, probe.ms)
+    return probe
+
+
+def _int8_probe_key(kernels: list[str]) -> dict:
+    """What the int8 timing depends on: the CPU, the threads, the software and our kernel's source."""
+    from ._version import __version__
+    from .cpuinfo import cpu_model
+
+    source = Path(__file__).parent / "backends" / "cpu_int8.c"
+    return {
+        "probe": "int8",
+        "kernels": kernels,
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "quasar_deploy": __version__,
+        "kernel_source": hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.is_file() else None,
+        "shape": [*PROBE_SHAPE, PROBE_COPIES, *PROBE_ROWS],
+    }
+
+
+def _time_int8_kernels(kernels: list[str]) -> Int8Probe:
+    """``int8_probe``'s timing: the fastest of four interleaved rounds, per kernel, summed over ``PROBE_ROWS``."""
     generator = torch.Generator().manual_seed(0)
     wq = torch.randint(-127, 128, PROBE_SHAPE, generator=generator, dtype=torch.int8)
     w_scale = torch.full((PROBE_SHAPE[0], 1), 0.01)
@@ -166,7 +203,8 @@ def int8_probe() -> Int8Probe:
     for _ in range(4):  # the first round warms up; the fastest of the rounds counts
         for (name, rows), ms in best.items():
             best[name, rows] = min(ms, _chain_ms(chains[name], x[:rows]))
-    return Int8Probe({name: sum(best[name, rows] for rows in PROBE_ROWS) for name in kernels})
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return Int8Probe({name: sum(best[name, rows] for rows in PROBE_ROWS) for name in kernels}, now)
 
 
 def _chain_ms(linears: list[LinearFn], rows: torch.Tensor) -> float:

@@ -1,0 +1,71 @@
+"""Kernel timings kept across processes (``probe_store``): a near tie between int8 kernels must not send one process
+to another kernel, and so another backend, than the next."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quasar_deploy import kernels
+from quasar_deploy.probe_store import REPROBE_ENV
+
+
+@pytest.fixture
+def two_exact_kernels(monkeypatch, tmp_path):
+    """A cache of the test's own, two exact 32-bit kernels, and timings handed out in turn instead of measured."""
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
+    monkeypatch.delenv(REPROBE_ENV, raising=False)
+    monkeypatch.setattr(kernels, "vnni_available", lambda: True)
+    monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: True)
+    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: False)
+    timings = [{"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, {"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, {"fbgemm-vnni": 3.0, "onednn-vnni": 1.0}]
+    monkeypatch.setattr(kernels, "_time_int8_kernels", lambda names: kernels.Int8Probe(timings.pop(0), "now"))
+    kernels.int8_probe.cache_clear()
+    yield tmp_path / "kernels"
+    kernels.int8_probe.cache_clear()  # the next caller probes this CPU itself
+
+
+def probe_anew() -> kernels.Int8Probe:
+    """``int8_probe`` as a new process calls it."""
+    kernels.int8_probe.cache_clear()
+    return kernels.int8_probe()
+
+
+def test_an_int8_timing_is_kept_and_reused_until_reprobe_is_asked(two_exact_kernels, monkeypatch):
+    assert probe_anew().kernel == "onednn-vnni"
+    again = probe_anew()  # the second timing would pick fbgemm-vnni: the kept one holds
+    assert again.ms == {"fbgemm-vnni": 2.0, "onednn-vnni": 1.0} and "UTC, kept: QUASAR_REPROBE=1 times again" in again.reason
+    monkeypatch.setenv(REPROBE_ENV, "1")
+    assert probe_anew().kernel == "fbgemm-vnni"
+    monkeypatch.delenv(REPROBE_ENV)
+    assert probe_anew().kernel == "fbgemm-vnni"  # the new timing is the one kept
+
+
+@pytest.mark.parametrize("damage", ["{", '{"key": {}, "result": {}, "date": "x"}', "[]"])
+def test_a_damaged_or_foreign_kept_timing_is_timed_again(two_exact_kernels, damage):
+    probe_anew()
+    (kept,) = two_exact_kernels.glob("probe-int8-*.json")
+    kept.write_text(damage)
+    assert probe_anew().kernel == "fbgemm-vnni"  # the second timing, kept in place of the damage
+    assert json.loads(kept.read_text())["result"] == {"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}
+
+
+def test_an_unwritable_cache_still_probes(two_exact_kernels, monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("QUASAR_CACHE", str(blocked))  # a file where the directory should be
+    assert probe_anew().kernel == "onednn-vnni"
+    assert probe_anew().kernel == "fbgemm-vnni"  # nothing was kept: timed again
+
+
+def test_two_processes_on_this_machine_make_the_same_pick(tmp_path):
+    """The real probe, in two processes sharing a cache: the second reads the first's timing (on every kind: with one
+    exact kernel or none nothing is timed, and both report the same)."""
+    code = "import json; from quasar_deploy.kernels import int8_probe as p; print(json.dumps(p().ms))"
+    env = {**{k: v for k, v in os.environ.items() if k != REPROBE_ENV}, "QUASAR_CACHE": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env) for _ in range(2)]
+    assert runs[0].stdout == runs[1].stdout

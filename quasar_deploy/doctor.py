@@ -69,6 +69,7 @@ def probes() -> dict:
         "fbgemm_int8_sums_32bit": vnni_available(),
         "onednn_int8_exact": onednn_int8_exact(),
         "quasar_int8_why_not": cpu_int8.why_not(),
+        "quasar_int8_build": cpu_int8.build(),
         "int8_ms": {name: round(ms, 3) for name, ms in int8.ms.items()},
         "int8_kernel_why": int8.reason,
         "onnxruntime_int8_options": [f"{k}={v}" for k, v in exact_int8_entries()] if unavailable("onnxruntime") is None else None,

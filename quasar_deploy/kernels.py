@@ -87,8 +87,8 @@ def vnni_available() -> bool:
     """Whether FBGEMM's u8 x s8 kernel sums products straight into 32 bits here (its AVX-512 VNNI kernel), found by
     running it once on codes whose product pairs overflow 16 bits; its AVX2 kernel saturates them.
 
-    Asked of the kernel, not of ``/proc/cpuinfo``: which kernel FBGEMM dispatches to is its own decision, and this
-    project's machines list instruction sets (AMX) that do not run.
+    Asked of the kernel, not of ``/proc/cpuinfo``: which kernel FBGEMM dispatches to is its own decision, and a listed
+    instruction set may not run (AMX faults in a process that has not asked Linux for its state).
     """
     return fbgemm_available() and _sums_exactly(lambda wq, w_scale: _fbgemm(wq, w_scale, None, None, split=False))
 

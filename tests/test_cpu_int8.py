@@ -1,5 +1,6 @@
-"""Our AVX-512 VNNI int8 kernel (``backends/cpu_int8.c``): bit for bit the scheme's reference linear at any shape, a row
-alone or in company and however the columns are shared between threads; and offered only where its self-check runs."""
+"""Our int8 kernel (``backends/cpu_int8.c``, AVX-512 VNNI, and AMX tiles where they run): bit for bit the scheme's
+reference linear at any shape, a row alone or in company and however the columns are shared between threads, on every
+build that runs here; and offered only where its self-check runs, the tiles' build first."""
 
 from __future__ import annotations
 
@@ -50,6 +51,23 @@ def test_the_kernel_is_the_reference_at_any_shape(out_features, in_features, row
     assert torch.equal(got, expected)
 
 
+def _running_builds() -> list[str]:
+    return [name for name in cpu_int8.BUILDS if cpu_int8.open_build(name)[0] is not None]
+
+
+@runs_here
+@pytest.mark.parametrize("rows, in_features", [(2, 64), (6, 1024), (16, 128), (17, 192), (40, 256), (48, 2048), (33, 203)])
+def test_every_build_that_runs_here_is_the_reference_at_tile_shapes(monkeypatch, rows, in_features):
+    """Rows in and off whole tile groups, depths in whole 64-byte tile rows (the tiles' case) and off them (the vectors'
+    case): each build that runs here (both on a CPU whose AMX Linux grants, the vector one elsewhere) gives the same bits."""
+    wq, scale, bias, x = _layer(130, in_features, rows, rows, True)
+    expected = kernels.int8_linear(wq, scale, bias, None, "reference")(x)
+    for name in _running_builds():
+        monkeypatch.setattr(cpu_int8, "library", lambda name=name: cpu_int8.open_build(name))
+        assert torch.equal(kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")(x), expected), name
+        assert torch.equal(kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")(x[:1]), expected[:1]), name
+
+
 @runs_here
 def test_extreme_codes_and_deep_rows_sum_exactly():
     """Full-range codes at K = 12288 (sums past 2^24, where float32 rounds them: as the reference's ``.float()`` does)."""
@@ -57,8 +75,8 @@ def test_extreme_codes_and_deep_rows_sum_exactly():
     wq = torch.full((70, k), 127, dtype=torch.int8)
     wq[1::2] = -127
     wq[5, ::3] = 0
-    x = torch.ones(3, k)
-    x[1, ::2] = -1
+    x = torch.ones(19, k)  # past one tile group where the tiles run
+    x[1::2, ::2] = -1
     expected, got = _both(wq, torch.full((70, 1), 1e-3), None, None, x)
     assert expected.abs().max() > 2**24 * 1e-3 / 127 and torch.equal(got, expected)
 
@@ -92,11 +110,11 @@ def fresh_probe(monkeypatch, tmp_path):
     """The kernel built into an empty cache and probed anew; the next caller probes this CPU itself again."""
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.delenv(native.PREBUILT_ENV, raising=False)
-    cpu_int8.library.cache_clear()
-    kernels.int8_probe.cache_clear()
+    for cached in (cpu_int8.library, cpu_int8.open_build, kernels.int8_probe):
+        cached.cache_clear()
     yield
-    cpu_int8.library.cache_clear()
-    kernels.int8_probe.cache_clear()
+    for cached in (cpu_int8.library, cpu_int8.open_build, kernels.int8_probe):
+        cached.cache_clear()
 
 
 def test_a_build_that_fails_its_self_check_is_not_offered(fresh_probe, monkeypatch):
@@ -112,6 +130,42 @@ def test_a_build_that_fails_its_self_check_is_not_offered(fresh_probe, monkeypat
     assert not kernels.quasar_int8_available() and "quasar-vnni" not in kernels.int8_probe().ms
     with pytest.raises(QuasarError, match="the quasar-vnni kernel does not run here: .*self-check"):
         kernels.check_int8_kernel("quasar-vnni")
+
+
+def test_where_the_tiles_fail_their_self_check_the_vector_build_runs(fresh_probe, monkeypatch):
+    """On a CPU without AMX (or a Linux that does not grant its state) the tiles' child dies or reports; the vectors'
+    build is offered instead, and doctor names it."""
+    real_run = subprocess.run
+
+    def run(command, **kwargs):
+        if "quasar_probe" in command[-1] and cpu_int8.AMX_BUILD in command[-1]:
+            return subprocess.CompletedProcess(command, -4)
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(native.subprocess, "run", run)
+    if cpu_int8.open_build("cpu_int8-avx512vnni")[0] is None:
+        pytest.skip(f"no build of our kernel runs here: {cpu_int8.why_not()}")
+    assert cpu_int8.build() == "cpu_int8-avx512vnni" and cpu_int8.why_not() is None
+    assert "failed its self-check (exit -4)" in cpu_int8.open_build(cpu_int8.AMX_BUILD)[1]
+
+
+def test_where_linux_refuses_the_tile_state_the_vector_build_runs(fresh_probe, monkeypatch):
+    real_cdll = cpu_int8.ctypes.CDLL
+
+    class Refusing:
+        def __init__(self, path):
+            self._lib = real_cdll(path)
+
+        def quasar_int8_enable_amx(self):
+            return 1
+
+        def __getattr__(self, name):
+            return getattr(self._lib, name)
+
+    monkeypatch.setattr(cpu_int8.ctypes, "CDLL", Refusing)
+    lib, reason = cpu_int8.open_build(cpu_int8.AMX_BUILD)
+    assert lib is None and (reason == "Linux refused this process the AMX tile state" or reason.startswith("failed its self-check"))
+    assert cpu_int8.build() in (None, "cpu_int8-avx512vnni")  # a CPU without AMX fails in the child, before the process asks
 
 
 def test_without_a_compiler_the_kernel_is_not_offered(fresh_probe, monkeypatch):

@@ -16,6 +16,14 @@
  *
  * Weights are packed once: [n / 64][k / 4][64][4], zero-padded to whole blocks, so one 64-byte load holds 4 values of
  * k for 16 output columns, and a block of 64 columns is one contiguous run.
+ *
+ * Built with -DQUASAR_AMX (and the AMX flags), a call of more than one row goes through AMX tiles instead, in groups
+ * of 16 rows (the last padded with zero codes), where k is whole 64-byte tile rows: a tile of 16 groups of k x 16
+ * columns is 16 rows of that same layout, 256 bytes apart, so the packing is the same, and TDPBUSD sums u8 x s8
+ * products exactly into int32 as VPDPBUSD does: the same bits. The tiles stream weights from memory faster than the
+ * vector loop at a verify step's 6 rows, and do a 48-row batched serving step's arithmetic several times faster. Linux hands out AMX state only to a process that asks for it
+ * (arch_prctl ARCH_REQ_XCOMP_PERM): quasar_int8_enable_amx asks; without it the first tile instruction faults (what
+ * a program built with -march=native meets on CPUs that list the AMX flags).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -27,6 +35,51 @@
 #define GROUP 4  /* values of k per dot-product lane */
 #define ROWS 6   /* rows per pass: 6 x 4 accumulators, the rest of the 32 vector registers hold weights */
 #define INLINE static inline __attribute__((always_inline))
+
+#ifdef QUASAR_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16  /* rows of codes per tile; a call's last group is padded with zero codes */
+#define AMX_DEPTH 64 /* bytes of k per tile row: 16 groups of 4 */
+
+/* Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process: 0 when granted. */
+int quasar_int8_enable_amx(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 1; }
+
+/* Tiles 0-3: 16 rows x 16 int32 sums (64 columns); 4: 16 rows x 64 bytes of codes; 5, 6: 16 groups of k x 16 columns. */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config = {.palette = 1};
+    for (int t = 0; t < 7; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+}
+
+/* AMX_ROWS rows of codes against one packed block: their int32 sums into acc [AMX_ROWS][BLOCK]. */
+static void block_tiles(const uint8_t *codes, size_t k4, const int8_t *block, int32_t (*acc)[BLOCK]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (size_t j = 0; j < k4; j += AMX_DEPTH) {
+        const int8_t *w = block + j * BLOCK; /* group j / 4 of the block */
+        _tile_loadd(4, codes + j, k4);
+        _tile_loadd(5, w, BLOCK * GROUP);
+        _tile_dpbusd(0, 4, 5);
+        _tile_loadd(6, w + 64, BLOCK * GROUP);
+        _tile_dpbusd(1, 4, 6);
+        _tile_loadd(5, w + 128, BLOCK * GROUP);
+        _tile_dpbusd(2, 4, 5);
+        _tile_loadd(6, w + 192, BLOCK * GROUP);
+        _tile_dpbusd(3, 4, 6);
+    }
+    _tile_stored(0, acc[0], BLOCK * sizeof(int32_t));
+    _tile_stored(1, acc[0] + 16, BLOCK * sizeof(int32_t));
+    _tile_stored(2, acc[0] + 32, BLOCK * sizeof(int32_t));
+    _tile_stored(3, acc[0] + 48, BLOCK * sizeof(int32_t));
+}
+#endif
 
 static size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
 
@@ -85,6 +138,25 @@ static void quantize(const float *x, int m, int k, const float *static_scale, ui
     }
 }
 
+/* R rows of int32 sums acc [R][BLOCK] of one block, from column on, to y = float(acc - 128 x wsum) * scale * w_scale
+ * (+ bias) in out [R][n] (columns past n left alone) */
+INLINE void finish(const int R, int32_t (*acc)[BLOCK], const float *scales, const int32_t *wsum, const float *w_scale,
+                   const float *bias, int column, int n, float *out) {
+    for (int v = 0; v < 4; v++) {
+        int c = column + 16 * v;
+        if (c >= n) break;
+        __mmask16 lanes = n - c >= 16 ? 0xffff : (__mmask16)((1u << (n - c)) - 1);
+        __m512i shifted = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, wsum + c), 7); /* 128 x the row sums */
+        __m512 ws = _mm512_maskz_loadu_ps(lanes, w_scale + c), b = _mm512_maskz_loadu_ps(lanes, bias ? bias + c : w_scale + c);
+        for (int i = 0; i < R; i++) {
+            __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc[i] + 16 * v), shifted));
+            y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(scales[i])), ws);
+            if (bias) y = _mm512_add_ps(y, b);
+            _mm512_mask_storeu_ps(out + (size_t)i * n + c, lanes, y);
+        }
+    }
+}
+
 /* R rows of codes against one packed block of 64 output columns, straight to y = float(acc) * scale * w_scale
  * (+ bias) in out [R][n] (columns past n left alone) */
 INLINE void block_rows(const int R, const uint8_t *codes, size_t k4, const int8_t *block, const float *scales,
@@ -109,23 +181,20 @@ INLINE void block_rows(const int R, const uint8_t *codes, size_t k4, const int8_
     int32_t acc[ROWS][BLOCK]; /* through memory: indexing the sums by a variable below would spill them in the loop */
     for (int i = 0; i < R; i++)
         for (int v = 0; v < 4; v++) _mm512_storeu_si512(acc[i] + 16 * v, sum[i][v]);
-    for (int v = 0; v < 4; v++) {
-        int c = column + 16 * v;
-        if (c >= n) break;
-        __mmask16 lanes = n - c >= 16 ? 0xffff : (__mmask16)((1u << (n - c)) - 1);
-        __m512i shifted = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, wsum + c), 7); /* 128 x the row sums */
-        __m512 ws = _mm512_maskz_loadu_ps(lanes, w_scale + c), b = _mm512_maskz_loadu_ps(lanes, bias ? bias + c : w_scale + c);
-        for (int i = 0; i < R; i++) {
-            __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc[i] + 16 * v), shifted));
-            y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(scales[i])), ws);
-            if (bias) y = _mm512_add_ps(y, b);
-            _mm512_mask_storeu_ps(out + (size_t)i * n + c, lanes, y);
-        }
-    }
+    finish(R, acc, scales, wsum, w_scale, bias, column, n, out);
+}
+
+/* Rows of codes a call of m rows keeps: with the tiles, whole groups of 16 (the last padded with zero codes). */
+static size_t code_rows(int m) {
+#ifdef QUASAR_AMX
+    return round_up((size_t)m, AMX_ROWS);
+#else
+    return (size_t)m;
+#endif
 }
 
 /* Scratch bytes one call needs for m rows of k: the codes, then the scales. */
-size_t quasar_int8_scratch_bytes(int m, int k) { return round_up((size_t)m * round_up((size_t)k, GROUP), 64) + (size_t)m * sizeof(float); }
+size_t quasar_int8_scratch_bytes(int m, int k) { return round_up(code_rows(m) * round_up((size_t)k, GROUP), 64) + (size_t)m * sizeof(float); }
 
 /* out [m][n] = the scheme's linear of x [m][k], for the output columns of packed blocks [first, last). Each caller
  * quantizes the rows itself into its own scratch (microseconds), so threads share nothing but read-only input. */
@@ -134,11 +203,28 @@ void quasar_int8_linear(const float *x, int m, int k, const int8_t *packed, cons
                         uint8_t *scratch) {
     size_t k4 = round_up((size_t)k, GROUP);
     uint8_t *codes = scratch;
-    float *scales = (float *)(scratch + round_up((size_t)m * k4, 64));
+    float *scales = (float *)(scratch + round_up(code_rows(m) * k4, 64));
     quantize(x, m, k, static_scale, codes, scales);
+#ifdef QUASAR_AMX
+    /* every row through the tiles where k is whole tile rows, but a single one: a 16-row tile costs no more time than
+     * the vectors' 6 rows while the weights stream from memory, and a lone row is as fast on the vectors */
+    const int tiles = m > 1 && k4 % AMX_DEPTH == 0;
+    if (tiles) {
+        memset(codes + (size_t)m * k4, 0, (code_rows(m) - (size_t)m) * k4);
+        amx_configure();
+    }
+#endif
     for (int b = first; b < last; b++) {
         const int8_t *block = packed + (size_t)b * BLOCK * k4;
-        for (int r = 0; r < m; r += ROWS) {
+        int r = 0;
+#ifdef QUASAR_AMX
+        for (; tiles && r < m; r += AMX_ROWS) {
+            int32_t acc[AMX_ROWS][BLOCK];
+            block_tiles(codes + (size_t)r * k4, k4, block, acc);
+            finish(m - r < AMX_ROWS ? m - r : AMX_ROWS, acc, scales + r, wsum, w_scale, bias, b * BLOCK, n, out + (size_t)r * n);
+        }
+#endif
+        for (; r < m; r += ROWS) {
             const uint8_t *c = codes + (size_t)r * k4;
             float *y = out + (size_t)r * n;
             switch (m - r < ROWS ? m - r : ROWS) { /* constant row counts: each unrolled, its sums in registers */
@@ -151,6 +237,9 @@ void quasar_int8_linear(const float *x, int m, int k, const int8_t *packed, cons
             }
         }
     }
+#ifdef QUASAR_AMX
+    if (tiles) _tile_release();
+#endif
 }
 
 /* Sharing a call's blocks among the threads of the caller's OpenMP pool (torch's): GOMP_parallel, omp_get_thread_num
@@ -196,35 +285,44 @@ int quasar_int8_linear_shared(const float *x, int m, int k, const int8_t *packed
     return 0;
 }
 
-/* Self-check, run in a child process before first use (an instruction this CPU lacks kills the child, not the
- * caller): codes at the extremes (255 x +-127, the sums 16-bit lanes would saturate) and odd shapes, against a
- * scalar sum. 0 when every value matches. */
-int quasar_probe(void) {
-    enum { M = 8, K = 203, N = 70 };
-    static int8_t w[N * K], packed[((N + BLOCK - 1) / BLOCK) * BLOCK * ((K + 3) / 4 * 4)];
-    static float x[M * K], out[M * N], ones[N];
-    static uint8_t scratch[M * ((K + 3) / 4 * 4) + M * 4 + 64];
-    int32_t wsum[N];
+/* One self-check shape: m rows of k against n columns, codes at the extremes (255 x +-127, the sums 16-bit lanes would
+ * saturate), against a scalar sum. 0 when every value matches. */
+static int check(int m, int k, int n) {
+    static int8_t w[70 * 256], packed[128 * 256];
+    static float x[40 * 256], out[40 * 70], ones[70];
+    static uint8_t scratch[48 * 256 + 40 * 4 + 64];
+    int32_t wsum[70];
     unsigned state = 12345;
-    for (int i = 0; i < N * K; i++) {
+    for (int i = 0; i < n * k; i++) {
         state = state * 1103515245u + 12345u;
         w[i] = (int8_t)((int)(state >> 16) % 255 - 127);
     }
-    for (int i = 0; i < N * K; i++)
+    for (int i = 0; i < n * k; i++)
         if (i % 7 == 0) w[i] = (i / 7) % 2 ? 127 : -127;
-    for (int i = 0; i < M * K; i++) {
+    for (int i = 0; i < m * k; i++) {
         state = state * 1103515245u + 12345u;
         x[i] = i % 5 == 0 ? 127.0f : (float)((int)(state >> 16) % 255 - 127);
     }
-    for (int c = 0; c < N; c++) ones[c] = 1.0f;
+    for (int c = 0; c < n; c++) ones[c] = 1.0f;
     float unit = 1.0f;
-    quasar_int8_pack(w, N, K, packed, wsum);
-    quasar_int8_linear(x, M, K, packed, wsum, ones, NULL, &unit, N, 0, (N + BLOCK - 1) / BLOCK, out, scratch);
-    for (int r = 0; r < M; r++)
-        for (int c = 0; c < N; c++) {
+    quasar_int8_pack(w, n, k, packed, wsum);
+    quasar_int8_linear(x, m, k, packed, wsum, ones, NULL, &unit, n, 0, (n + BLOCK - 1) / BLOCK, out, scratch);
+    for (int r = 0; r < m; r++)
+        for (int c = 0; c < n; c++) {
             int64_t sum = 0;
-            for (int j = 0; j < K; j++) sum += (int64_t)x[r * K + j] * w[c * K + j];
-            if ((float)sum != out[r * N + c]) return 1;
+            for (int j = 0; j < k; j++) sum += (int64_t)x[r * k + j] * w[c * k + j];
+            if ((float)sum != out[r * n + c]) return 1;
         }
+    return 0;
+}
+
+/* Self-check, run in a child process before first use (an instruction this CPU lacks kills the child, not the
+ * caller): odd shapes on the vector path; with the tiles, 40 rows (the last group padded) and a lone row beside. */
+int quasar_probe(void) {
+    if (check(8, 203, 70)) return 1;
+#ifdef QUASAR_AMX
+    if (quasar_int8_enable_amx()) return 2;
+    if (check(40, 256, 70) || check(1, 256, 70)) return 3;
+#endif
     return 0;
 }

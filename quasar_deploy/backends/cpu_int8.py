@@ -1,4 +1,5 @@
-"""The ``quasar-vnni`` int8 kernel: ``cpu_int8.c`` (AVX-512 VNNI), compiled here on first use and probed by running it.
+"""The ``quasar-vnni`` int8 kernel: ``cpu_int8.c`` (AVX-512 VNNI, and AMX tiles where they run), compiled here on first
+use and probed by running it.
 
 At verify sizes a W8A8 linear is a pass over its int8 weights, and the library kernels read them more slowly than their
 bf16 kernels read twice the bytes, which took most of W8A8's advantage over a bf16 float model. This kernel streams its
@@ -7,7 +8,8 @@ the activation quantization, the exact integer sums and the float epilogue in th
 exact int8 kernels ``kernels.int8_probe`` times: where it runs and is fastest, the cpu backend uses it.
 
 Built and probed as ``cpu_attention`` is (``native``): where it cannot be built or its self-check fails (no compiler, no
-AVX-512 VNNI), it is not offered, and ``why_not`` says why.
+AVX-512 VNNI), it is not offered, and ``why_not`` says why. The AMX build is tried first; where its self-check fails (no
+AMX, or Linux does not grant the tile state) the vector build runs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from ..openmp import parallel_entry_points
 from . import native
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
-BUILDS = {"cpu_int8-avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]}  # name: flags
+VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
+AMX_BUILD = "cpu_int8-amx"
+# name: flags, in order of preference: with AMX tiles for calls of more than one row where the CPU runs them and Linux
+# grants this process their state (the same bits: exact integer sums either way), else the vectors alone
+BUILDS = {AMX_BUILD: [*VNNI_FLAGS, "-mamx-tile", "-mamx-int8", "-DQUASAR_AMX"], "cpu_int8-avx512vnni": VNNI_FLAGS}
 BLOCK = 64  # output columns per packed block, the unit of a thread's share
 # a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about
 # what reading this much takes (a few tens of microseconds)
@@ -36,13 +42,34 @@ ROWS_PER_SHARE = 8
 
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The built and probed kernel, once per process, handed the OpenMP runtime torch runs on where the process has one
-    (``quasar_int8_use_openmp``); or None and why."""
-    ((name, flags),) = BUILDS.items()
-    path, reason = native.built_and_probed(SOURCE, name, flags)
+    """The first of ``BUILDS`` that builds and passes its self-check here, once per process; or None and why."""
+    reasons = []
+    for name in BUILDS:
+        lib, reason = open_build(name)
+        if lib is not None:
+            return lib, None
+        reasons.append(f"{name}: {reason}")
+    return None, "; ".join(reasons)
+
+
+def build() -> str | None:
+    """The name of the build ``library`` runs (``BUILDS``), None where none runs."""
+    lib = library()[0]
+    return None if lib is None else lib.quasar_build
+
+
+@functools.cache
+def open_build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """Build ``name`` built and probed (in a child process), its entry points typed, handed the OpenMP runtime torch
+    runs on where the process has one (``quasar_int8_use_openmp``); the AMX build granted the tile state in this
+    process too. Or None and why."""
+    path, reason = native.built_and_probed(SOURCE, name, BUILDS[name])
     if path is None:
-        return None, f"{name}: {reason}"
+        return None, reason
     lib = ctypes.CDLL(str(path))
+    if name == AMX_BUILD and lib.quasar_int8_enable_amx() != 0:
+        return None, "Linux refused this process the AMX tile state"
+    lib.quasar_build = name
     pointer, integer, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     lib.quasar_int8_packed_bytes.argtypes, lib.quasar_int8_packed_bytes.restype = [integer, integer], size
     lib.quasar_int8_scratch_bytes.argtypes, lib.quasar_int8_scratch_bytes.restype = [integer, integer], size

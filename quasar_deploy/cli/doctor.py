@@ -15,6 +15,7 @@ import click
 def doctor(path, as_json, exact, exact_source):
     """What this machine can run: CPU features, chosen kernels, every target; with PATH (an artifact or float
     checkpoint), the memory it needs on the cpu backend, from its tensor headers, and the backend auto picks for it."""
+    from ..backends.cpu_int8 import AMX_BUILD
     from ..doctor import report
     from ..errors import QuasarError
 
@@ -41,7 +42,8 @@ def doctor(path, as_json, exact, exact_source):
     ort = probes["onnxruntime_int8_options"]
     ort_text = "not installed" if ort is None else ", ".join(ort) or "exact without options"
     onednn = "exact" if probes["onednn_int8_exact"] else "not exact"
-    ours = probes["quasar_int8_why_not"] or "runs (its self-check passed)"
+    tiles = "AMX tiles, vectors for a single row" if probes["quasar_int8_build"] == AMX_BUILD else "vectors"
+    ours = probes["quasar_int8_why_not"] or f"runs ({probes['quasar_int8_build']}: {tiles}; its self-check passed)"
     click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; quasar-vnni {ours}; onnxruntime {ort_text}")
     why = probes["layer_graph_attention_why"]
     how = f": {why}" if why else ", chosen by running it"

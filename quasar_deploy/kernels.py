@@ -94,7 +94,7 @@ def vnni_available() -> bool:
 
 
 def quasar_int8_available() -> bool:
-    """Whether our own VNNI kernel built and passed its self-check here (``backends.cpu_int8``)."""
+    """Whether our own int8 kernel (a build of it) built and passed its self-check here (``backends.cpu_int8``)."""
     from .backends import cpu_int8
 
     return cpu_int8.why_not() is None
@@ -175,8 +175,9 @@ def int8_probe() -> Int8Probe:
 
 
 def _int8_probe_key(kernels: list[str]) -> dict:
-    """What the int8 timing depends on: the CPU, the threads, the software and our kernel's source."""
+    """What the int8 timing depends on: the CPU, the threads, the software, our kernel's source and build."""
     from ._version import __version__
+    from .backends import cpu_int8
     from .cpuinfo import cpu_model
 
     source = Path(__file__).parent / "backends" / "cpu_int8.c"
@@ -188,6 +189,7 @@ def _int8_probe_key(kernels: list[str]) -> dict:
         "torch": torch.__version__,
         "quasar_deploy": __version__,
         "kernel_source": hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.is_file() else None,
+        "kernel_build": cpu_int8.build(),  # the AMX build or the vector one: they time apart
         "shape": [*PROBE_SHAPE, PROBE_COPIES, *PROBE_ROWS],
     }
 

@@ -9,6 +9,7 @@ said nothing of when to retry; ``--engine vllm`` ignored our flags and served th
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -315,6 +316,7 @@ VLLM_REFUSED = [
     ["--request-timeout", "30"],
     ["--body-timeout", "5"],
     ["--kv-cache-mib", "100"],
+    ["--prefill-tokens", "512"],
 ]
 
 
@@ -329,6 +331,20 @@ def test_flags_vllm_cannot_honour_are_refused(tmp_path, vllm_argv, flag):
 def test_vllm_only_flags_are_refused_for_our_engine(tmp_path, flag):
     result = CliRunner().invoke(main, ["serve", str(tmp_path), *flag])
     assert_one_line_error(result, "applies to --engine vllm only", only_line=True)
+
+
+def test_the_prefill_budget_reaches_the_scheduler(engine, monkeypatch):
+    """``serve --prefill-tokens`` sets the prompt tokens a round prefills (tests/test_batching.py: the budget's effect)."""
+    serve_cli = importlib.import_module("quasar_deploy.cli.serve")  # the module (the package's ``serve`` is the command)
+    made = {}
+    monkeypatch.setattr(serve_cli, "load_engine", lambda *args: engine)
+    monkeypatch.setattr("quasar_deploy.serve.server.run", lambda app, *args: made.setdefault("app", app))
+    result = CliRunner().invoke(main, ["serve", "unused", "--prefill-tokens", "48", "--kv-cache-mib", "64"])
+    assert result.exit_code == 0, result.output
+    assert made["app"].state.scheduler.prefill_tokens == 48
+    assert create_app(engine, ServeConfig("tiny")).state.scheduler.prefill_tokens == 256  # the default
+    refused = CliRunner().invoke(main, ["serve", "unused", "--prefill-tokens", "0"])
+    assert refused.exit_code == 2 and "'--prefill-tokens'" in refused.output and "Traceback" not in refused.output
 
 
 def test_a_default_num_draft_above_the_cap_fails_before_loading(tmp_path):

@@ -37,6 +37,7 @@ from ..engine import Engine, warm_up
 from ..errors import QuasarError
 from ..files import atomic_directory, first_line
 from ..serve.local import free_port
+from ..serve.scheduler import PREFILL_TOKENS
 
 WARM_UP_TOKENS = 8
 MODEL_NAME = "bench"
@@ -53,6 +54,7 @@ class ServeBenchSettings:
     artifact: str | None = None
     synthetic: str | None = None
     backend: str = "auto"
+    prefill_tokens: int = PREFILL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,12 @@ def synthetic_server(settings: ServeBenchSettings, max_sequences: int) -> Iterat
 
     engine, label = synthetic_engine(settings.synthetic)
     config = ServeConfig(
-        MODEL_NAME, max_sequences=max_sequences, max_queue=max_sequences, draft=settings.draft, num_draft=settings.num_draft
+        MODEL_NAME,
+        max_sequences=max_sequences,
+        max_queue=max_sequences,
+        draft=settings.draft,
+        num_draft=settings.num_draft,
+        prefill_tokens=settings.prefill_tokens,
     )
     with serving_in_thread(create_app(engine, config)) as base:
         yield base, label, engine.lm.description
@@ -300,7 +307,7 @@ def quasar_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[
     port = free_port()
     argv = [sys.executable, "-c", "from quasar_deploy.cli import main; main()", "serve", artifact, "--backend", settings.backend]
     argv += ["--port", str(port), "--model-name", MODEL_NAME, "--max-sequences", str(max_sequences), "--max-queue", str(max_sequences)]
-    argv += ["--draft", settings.draft, "--num-draft", str(settings.num_draft)]
+    argv += ["--draft", settings.draft, "--num-draft", str(settings.num_draft), "--prefill-tokens", str(settings.prefill_tokens)]
     with server_process(argv, os.environ.copy(), port, QUASAR_START_S, "quasar-deploy") as (base, log):
         backend = next((line.removeprefix(STARTED) for line in log() if line.startswith(STARTED)), "?")
         yield base, artifact, backend

@@ -231,6 +231,7 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
     type=click.Choice(["auto", *BACKENDS]),
     help="What `quasar-deploy serve --backend` gets (an ARTIFACT only; auto: what a deployment gets).",
 )
+@click.option("--prefill-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Our server's `serve --prefill-tokens`.")
 @click.option("-o", "--output", default="bench-serve", show_default=True, type=click.Path(file_okay=False), help="New report directory.")
 @click.option(
     "--vllm-python",
@@ -239,7 +240,9 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
     help="Then vLLM's CPU build serves ARTIFACT the same way, compared level by level: the python of its venv (docs/anchors.md).",
 )
 @json_option
-def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, backend, output, vllm_python, as_json):
+def serve(
+    artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, backend, prefill_tokens, output, vllm_python, as_json
+):
     """Our server on 127.0.0.1 under streaming clients at each concurrency: tokens/s, TTFT, inter-token latency, acceptance;
     with --vllm-python, vLLM's OpenAI server on the same artifact after it.
 
@@ -255,7 +258,9 @@ def serve(artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, n
     prompts = str(prompts or BUILTIN["prompts"])
     if synthetic and backend != "auto":
         raise QuasarError("--backend applies to an ARTIFACT (a synthetic model is served on the cpu backend)")
-    settings = serving.ServeBenchSettings(prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend)
+    settings = serving.ServeBenchSettings(
+        prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens
+    )
     report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
     _show(report, serving.write(report, output), serving.markdown, as_json, {"w8a8": _float_vs_int8()["w8a8"]})
 

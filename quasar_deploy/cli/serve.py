@@ -33,6 +33,7 @@ QUASAR_ONLY = (
     "request-timeout",
     "body-timeout",
     "kv-cache-mib",
+    "prefill-tokens",
     "drain-timeout",
 )
 VLLM_ONLY = ("tensor-parallel-size", "vllm-arg")
@@ -80,6 +81,14 @@ def seconds_option(name: str, default: float, help: str):
     type=click.IntRange(min=1),
     help="KV cache all running requests may hold together; a request that does not fit gets 429 "
     "(default: half the memory available at start; on CUDA, 90% of the free device memory).",
+)
+@click.option(
+    "--prefill-tokens",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Prompt tokens prefilled per round, beside the running requests' steps (at least one prompt or piece): more "
+    "shortens a burst's wait for its first tokens and lengthens the rounds the running requests wait through.",
 )
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Jinja chat template file.")
 @click.option("--drain-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0), help="SIGTERM: seconds to finish work.")
@@ -139,6 +148,7 @@ def serve(
         request_timeout=limits["request_timeout"],
         body_timeout=limits["body_timeout"],
         kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,
+        prefill_tokens=limits["prefill_tokens"],
         limits=RequestLimits(limits["max_num_draft"], limits["max_stop"], limits["max_stop_chars"], limits["default_max_tokens"]),
     )
     engine = load_engine(path, backend, provider, SERVER_NEEDS, verify, exact_source, rounds)

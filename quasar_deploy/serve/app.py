@@ -28,7 +28,7 @@ from ..files import first_line
 from .metrics import Metrics
 from .protocol import ApiError, RequestLimits, parse_json, parse_request
 from .responses import Shaper, sse
-from .scheduler import Done, Event, Failed, QueueFull, Scheduler, Text, Ticket
+from .scheduler import PREFILL_TOKENS, Done, Event, Failed, QueueFull, Scheduler, Text, Ticket
 
 DISCONNECT_POLL_S = 0.5
 RETRY_AFTER_S = "1"  # what 429 and 503 tell a client to wait: admission frees up as sequences finish, a drain ends soon
@@ -42,8 +42,8 @@ class ServeConfig:
 
     ``request_timeout``: seconds from arrival after which a request is ended (504), queueing included;
     ``body_timeout``: seconds for its body to arrive (408);
-    ``kv_cache_bytes``: the KV cache all running requests may hold together (None: no accounting); ``limits``:
-    what one request may ask for."""
+    ``kv_cache_bytes``: the KV cache all running requests may hold together (None: no accounting); ``prefill_tokens``:
+    prompt tokens prefilled per round (``scheduler.PREFILL_TOKENS``); ``limits``: what one request may ask for."""
 
     model: str
     api_key: str | None = None
@@ -55,6 +55,7 @@ class ServeConfig:
     request_timeout: float = 600.0
     body_timeout: float = 30.0
     kv_cache_bytes: int | None = None
+    prefill_tokens: int = PREFILL_TOKENS
     limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
@@ -139,7 +140,13 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     """The server's app; the scheduler's worker runs for the app's lifespan. ``app.state.draining`` refuses new work (503)."""
     metrics = Metrics()
     scheduler = Scheduler(
-        engine, metrics, config.max_sequences, config.max_queue, deadline_s=config.request_timeout, kv_cache_bytes=config.kv_cache_bytes
+        engine,
+        metrics,
+        config.max_sequences,
+        config.max_queue,
+        prefill_tokens=config.prefill_tokens,
+        deadline_s=config.request_timeout,
+        kv_cache_bytes=config.kv_cache_bytes,
     )
     started_at = int(time.time())
     defaults = {"draft": config.draft, "num_draft": config.num_draft, "verify": engine.verify_modes}

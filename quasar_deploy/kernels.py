@@ -130,7 +130,7 @@ class Int8Probe:
     summed, per kernel that sums exactly here."""
 
     ms: dict[str, float]
-    timed: str | None = None  # when a process here timed it, where it was kept (``probe_store``); None: not timed
+    timed: str | None = None  # when it was timed (UTC), here or by an earlier process (``probe_store``); None: not timed
 
     @property
     def kernel(self) -> str:
@@ -154,7 +154,7 @@ PROBE_COPIES = 6  # packed copies of it timed in turn: 48 MB, more than a server
 
 @functools.cache
 def int8_probe() -> Int8Probe:
-    """Times ``fbgemm-vnni``, ``onednn-vnni`` and ``quasar-vnni`` (those that sum exactly here) once per process, each on
+    """Times ``fbgemm-vnni``, ``onednn-vnni`` and ``quasar-vnni`` (those that sum exactly here) once per machine, each on
     ``PROBE_COPIES`` packed copies of one linear of a verify step's shape in turn (more than a last-level cache holds,
     so the weights come from memory, as in a model's step; one cached weight times the arithmetic instead), the
     kernels interleaved run by run so that drift hits all alike. All compute the same bits (exact), so the kernel

@@ -30,8 +30,8 @@ accumulation; they differ only in speed and in where they run):
   without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only where running it
   once shows exact sums (``onednn_int8_exact``).
   No pinning rows and no float64 recovery. Tested bit-identical to the reference.
-- ``quasar-vnni``: our own AVX-512 VNNI kernel (``backends/cpu_int8.c``), built with the system's C compiler and
-  offered where its self-check runs (``cpu_int8.why_not``). It streams weights packed for it, so a verify step's
+- ``quasar-vnni``: our own AVX-512 VNNI kernel (``backends/cpu_int8.c``; on AMX tiles where they run), built with the
+  system's C compiler and offered where its self-check runs (``cpu_int8.why_not``). It streams weights packed for it, so a verify step's
   linears read int8 weights at close to the memory's rate, which the library kernels do not; it quantizes, sums and
   scales in C, bit for bit as the reference does. Tested bit-identical to the reference.
 - ``cuda`` / ``npu`` kernels live with their backends.

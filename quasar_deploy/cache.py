@@ -48,7 +48,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _write_json(path: Path, data: object) -> None:
+def write_json(path: Path, data: object) -> None:
     """Replaced whole (a reader never sees half a file; two writers: the last one wins, which an index may lose)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
@@ -56,7 +56,8 @@ def _write_json(path: Path, data: object) -> None:
     os.replace(tmp.name, path)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """The JSON object at ``path``; {} where it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -86,13 +87,13 @@ def content_key(model: Path) -> str:
     if not (model / "config.json").is_file():
         raise QuasarError(f"{model}: no config.json (not a Hugging Face checkpoint or a quasar-deploy artifact)")
     hashes = cache_dir() / INDEX / HASHES
-    known = _read_json(hashes)
+    known = read_json(hashes)
     before = json.dumps(known, sort_keys=True)
     read = {"config.json", *TOKENIZER_FILES}
     for file in sorted(f for f in model.iterdir() if f.is_file() and (f.name in read or ".safetensors" in f.name)):
         digest.update(json.dumps([file.name, _file_sha256(file, known)]).encode())
     if json.dumps(known, sort_keys=True) != before:
-        _write_json(hashes, known)
+        write_json(hashes, known)
     return digest.hexdigest()
 
 
@@ -127,11 +128,11 @@ def locked(path: Path) -> Iterator[None]:
 def used(entry: Path, source: Path | None = None) -> None:
     """Record that ``entry`` was just used (for ``source``, a model directory it was derived from)."""
     record_path = entry.parent / INDEX / f"{entry.name}.json"
-    record = _read_json(record_path)
+    record = read_json(record_path)
     sources = record.get("sources", [])
     if source is not None and str(source.resolve()) not in sources:
         sources.append(str(source.resolve()))
-    _write_json(record_path, {"sources": sources, "last_used": time.time()})
+    write_json(record_path, {"sources": sources, "last_used": time.time()})
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def entries(root: Path | None = None) -> list[Entry]:
     for path in root.iterdir():
         if path.name.startswith("."):
             continue
-        record = _read_json(root / INDEX / f"{path.name}.json")
+        record = read_json(root / INDEX / f"{path.name}.json")
         last = record.get("last_used", path.lstat().st_mtime)
         found.append(Entry(path, _size(path), last, tuple(record.get("sources", ()))))
     return sorted(found, key=lambda e: e.last_used)

@@ -47,7 +47,6 @@ batched serving step needs; MKL's blocking changes a row's rounding with M.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
 import os
@@ -55,7 +54,6 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -169,9 +167,8 @@ def int8_probe() -> Int8Probe:
     kept = probe_store.recall(key)
     if kept is not None and set(kept[0]) == set(kernels):
         return Int8Probe({name: float(kept[0][name]) for name in kernels}, kept[1])
-    probe = _time_int8_kernels(kernels)
-    probe_store.keep(key, probe.ms)
-    return probe
+    ms = _time_int8_kernels(kernels)
+    return Int8Probe(ms, probe_store.keep(key, ms))
 
 
 def _int8_probe_key(kernels: list[str]) -> dict:
@@ -180,7 +177,6 @@ def _int8_probe_key(kernels: list[str]) -> dict:
     from .backends import cpu_int8
     from .cpuinfo import cpu_model
 
-    source = Path(__file__).parent / "backends" / "cpu_int8.c"
     return {
         "probe": "int8",
         "kernels": kernels,
@@ -188,14 +184,14 @@ def _int8_probe_key(kernels: list[str]) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "quasar_deploy": __version__,
-        "kernel_source": hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.is_file() else None,
+        "kernel_source": hashlib.sha256(cpu_int8.SOURCE.read_bytes()).hexdigest()[:16],
         "kernel_build": cpu_int8.build(),  # the AMX build or the vector one: they time apart
         "shape": [*PROBE_SHAPE, PROBE_COPIES, *PROBE_ROWS],
     }
 
 
-def _time_int8_kernels(kernels: list[str]) -> Int8Probe:
-    """``int8_probe``'s timing: the fastest of four interleaved rounds, per kernel, summed over ``PROBE_ROWS``."""
+def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
+    """``int8_probe``'s timing, ms per kernel: the fastest of four interleaved rounds, summed over ``PROBE_ROWS``."""
     generator = torch.Generator().manual_seed(0)
     wq = torch.randint(-127, 128, PROBE_SHAPE, generator=generator, dtype=torch.int8)
     w_scale = torch.full((PROBE_SHAPE[0], 1), 0.01)
@@ -205,8 +201,7 @@ def _time_int8_kernels(kernels: list[str]) -> Int8Probe:
     for _ in range(4):  # the first round warms up; the fastest of the rounds counts
         for (name, rows), ms in best.items():
             best[name, rows] = min(ms, _chain_ms(chains[name], x[:rows]))
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return Int8Probe({name: sum(best[name, rows] for rows in PROBE_ROWS) for name in kernels}, now)
+    return {name: sum(best[name, rows] for rows in PROBE_ROWS) for name in kernels}
 
 
 def _chain_ms(linears: list[LinearFn], rows: torch.Tensor) -> float:

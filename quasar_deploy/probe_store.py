@@ -14,7 +14,6 @@ import datetime
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 REPROBE_ENV = "QUASAR_REPROBE"
@@ -31,26 +30,24 @@ def kept_path(key: dict) -> Path:
 def recall(key: dict) -> tuple[dict, str] | None:
     """The result kept for ``key`` and when it was timed (UTC date), or None: nothing kept, a file that is not a
     record for this key, or ``QUASAR_REPROBE`` set."""
+    from .cache import read_json
+
     if os.environ.get(REPROBE_ENV):
         return None
-    try:
-        record = json.loads(kept_path(key).read_text())
-        if record["key"] == key and isinstance(record["result"], dict):
-            return record["result"], str(record["date"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
+    record = read_json(kept_path(key))
+    if record.get("key") != key or not isinstance(record.get("result"), dict):
+        return None
+    return record["result"], str(record.get("date"))
 
 
-def keep(key: dict, result: dict) -> None:
-    """Keep ``result`` for ``key``, replacing the file whole; a cache that cannot be written leaves the next process to
-    time again."""
-    path = kept_path(key)
-    record = {"key": key, "result": result, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+def keep(key: dict, result: dict) -> str:
+    """Keep ``result`` for ``key``, replacing the file whole, and return when it was timed (now, UTC); a cache that
+    cannot be written leaves the next process to time again."""
+    from .cache import write_json
+
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-            tmp.write(json.dumps(record))
-        os.replace(tmp.name, path)
+        write_json(kept_path(key), {"key": key, "result": result, "date": date})
     except OSError:
         pass
+    return date

@@ -23,7 +23,7 @@ def two_exact_kernels(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: True)
     monkeypatch.setattr(kernels, "quasar_int8_available", lambda: False)
     timings = [{"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, {"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, {"fbgemm-vnni": 3.0, "onednn-vnni": 1.0}]
-    monkeypatch.setattr(kernels, "_time_int8_kernels", lambda names: kernels.Int8Probe(timings.pop(0), "now"))
+    monkeypatch.setattr(kernels, "_time_int8_kernels", lambda names: timings.pop(0))
     kernels.int8_probe.cache_clear()
     yield tmp_path / "kernels"
     kernels.int8_probe.cache_clear()  # the next caller probes this CPU itself

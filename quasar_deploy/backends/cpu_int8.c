@@ -21,9 +21,10 @@
  * of 16 rows (the last padded with zero codes), where k is whole 64-byte tile rows: a tile of 16 groups of k x 16
  * columns is 16 rows of that same layout, 256 bytes apart, so the packing is the same, and TDPBUSD sums u8 x s8
  * products exactly into int32 as VPDPBUSD does: the same bits. The tiles stream weights from memory faster than the
- * vector loop at a verify step's 6 rows, and do a 48-row batched serving step's arithmetic several times faster. Linux hands out AMX state only to a process that asks for it
- * (arch_prctl ARCH_REQ_XCOMP_PERM): quasar_int8_enable_amx asks; without it the first tile instruction faults (what
- * a program built with -march=native meets on CPUs that list the AMX flags).
+ * vector loop at a verify step's 6 rows, and do a 48-row batched serving step's arithmetic several times faster.
+ * Linux hands out AMX state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM):
+ * quasar_int8_enable_amx asks; without it the first tile instruction faults (what a program built with -march=native
+ * meets on CPUs that list the AMX flags).
  */
 #include <immintrin.h>
 #include <math.h>

@@ -42,9 +42,10 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 KernelFactory = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"], LinearFn]
 
 
-# (layer, q, k, v) -> attention output: the rows of one pass, [rows, heads * head_dim] (k, v: kv heads), q and k normed
-# and rotated; it writes the rows' keys and values to their caches itself
-StepAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer, qkv) -> attention output [rows, heads * head_dim] of the rows of one pass: ``qkv`` is the layer's q, k and v
+# projections side by side [rows, (heads + 2 kv heads) * head_dim], which the kernel norms (q_norm, k_norm) and rotates
+# (the pass's cos and sin) itself; it writes the rows' keys and values to their caches
+StepAttention = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class AttentionKernel(Protocol):
@@ -55,7 +56,19 @@ class AttentionKernel(Protocol):
 
     def new_cache(self, capacity: int): ...
 
-    def step(self, caches: list, sizes: list[int]) -> StepAttention: ...
+    def step(self, caches: list, sizes: list[int], cos: torch.Tensor, sin: torch.Tensor) -> StepAttention: ...
+
+
+class RowKernel(Protocol):
+    """A backend's own row-wise ops of a layer in place of torch's (``Decoder.row_kernel``): a step's norms and SiLU
+    gates are dozens of small torch ops a layer whose dispatch costs more than their arithmetic. Each returns its
+    input's dtype; each row's result depends on that row alone."""
+
+    def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor: ...
+
+    def silu_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of ``gate_up`` [rows, 2 * inner] (gate's columns first)."""
+        ...
 
 
 def cpu_kernels(float_kernel: str = "torch", int8_kernel: str = "reference") -> KernelFactory:
@@ -434,10 +447,9 @@ class Attention(nn.Module):
         return self.o_proj(attended.transpose(0, 1).reshape(t, self.spec.num_heads * self.spec.head_dim))
 
     def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int, step: StepAttention | None = None) -> torch.Tensor:
-        if step is not None:  # a backend's kernel attends every sequence's rows, over caches of its own
-            t = x.shape[0]
-            q, k, v = self._rotated_rows(x, cos, sin)
-            return self.o_proj(step(layer, q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)).to(x.dtype))
+        if step is not None:  # a backend's kernel norms, rotates and attends every sequence's rows, over caches of its own
+            qkv = self.qkv(x) if self.qkv is not None else torch.cat(self._project(x), dim=-1)
+            return self.o_proj(step(layer, qkv).to(x.dtype))
         q, k, v = self.rotated_qkv(x, cos, sin)
         outs, row = [], 0
         for seg in segments:  # each sequence attends over its own cache only
@@ -496,7 +508,9 @@ class MLP(nn.Module):
     def fuse(self, kernels: KernelFactory) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj], kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowKernel | None = None) -> torch.Tensor:
+        if rows is not None and self.gate_up is not None:
+            return self.down_proj(rows.silu_gate(self.gate_up(x)).to(x.dtype))
         if self.gate_up is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
@@ -517,9 +531,14 @@ class DecoderLayer(nn.Module):
         self.self_attn.fuse(kernels)
         self.mlp.fuse(kernels)
 
-    def forward(self, x, cos, sin, segments: Sequence[Segment], layer: int, step: StepAttention | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x, cos, sin, segments: Sequence[Segment], layer: int, step: StepAttention | None = None, rows: RowKernel | None = None
+    ) -> torch.Tensor:
+        if rows is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer, step)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(rows.rms_norm(x, self.input_layernorm), cos, sin, segments, layer, step)
+        return x + self.mlp(rows.rms_norm(x, self.post_attention_layernorm), rows)
 
 
 class Body(nn.Module):
@@ -582,6 +601,7 @@ class Decoder(nn.Module):
         self.lm_head = lm_head
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
         self.attention_kernel: AttentionKernel | None = None  # a backend's own attention, set before any cache is made
+        self.row_kernel: RowKernel | None = None  # a backend's own norms and SiLU gates
 
     def linears(self) -> Iterable[tuple[str, Linear]]:
         return ((n, m) for n, m in self.named_modules() if isinstance(m, Linear) and n != "lm_head")
@@ -646,19 +666,20 @@ class Decoder(nn.Module):
             cache.reserve(t)
         device = blocks[0].device
         starts = [cache.length for cache in caches]
-        kernel = self.attention_kernel
-        step = kernel.step(list(caches), sizes) if kernel is not None else None
-        segments = [segment(self.spec, cache, t, device) for cache, t in zip(caches, sizes)] if step is None else []
-        ropes = [rotary(self.inv_freq, start, t, self.dtype) for start, t in zip(starts, sizes)]
+        kernel, row_kernel = self.attention_kernel, self.row_kernel
+        # a kernel rotates in float32 whatever the decoder computes in
+        ropes = [rotary(self.inv_freq, start, t, self.dtype if kernel is None else torch.float32) for start, t in zip(starts, sizes)]
         cos, sin = (torch.cat(parts) for parts in zip(*ropes)) if len(ropes) > 1 else ropes[0]
+        step = kernel.step(list(caches), sizes, cos, sin) if kernel is not None else None
+        segments = [segment(self.spec, cache, t, device) for cache, t in zip(caches, sizes)] if step is None else []
         x = self.embed(torch.cat(list(blocks)) if len(blocks) > 1 else blocks[0])
         for i, layer in enumerate(self.model.layers):
             if i not in skip_layers:
-                x = layer(x, cos, sin, segments, i, step)
+                x = layer(x, cos, sin, segments, i, step, row_kernel)
         for cache, start, t in zip(caches, starts, sizes):
             cache.length = start + t
         if any(last_only):
             ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
             rows = [r for end, t, last in zip(ends, sizes, last_only) for r in ([end - 1] if last else range(end - t, end))]
             x = x[torch.tensor(rows, device=device)]
-        return self.lm_head(self.model.norm(x)).float()
+        return self.lm_head(self.model.norm(x) if row_kernel is None else row_kernel.rms_norm(x, self.model.norm)).float()

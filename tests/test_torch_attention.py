@@ -13,7 +13,7 @@ from quasar_deploy.backends.torch_backend import bind_cpu_attention, cpu_causal_
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.model import KEY_CHUNK
 
-from .tiny import save_tiny
+from .tiny import save_tiny, save_tiny_qwen2_with_biases
 
 IDS = torch.randint(0, 4096, (2 * KEY_CHUNK + 40,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -48,11 +48,18 @@ def test_an_unknown_attention_is_refused_in_one_line(tiny_qwen3):
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2-biases"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_its_logits_are_torch_attentions_within_float_rounding(tiny_qwen3, dtype):
-    """Prefill, a verify block and one-token decodes past a key chunk: the same logits as torch's attention up to the
-    rounding of float sums taken in another order (bf16: the float32 kernel's output rounded to bf16 once more)."""
-    files = open_model_files(tiny_qwen3)
+def test_its_logits_are_torch_attentions_within_float_rounding(tiny_qwen3, tmp_path, family, dtype):
+    """Prefill, a verify block and one-token decodes past a key chunk: the same logits as torch's attention (and torch's
+    norms, rotary and SiLU gates) up to the rounding of float sums taken in another order (bf16: the float32 kernel's
+    outputs rounded to bf16 once more). Qwen3 norms q and k in the kernel, Llama does not, Qwen2 adds q/k/v biases."""
+    model = {
+        "qwen3": lambda: tiny_qwen3,
+        "llama": lambda: save_tiny(tmp_path / "llama", "llama"),
+        "qwen2-biases": lambda: save_tiny_qwen2_with_biases(tmp_path / "qwen2"),
+    }
+    files = open_model_files(model[family]())
     kernel, ops = (cpu_causal_lm(files.decoder(dtype), attention=a) for a in ("auto", "torch"))
     assert kernel.decoder.attention_kernel is not None and ops.decoder.attention_kernel is None
     prompt = KEY_CHUNK - 4

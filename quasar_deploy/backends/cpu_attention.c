@@ -14,6 +14,11 @@
  * Layout, per sequence and layer: keys [kv_heads][capacity / TILE][dim][TILE] (a score step reads W keys' d-th
  * components as one vector, and a tile is contiguous), values [kv_heads][capacity][dim]; capacity a multiple of TILE.
  * Built with W = 16 (AVX-512) or W = 8 (AVX2), whichever runs on the CPU (the caller probes by running it).
+ *
+ * For the torch decoder the kernel also does a layer's row-wise work around its linears (quasar_rows: RMSNorm, the
+ * MLP's SiLU gate; the q/k norms and rotary inside quasar_attend, see struct projection): in torch these are some forty
+ * small ops a layer, each a dispatch and a pass over a few kilobytes, which cost a verify step about a quarter of its
+ * time. Each is a function of its row alone, so the independence of a row's bits holds for them too.
  */
 #include <math.h>
 #include <stdint.h>
@@ -195,6 +200,42 @@ static void attend_rows(int rows, const float *const *q, const int *len, float *
     }
 }
 
+/* How a call's q, k and v rows arrive. NULL (ONNX Runtime's layer graphs): q [rows][heads * dim], k and v [rows][kv_heads
+ * * dim], normed and rotated already. Else (the torch decoder) q, k and v are the columns of one projection [rows][stride]
+ * (q's heads, then k's, then v's), and the kernel applies q_norm / k_norm (RMSNorm over a head, where given) and the
+ * rotary embedding (cos, sin: [rows][dim], rotate-half) itself: a row's rotated q waits in its out row, which only its
+ * own attention overwrites, after reading it. */
+struct projection {
+    const float *cos, *sin, *q_norm, *k_norm;
+    float eps;
+    int stride;
+};
+
+/* 1 / sqrt(mean of x^2 + eps) over n floats: W lanes, then the lanes in order. */
+static float inverse_rms(const float *x, int n, float eps) {
+    vf acc = {0};
+    int i = 0;
+    for (; i + W <= n; i += W) acc += load(x + i) * load(x + i);
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += x[i] * x[i];
+    return 1.0f / sqrtf(sum / (float)n + eps);
+}
+
+/* One head's vector x: RMSNorm with weight (where given), then rotate-half rotary at this row's cos and sin, into y. */
+static void norm_rotate(const float *x, const float *weight, float eps, const float *cos, const float *sin, int dim,
+                        float *y) {
+    float normed[dim];
+    if (weight) {
+        float inv = inverse_rms(x, dim, eps);
+        for (int d = 0; d < dim; d++) normed[d] = weight[d] * (x[d] * inv);
+    } else {
+        memcpy(normed, x, dim * sizeof(float));
+    }
+    int half = dim / 2;
+    for (int d = 0; d < half; d++) y[d] = normed[d] * cos[d] - normed[d + half] * sin[d];
+    for (int d = half; d < dim; d++) y[d] = normed[d] * cos[d] + normed[d - half] * sin[d];
+}
+
 /* Items [begin, end) of the (sequence, kv head) pairs, sequence-major. For each: write the sequence's new rows' keys
  * and values for that head into its cache at past .. past + count - 1, then attend each of its rows for each query
  * head of the group. q and out: [rows][heads * dim]; k and v: [rows][kv_heads * dim]; a sequence's rows are
@@ -202,17 +243,31 @@ static void attend_rows(int rows, const float *const *q, const int *len, float *
 void quasar_attend(int begin, int end, const float *q, const float *k, const float *v, float *out,
                    const int64_t *key_caches, const int64_t *value_caches, const int32_t *capacities,
                    const int32_t *pasts, const int32_t *row_start, const int32_t *row_count, int heads, int kv_heads,
-                   int dim, float scale, float *scratch) {
+                   int dim, float scale, const struct projection *projection, float *scratch) {
     int group = heads / kv_heads;
+    size_t q_stride = projection ? (size_t)projection->stride : (size_t)heads * dim;
+    size_t kv_stride = projection ? (size_t)projection->stride : (size_t)kv_heads * dim;
     for (int item = begin; item < end; item++) {
         int s = item / kv_heads, h = item % kv_heads;
         int capacity = capacities[s], past = pasts[s], r0 = row_start[s], n = row_count[s];
         float *keys = (float *)(intptr_t)key_caches[s] + (size_t)h * dim * capacity;
         float *values = (float *)(intptr_t)value_caches[s] + (size_t)h * capacity * dim;
         for (int r = 0; r < n; r++) {
-            const float *kr = k + (size_t)(r0 + r) * kv_heads * dim + (size_t)h * dim;
+            const float *kr = k + (size_t)(r0 + r) * kv_stride + (size_t)h * dim;
+            float rotated[dim];
+            if (projection) {
+                const struct projection *p = projection;
+                size_t at = (size_t)(r0 + r) * dim;
+                norm_rotate(kr, p->k_norm, p->eps, p->cos + at, p->sin + at, dim, rotated);
+                kr = rotated;
+                for (int g = 0; g < group; g++) { /* this head group's q rows, rotated into their out rows */
+                    size_t head = (size_t)(h * group + g) * dim;
+                    norm_rotate(q + (size_t)(r0 + r) * q_stride + head, p->q_norm, p->eps, p->cos + at, p->sin + at,
+                                dim, out + (size_t)(r0 + r) * heads * dim + head);
+                }
+            }
             for (int d = 0; d < dim; d++) *key_at(keys, past + r, d, dim) = kr[d];
-            memcpy(values + (size_t)(past + r) * dim, v + (size_t)(r0 + r) * kv_heads * dim + (size_t)h * dim,
+            memcpy(values + (size_t)(past + r) * dim, v + (size_t)(r0 + r) * kv_stride + (size_t)h * dim,
                    dim * sizeof(float));
         }
         for (int i0 = 0; i0 < n * group; i0 += ROWS) { /* rows in order, each with its group's heads */
@@ -222,9 +277,9 @@ void quasar_attend(int begin, int end, const float *q, const float *k, const flo
             int lens[ROWS];
             for (int i = 0; i < rows; i++) {
                 int r = (i0 + i) / group;
-                size_t at = (size_t)(r0 + r) * heads * dim + (size_t)(h * group + (i0 + i) % group) * dim;
-                qs[i] = q + at;
-                outs[i] = out + at;
+                size_t head = (size_t)(h * group + (i0 + i) % group) * dim;
+                outs[i] = out + (size_t)(r0 + r) * heads * dim + head;
+                qs[i] = projection ? outs[i] : q + (size_t)(r0 + r) * q_stride + head;
                 lens[i] = past + r + 1;
             }
             attend_rows(rows, qs, lens, outs, keys, values, dim, scale, scratch);
@@ -254,6 +309,7 @@ struct shared_call {
     const int32_t *capacities, *pasts, *row_start, *row_count, *edges;
     int heads, kv_heads, dim, shares;
     float scale;
+    const struct projection *projection;
     float *scratch;
     size_t scratch_floats;
 };
@@ -263,7 +319,7 @@ static void run_shares(void *data) {
     for (int s = omp_thread(); s < c->shares; s += omp_threads()) /* every share runs, however many threads came */
         quasar_attend(c->edges[s], c->edges[s + 1], c->q, c->k, c->v, c->out, c->key_caches, c->value_caches,
                       c->capacities, c->pasts, c->row_start, c->row_count, c->heads, c->kv_heads, c->dim, c->scale,
-                      c->scratch + (size_t)s * c->scratch_floats);
+                      c->projection, c->scratch + (size_t)s * c->scratch_floats);
 }
 
 /* quasar_attend over shares of items [edges[s], edges[s + 1]), s < shares, side by side in the OpenMP pool; 1 where no
@@ -271,17 +327,156 @@ static void run_shares(void *data) {
 int quasar_attend_shared(const int32_t *edges, int shares, const float *q, const float *k, const float *v, float *out,
                          const int64_t *key_caches, const int64_t *value_caches, const int32_t *capacities,
                          const int32_t *pasts, const int32_t *row_start, const int32_t *row_count, int heads,
-                         int kv_heads, int dim, float scale, float *scratch, size_t scratch_floats) {
+                         int kv_heads, int dim, float scale, const struct projection *projection, float *scratch,
+                         size_t scratch_floats) {
     if (!omp_parallel) return 1;
-    struct shared_call call = {q,      k,         v,          out,   key_caches, value_caches, capacities, pasts,
-                               row_start, row_count, edges, heads, kv_heads, dim, shares, scale, scratch,
-                               scratch_floats};
+    struct shared_call call = {q,         k,         v,     out,   key_caches, value_caches, capacities, pasts,
+                               row_start, row_count, edges, heads, kv_heads,   dim,          shares,     scale,
+                               projection, scratch,  scratch_floats};
     omp_parallel(run_shares, &call, (unsigned)shares, 0);
     return 0;
 }
 
+/* The row-wise ops of quasar_rows, each on rows [begin, end) of `dim` columns. */
+enum { RMS_NORM = 0, SILU_GATE = 1 };
+
+/* out = weight * (x * inverse_rms(x)), torch's RMSNorm in float32. */
+static void rms_norm_rows(int begin, int end, int dim, const float *x, const float *weight, float eps, float *out) {
+    for (int r = begin; r < end; r++) {
+        const float *xr = x + (size_t)r * dim;
+        float *o = out + (size_t)r * dim, inv = inverse_rms(xr, dim, eps);
+        for (int d = 0; d < dim; d++) o[d] = weight[d] * (xr[d] * inv);
+    }
+}
+
+/* x [rows][2 * dim] holds gate then up; out [rows][dim] = silu(gate) * up, silu(g) = g / (1 + exp(-g)) computed with
+ * vexp's argument at most 0 on either side of 0. */
+static void silu_gate_rows(int begin, int end, int dim, const float *x, float *out) {
+    for (int r = begin; r < end; r++) {
+        const float *gate = x + (size_t)r * 2 * dim, *up = gate + dim;
+        float *o = out + (size_t)r * dim;
+        int d = 0;
+        for (; d + W <= dim; d += W) {
+            vf g = load(gate + d);
+            vi negative = g < 0.0f;
+            vf e = vexp(pick(negative, g, -g)); /* exp(-|g|) */
+            vf sigmoid = pick(negative, e, splat(1.0f)) / (1.0f + e);
+            store(o + d, g * sigmoid * load(up + d));
+        }
+        for (; d < dim; d++) {
+            float g = gate[d], e = expf(-fabsf(g));
+            o[d] = g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * up[d];
+        }
+    }
+}
+
+static void rows_op(int op, int begin, int end, int dim, const float *x, const float *weight, float eps, float *out) {
+    if (op == RMS_NORM) rms_norm_rows(begin, end, dim, x, weight, eps, out);
+    else silu_gate_rows(begin, end, dim, x, out);
+}
+
+struct rows_call {
+    int op, rows, dim, shares;
+    const float *x, *weight;
+    float eps;
+    float *out;
+};
+
+static void run_row_shares(void *data) {
+    const struct rows_call *c = data;
+    for (int s = omp_thread(); s < c->shares; s += omp_threads())
+        rows_op(c->op, (int)((long)c->rows * s / c->shares), (int)((long)c->rows * (s + 1) / c->shares), c->dim, c->x,
+                c->weight, c->eps, c->out);
+}
+
+/* Op RMS_NORM (x, out [rows][dim]; weight [dim]) or SILU_GATE (x [rows][2 * dim], out [rows][dim]) over all rows, in
+ * `shares` pieces of about equal rows side by side in the OpenMP pool where one was handed in (a prompt's hundreds of
+ * rows), else here. */
+void quasar_rows(int op, int rows, int dim, const float *x, const float *weight, float eps, float *out, int shares) {
+    if (shares > 1 && omp_parallel) {
+        struct rows_call call = {op, rows, dim, shares, x, weight, eps, out};
+        omp_parallel(run_row_shares, &call, (unsigned)shares, 0);
+    } else {
+        rows_op(op, 0, rows, dim, x, weight, eps, out);
+    }
+}
+
 /* Rows of scratch a call needs, each as long as its longest row's keys rounded up to a vector. */
 int quasar_scratch_rows(void) { return ROWS; }
+
+/* A pseudo-random float in [-1, 1) from `state` (a variable of the caller). */
+#define NEXT() ((state = state * 1103515245u + 12345u) >> 9) * (1.0f / 8388608.0f) - 1.0f
+
+/* The projection path against the plain one: q and k normed and rotated here (in double), then attended as given. */
+static int probe_projection(void) {
+    enum { HEADS = 4, KV = 2, DIM = 2 * W, CAP = 32, N = 3, STRIDE = (HEADS + 2 * KV) * DIM };
+    static float qkv[N * STRIDE], q[N * HEADS * DIM], k[N * KV * DIM], v[N * KV * DIM], cs[N * DIM], sn[N * DIM];
+    static float qn[DIM], kn[DIM], out[N * HEADS * DIM], plain[N * HEADS * DIM], scratch[ROWS * CAP];
+    static float caches[2][2][KV * CAP * DIM];
+    unsigned state = 777;
+    for (int i = 0; i < N * STRIDE; i++) qkv[i] = NEXT();
+    for (int i = 0; i < N * DIM; i++) {
+        cs[i] = NEXT();
+        sn[i] = NEXT();
+    }
+    for (int d = 0; d < DIM; d++) {
+        qn[d] = 1.0f + NEXT() / 4;
+        kn[d] = 1.0f + NEXT() / 4;
+    }
+    const float eps = 1e-6f;
+    for (int r = 0; r < N; r++)
+        for (int head = 0; head < HEADS + KV; head++) {
+            const float *x = qkv + r * STRIDE + head * DIM, *weight = head < HEADS ? qn : kn;
+            float *y = head < HEADS ? q + (r * HEADS + head) * DIM : k + (r * KV + head - HEADS) * DIM;
+            double sum = 0, normed[DIM];
+            for (int d = 0; d < DIM; d++) sum += (double)x[d] * x[d];
+            for (int d = 0; d < DIM; d++) normed[d] = weight[d] * x[d] / sqrt(sum / DIM + eps);
+            for (int d = 0; d < DIM; d++)
+                y[d] = (float)(normed[d] * cs[r * DIM + d] +
+                               (d < DIM / 2 ? -normed[d + DIM / 2] : normed[d - DIM / 2]) * sn[r * DIM + d]);
+        }
+    for (int r = 0; r < N; r++)
+        memcpy(v + r * KV * DIM, qkv + r * STRIDE + (HEADS + KV) * DIM, KV * DIM * sizeof(float));
+    int64_t kc[2], vc[2];
+    for (int c = 0; c < 2; c++) {
+        kc[c] = (int64_t)(intptr_t)caches[c][0];
+        vc[c] = (int64_t)(intptr_t)caches[c][1];
+    }
+    int32_t cap = CAP, past = 0, start = 0, count = N;
+    struct projection projection = {cs, sn, qn, kn, eps, STRIDE};
+    quasar_attend(0, KV, qkv, qkv + HEADS * DIM, qkv + (HEADS + KV) * DIM, out, &kc[0], &vc[0], &cap, &past, &start,
+                  &count, HEADS, KV, DIM, 0.25f, &projection, scratch);
+    quasar_attend(0, KV, q, k, v, plain, &kc[1], &vc[1], &cap, &past, &start, &count, HEADS, KV, DIM, 0.25f, NULL,
+                  scratch);
+    for (int i = 0; i < N * HEADS * DIM; i++)
+        if (fabsf(out[i] - plain[i]) > 1e-5f) return 1;
+    return 0;
+}
+
+/* The row ops against double precision, over a width with a tail past the last whole vector. */
+static int probe_rows(void) {
+    enum { ROWS_ = 3, DIM = 2 * W + 3 };
+    static float x[ROWS_ * 2 * DIM], weight[DIM], out[ROWS_ * 2 * DIM];
+    unsigned state = 4242;
+    for (int i = 0; i < ROWS_ * 2 * DIM; i++) x[i] = 12.0f * NEXT();
+    for (int d = 0; d < DIM; d++) weight[d] = NEXT();
+    quasar_rows(RMS_NORM, ROWS_, DIM, x, weight, 1e-6f, out, 1);
+    for (int r = 0; r < ROWS_; r++) {
+        double sum = 0;
+        for (int d = 0; d < DIM; d++) sum += (double)x[r * DIM + d] * x[r * DIM + d];
+        for (int d = 0; d < DIM; d++) {
+            double want = weight[d] * x[r * DIM + d] / sqrt(sum / DIM + 1e-6);
+            if (fabs(out[r * DIM + d] - want) > 1e-5 * (1 + fabs(want))) return 1;
+        }
+    }
+    quasar_rows(SILU_GATE, ROWS_, DIM, x, NULL, 0.0f, out, 1);
+    for (int r = 0; r < ROWS_; r++)
+        for (int d = 0; d < DIM; d++) {
+            double g = x[r * 2 * DIM + d], want = g / (1 + exp(-g)) * x[r * 2 * DIM + DIM + d];
+            if (fabs(out[r * DIM + d] - want) > 1e-5 * (1 + fabs(want))) return 1;
+        }
+    return 0;
+}
 
 /* Runs the kernel on a small case against a plain double-precision reference: 0 when they agree. Called in a child
  * process, so a CPU without this build's instructions fails the probe instead of the caller. */
@@ -291,7 +486,6 @@ int quasar_probe(void) {
     static float out[N * HEADS * DIM], scratch[ROWS * CAP];
     unsigned state = 12345;
     float kp[KV][CAP][DIM];
-#define NEXT() ((state = state * 1103515245u + 12345u) >> 9) * (1.0f / 8388608.0f) - 1.0f
     for (int h = 0; h < KV; h++)
         for (int t = 0; t < PAST; t++)
             for (int d = 0; d < DIM; d++) {
@@ -307,7 +501,7 @@ int quasar_probe(void) {
     int64_t kc = (int64_t)(intptr_t)keys, vc = (int64_t)(intptr_t)values;
     int32_t cap = CAP, past = PAST, start = 0, count = N;
     float scale = 0.125f;
-    quasar_attend(0, KV, q, k, v, out, &kc, &vc, &cap, &past, &start, &count, HEADS, KV, DIM, scale, scratch);
+    quasar_attend(0, KV, q, k, v, out, &kc, &vc, &cap, &past, &start, &count, HEADS, KV, DIM, scale, NULL, scratch);
     for (int r = 0; r < N; r++)
         for (int hq = 0; hq < HEADS; hq++) {
             int h = hq / (HEADS / KV), len = PAST + r + 1;
@@ -327,5 +521,5 @@ int quasar_probe(void) {
                 if (fabs(o / total - out[(r * HEADS + hq) * DIM + d]) > 1e-5) return 1;
             }
         }
-    return 0;
+    return probe_projection() || probe_rows();
 }

@@ -91,17 +91,32 @@ def probe(width: int) -> tuple[Kernel | None, str | None]:
 def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     """The library with its entry points typed, handed the OpenMP runtime torch runs on where the process has one."""
     library = ctypes.CDLL(str(path))
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    library.quasar_attend.argtypes = [integer, integer, *[pointer] * 10, integer, integer, integer, ctypes.c_float, pointer]
+    pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    library.quasar_attend.argtypes = [integer, integer, *[pointer] * 10, integer, integer, integer, real, pointer, pointer]
     library.quasar_attend.restype = None
-    library.quasar_attend_shared.argtypes = [pointer, integer, *[pointer] * 10, integer, integer, integer, ctypes.c_float]
-    library.quasar_attend_shared.argtypes += [pointer, ctypes.c_size_t]
+    library.quasar_attend_shared.argtypes = [pointer, integer, *[pointer] * 10, integer, integer, integer, real]
+    library.quasar_attend_shared.argtypes += [pointer, pointer, ctypes.c_size_t]
     library.quasar_attend_shared.restype = integer
+    library.quasar_rows.argtypes = [integer, integer, integer, pointer, pointer, real, pointer, integer]
+    library.quasar_rows.restype = None
     runtime = parallel_entry_points()
     if runtime is not None:
         library.quasar_attend_use_openmp.argtypes, library.quasar_attend_use_openmp.restype = [pointer] * 3, None
         library.quasar_attend_use_openmp(*runtime)
     return library, runtime is not None
+
+
+class Projection(ctypes.Structure):
+    """``struct projection`` of the C file: q, k and v as one projection's columns, normed and rotated by the kernel."""
+
+    _fields_ = [
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("stride", ctypes.c_int),
+    ]
 
 
 class StepAttention:
@@ -150,14 +165,27 @@ class StepAttention:
         self.scratch = np.empty(len(self.shares) * self.scratch_floats, np.float32)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """q [rows, heads * dim], k and v [rows, kv_heads * dim] of every sequence's new rows at ``layer`` (written to
-        the caches); their attention's output, [rows, heads * dim]."""
+        """q [rows, heads * dim], k and v [rows, kv_heads * dim] of every sequence's new rows at ``layer``, normed and
+        rotated (written to the caches); their attention's output, [rows, heads * dim]."""
         q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
         out = np.empty_like(q)
+        self._attend(layer, q.ctypes.data, k.ctypes.data, v.ctypes.data, out, None)
+        return out
+
+    def projected(self, layer: int, qkv: np.ndarray, projection: Projection) -> np.ndarray:
+        """As a call, from one projection's rows ``qkv`` [rows, (heads + 2 kv_heads) * dim] (float32, contiguous), which
+        the kernel norms and rotates as ``projection`` says."""
+        out = np.empty((qkv.shape[0], self.heads * self.dim), np.float32)
+        q = qkv.ctypes.data
+        k = q + 4 * self.heads * self.dim
+        self._attend(layer, q, k, k + 4 * self.kv_heads * self.dim, out, ctypes.byref(projection))
+        return out
+
+    def _attend(self, layer: int, q: int, k: int, v: int, out: np.ndarray, projection) -> None:
         args = (
-            q.ctypes.data,
-            k.ctypes.data,
-            v.ctypes.data,
+            q,
+            k,
+            v,
             out.ctypes.data,
             self.keys[layer].ctypes.data,
             self.values[layer].ctypes.data,
@@ -169,11 +197,12 @@ class StepAttention:
             self.kv_heads,
             self.dim,
             self.scale,
+            projection,
         )
         library, scratch = self.kernel.library, self.scratch.ctypes.data
         if self.openmp and len(self.shares) > 1:
             library.quasar_attend_shared(self.edges.ctypes.data, len(self.shares), *args, scratch, self.scratch_floats)
-            return out
+            return
         # ctypes lets go of the GIL for the call: the shares run side by side
         share_scratch = [scratch + 4 * t * self.scratch_floats for t in range(len(self.shares))]
         pending = [
@@ -183,7 +212,6 @@ class StepAttention:
         library.quasar_attend(a, b, *args, share_scratch[0])
         for future in pending:
             future.result()
-        return out
 
 
 def new_cache(kv_heads: int, capacity: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -231,16 +259,18 @@ class TiledKVCache:
 class TorchAttention:
     """The kernel as the torch decoder's attention (``Decoder.attention_kernel``, for plain causal attention: bound by
     ``torch_backend.bind_cpu_attention``): the caches it reads and, per forward pass, one ``StepAttention`` over them,
-    shared in torch's OpenMP pool (on threads of ours where the process has none). Its q, k, v and output are float32;
-    a bf16 decoder's are converted."""
+    shared in torch's OpenMP pool (on threads of ours where the process has none). It takes each layer's q/k/v
+    projection as it comes and applies the layer's q/k norms (``norms``: per layer, float32 weights or None) and the
+    rotary embedding itself. Its inputs and output are float32; a bf16 decoder's are converted."""
 
     itemsize = 4  # bytes of a cached key or value
     prefill_chunk = PREFILL_CHUNK  # a row's bits do not depend on its block, so a prompt may prefill a piece at a time
 
-    def __init__(self, kernel: Kernel, spec: DecoderSpec, threads: int):
+    def __init__(self, kernel: Kernel, spec: DecoderSpec, threads: int, norms: list[tuple[torch.Tensor | None, torch.Tensor | None]]):
         self.kernel, self.spec, self.threads = kernel, spec, threads
         own_threads = threads > 1 and not kernel.openmp
         self.pool = ThreadPoolExecutor(threads - 1, "quasar-attention") if own_threads else None
+        self.norms = [tuple(None if w is None else w.detach().float().contiguous() for w in pair) for pair in norms]
 
     @property
     def description(self) -> str:
@@ -249,16 +279,73 @@ class TorchAttention:
     def new_cache(self, capacity: int) -> TiledKVCache:
         return TiledKVCache(self.spec, capacity)
 
-    def step(self, caches: list[TiledKVCache], sizes: list[int]):
+    def step(self, caches: list[TiledKVCache], sizes: list[int], cos: torch.Tensor, sin: torch.Tensor):
         """The attention of one pass appending ``sizes[i]`` rows to ``caches[i]`` (room reserved, lengths not yet
-        moved): ``(layer, q, k, v) -> output``, rows stacked as ``StepAttention`` takes them."""
+        moved), rotating at ``cos`` and ``sin`` [rows, head_dim]: ``(layer, qkv) -> output``, rows stacked as
+        ``StepAttention`` takes them."""
         s = self.spec
         attend = StepAttention(
             self.kernel, self.pool, self.threads, s.num_heads, s.num_kv_heads, s.head_dim,
             [cache.layers for cache in caches], [cache.length for cache in caches], list(sizes), openmp=True,
         )  # fmt: skip
+        return ProjectedStep(attend, cos, sin, self.norms, s.rms_norm_eps)
 
-        def run(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return torch.from_numpy(attend(layer, q.float().numpy(), k.float().numpy(), v.float().numpy()))
 
-        return run
+class ProjectedStep:
+    """``TorchAttention``'s ``StepAttention`` for one pass: ``(layer, qkv) -> output``, the layer's projection rows normed
+    and rotated by the kernel at the pass's ``cos`` and ``sin`` (held here: the kernel reads them by address)."""
+
+    def __init__(self, attend: StepAttention, cos: torch.Tensor, sin: torch.Tensor, norms: list, eps: float):
+        self.attend = attend
+        self.cos, self.sin = (t.float().contiguous() for t in (cos, sin))
+        width = (attend.heads + 2 * attend.kv_heads) * attend.dim
+        self.projections = [
+            Projection(self.cos.data_ptr(), self.sin.data_ptr(), _pointer(q_norm), _pointer(k_norm), eps, width) for q_norm, k_norm in norms
+        ]
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        rows = qkv.detach().float().contiguous()
+        return torch.from_numpy(self.attend.projected(layer, rows.numpy(), self.projections[layer]))
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+RMS_NORM, SILU_GATE = 0, 1  # quasar_rows' ops
+# a row op is shared between the threads from this many floats (a prompt's rows): below it, handing a share over costs
+# about what it saves
+ROW_SHARE_FLOATS = 1 << 16
+
+
+class TorchRows:
+    """The kernel's row-wise ops as the torch decoder's (``Decoder.row_kernel``): RMSNorm and the SiLU gate in one C call
+    each (``quasar_rows``), in float32 (a bf16 decoder's rows converted in and out); large calls shared in torch's
+    OpenMP pool."""
+
+    def __init__(self, kernel: Kernel, threads: int):
+        self.library, self.threads = kernel.library, threads
+        self._weights: dict[int, torch.Tensor] = {}  # id of a norm's weight -> it in float32, contiguous
+
+    def _weight(self, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.float32 and weight.is_contiguous():
+            return weight
+        if id(weight) not in self._weights:
+            self._weights[id(weight)] = weight.detach().float().contiguous()
+        return self._weights[id(weight)]
+
+    def _run(self, op: int, x: torch.Tensor, width: int, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        rows = x.detach().float().contiguous()
+        count = rows.numel() // (2 * width if op == SILU_GATE else width)
+        out = torch.empty(count, width)
+        shares = self.threads if count * width >= ROW_SHARE_FLOATS else 1
+        self.library.quasar_rows(op, count, width, rows.data_ptr(), _pointer(weight), eps, out.data_ptr(), shares)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def rms_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
+        """``norm`` (a ``model.RMSNorm``) of ``x`` [rows, hidden]."""
+        return self._run(RMS_NORM, x, x.shape[-1], self._weight(norm.weight), norm.eps)
+
+    def silu_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of ``gate_up`` [rows, 2 * inner]."""
+        return self._run(SILU_GATE, gate_up, gate_up.shape[-1] // 2, None, 0.0)

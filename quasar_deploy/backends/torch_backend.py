@@ -172,10 +172,18 @@ def cpu_causal_lm(
 
 def bind_cpu_attention(decoder: Decoder, attention: str = "auto") -> None:
     """Attend with ``cpu_attention``'s C kernel where this CPU runs it for this model's heads and the attention is plain
-    causal ("auto"; torch's ops elsewhere or with "torch"): at verify sizes torch's many small ops cost a step more
-    than its int8 linears do (``docs/architecture.md``). Its threads: torch's count. Before any cache is made."""
+    causal ("auto"; torch's ops elsewhere or with "torch"), and run the layers' norms and SiLU gates on its row ops: at
+    verify sizes torch's many small ops cost a step more than its int8 linears do (``docs/architecture.md``). Its
+    threads: torch's count. Before any cache is made."""
     if attention not in ATTENTIONS:
         raise QuasarError(f"attention is one of {', '.join(ATTENTIONS)}, not {attention!r}")
     spec = decoder.spec
     kernel = cpu_attention.load(spec.head_dim) if attention == "auto" and spec.sliding_window is None else None
-    decoder.attention_kernel = cpu_attention.TorchAttention(kernel, spec, torch.get_num_threads()) if kernel else None
+    if kernel is None:
+        decoder.attention_kernel = decoder.row_kernel = None
+        return
+    threads = torch.get_num_threads()
+    attentions = [layer.self_attn for layer in decoder.model.layers]
+    norms = [(a.q_norm.weight, a.k_norm.weight) if spec.qk_norm else (None, None) for a in attentions]
+    decoder.attention_kernel = cpu_attention.TorchAttention(kernel, spec, threads, norms)
+    decoder.row_kernel = cpu_attention.TorchRows(kernel, threads)

@@ -325,14 +325,12 @@ class TorchRows:
 
     def __init__(self, kernel: Kernel, threads: int):
         self.library, self.threads = kernel.library, threads
-        self._weights: dict[int, torch.Tensor] = {}  # id of a norm's weight -> it in float32, contiguous
+        self._weights: dict[torch.nn.Module, torch.Tensor] = {}  # a norm -> its weight in float32, contiguous
 
-    def _weight(self, weight: torch.Tensor) -> torch.Tensor:
-        if weight.dtype == torch.float32 and weight.is_contiguous():
-            return weight
-        if id(weight) not in self._weights:
-            self._weights[id(weight)] = weight.detach().float().contiguous()
-        return self._weights[id(weight)]
+    def _weight(self, norm) -> torch.Tensor:
+        if norm not in self._weights:  # a float32 weight is itself: no copy
+            self._weights[norm] = norm.weight.detach().float().contiguous()
+        return self._weights[norm]
 
     def _run(self, op: int, x: torch.Tensor, width: int, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         rows = x.detach().float().contiguous()
@@ -344,7 +342,7 @@ class TorchRows:
 
     def rms_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
         """``norm`` (a ``model.RMSNorm``) of ``x`` [rows, hidden]."""
-        return self._run(RMS_NORM, x, x.shape[-1], self._weight(norm.weight), norm.eps)
+        return self._run(RMS_NORM, x, x.shape[-1], self._weight(norm), norm.eps)
 
     def silu_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of ``gate_up`` [rows, 2 * inner]."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,6 +93,28 @@ class Checkpoint:
     def tensor(self, name: str) -> torch.Tensor:
         with self._opened(name) as handle:
             return handle.get_tensor(name)
+
+    def mapped(self, name: str) -> tuple[torch.Tensor, mmap.mmap] | None:
+        """``name`` read in place: a tensor over a private memory map of its file (a write, which nothing should make,
+        would land in private pages), and the map, whose ``madvise`` hands back the pages a reading touched; None where
+        its bytes cannot be viewed as they lie (not aligned to its element size)."""
+        file = self._where.get(name)
+        if file is None:
+            raise QuasarError(f"{self.path}: tensor {name!r} is missing")
+        try:
+            with open(file, "rb") as handle:
+                pages = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            (header_bytes,) = struct.unpack("<Q", pages[:8])
+            entry = json.loads(pages[8 : 8 + header_bytes])[name]
+        except (OSError, ValueError, KeyError, struct.error) as exc:
+            raise QuasarError(f"{file}: tensor {name!r} is unreadable ({first_line(exc)})") from None
+        dtype = TORCH_DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        offset = 8 + header_bytes + begin
+        if offset % dtype.itemsize:
+            return None
+        tensor = torch.frombuffer(pages, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=offset)
+        return tensor.view(entry["shape"]), pages
 
     def rows(self, name: str, index: Sequence[int]) -> torch.Tensor:
         """Rows ``index`` of a 2-D tensor, read one by one: the embeddings of the calibration tokens, not the whole table."""

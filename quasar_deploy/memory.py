@@ -28,7 +28,7 @@ class MemoryEstimate:
 
     int8_weights: int  # int8 weights and their scales
     float_weights: int  # float linears, a float lm_head (a tied one too: its packed copy) and norms, as computed
-    embeddings: int  # in their stored dtype
+    embeddings: int  # a table converted on load (one kept as stored is read in place from its file: 0)
     kv_cache_per_1k_tokens: int
 
     def total(self, tokens: int) -> int:
@@ -41,7 +41,7 @@ class MemoryEstimate:
         """One line: the parts and their sum with a ``tokens``-token KV cache."""
         return (
             f"~{self.total(tokens) / MIB:,.0f} MiB with {tokens:,} tokens of KV cache: int8 weights {self.int8_weights / MIB:,.0f}, "
-            f"float weights {self.float_weights / MIB:,.0f}, embeddings {self.embeddings / MIB:,.0f}, "
+            f"float weights {self.float_weights / MIB:,.0f}, embeddings {self.embeddings / MIB:,.0f}{' (read in place from the file)' if not self.embeddings else ''}, "
             f"KV cache {self.kv_cache_per_1k_tokens / MIB:,.1f} per 1,000 tokens (MiB; plus ~300 MiB of libraries)"
         )
 
@@ -59,8 +59,8 @@ def estimate(files: ModelFiles, float_dtype: torch.dtype | None = None) -> Memor
     quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
     for name, shape in ckpt.shapes.items():
         count = math.prod(shape)
-        if name == EMBEDDINGS:  # kept as stored where no wider than the body's dtype; a tied head packs its own copy
-            embeddings = count * min(TORCH_DTYPES[ckpt.dtypes[name]].itemsize, body)
+        if name == EMBEDDINGS:  # read in place where no wider than the body's dtype (model.embedding_table); a tied head packs its own copy
+            embeddings = 0 if TORCH_DTYPES[ckpt.dtypes[name]].itemsize <= body else count * body
             if spec.tie_word_embeddings:
                 floats += count * head
         elif name.rsplit(".", 1)[0] in quantized:

@@ -9,6 +9,7 @@ artifacts load by name; tests check the logits against ``transformers``.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +22,7 @@ from .decoder_spec import DecoderSpec, rope_inv_freq
 from .errors import QuasarError
 from .kernels import float_linear, int8_linear, packs_weight
 from .memory import EMBEDDINGS, return_freed_memory
+from .shards import TORCH_DTYPES
 
 
 class TensorSource(Protocol):
@@ -567,6 +569,24 @@ def as_stored(source: TensorSource, name: str, dtype: torch.dtype) -> torch.Tens
     return tensor if narrow else tensor.to(dtype)
 
 
+def embedding_table(source: TensorSource, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """The embedding table as ``as_stored`` gives it, read in place from its file where the source can map it and it is
+    kept as stored: a lookup reads a few rows, so the process need not hold the rest. On a CPU that computes bf16 a tied
+    table is needed twice, as rows to look up and as the head's packed weight (a layout lookups cannot read): held in
+    memory both copies cost a Qwen3-0.6B a quarter of its weight files again. With the map, whose pages
+    ``Decoder.release_table_pages`` hands back; else None."""
+    stored = getattr(source, "dtypes", {}).get(EMBEDDINGS)
+    mapped = getattr(source, "mapped", None)
+    if mapped is None or stored is None or TORCH_DTYPES[stored].itemsize > dtype.itemsize or not TORCH_DTYPES[stored].is_floating_point:
+        return as_stored(source, EMBEDDINGS, dtype), None
+    found = mapped(EMBEDDINGS)
+    if found is None:
+        return as_stored(source, EMBEDDINGS, dtype), None
+    table, pages = found
+    check_finite(EMBEDDINGS, table)
+    return table, pages
+
+
 class Decoder(nn.Module):
     """Causal decoder: ``forward(ids, cache)`` appends ``ids`` to the cache and returns their logits;
     ``forward_blocks`` does that for several sequences (each its own cache) in one pass."""
@@ -591,7 +611,8 @@ class Decoder(nn.Module):
         head_dtype = head_dtype or dtype
 
         load = tensor_loader(source, dtype)
-        self.model = Body(spec, load, as_stored(source, EMBEDDINGS, dtype))
+        table, self._table_pages = embedding_table(source, dtype)
+        self.model = Body(spec, load, table)
         if lm_head is None and spec.tie_word_embeddings:
             lm_head = Linear(self.model.embed_tokens.weight, dtype=head_dtype)
         elif lm_head is None and f"{HEAD}.weight_scale" in source.names:
@@ -602,6 +623,7 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
         self.attention_kernel: AttentionKernel | None = None  # a backend's own attention, set before any cache is made
         self.row_kernel: RowKernel | None = None  # a backend's own norms and SiLU gates
+        self.release_table_pages()
 
     def linears(self) -> Iterable[tuple[str, Linear]]:
         return ((n, m) for n, m in self.named_modules() if isinstance(m, Linear) and n != "lm_head")
@@ -623,6 +645,13 @@ class Decoder(nn.Module):
                 if isinstance(module, Linear) and module._fn is not _released and not (module._fn is not None and module.weight.is_meta):
                     module.prepare(float_kernel, int8_kernel)
             return_freed_memory()
+        self.release_table_pages()  # a tied head packed from the table read all of it
+
+    def release_table_pages(self) -> None:
+        """Hand back the pages of a table read in place (``embedding_table``) that loading touched whole (its finite
+        check; a tied head's packing): they stay in the page cache, and a lookup faults in the rows it reads."""
+        if self._table_pages is not None:
+            self._table_pages.madvise(mmap.MADV_DONTNEED)
 
     def fuse(self, kernels: KernelFactory) -> None:
         """q/k/v and gate/up of every layer as one ``kernels`` call each (``DecoderLayer.fuse``)."""

@@ -39,9 +39,10 @@ class MemoryEstimate:
 
     def describe(self, tokens: int) -> str:
         """One line: the parts and their sum with a ``tokens``-token KV cache."""
+        in_place = "" if self.embeddings else " (read in place from the file)"
         return (
             f"~{self.total(tokens) / MIB:,.0f} MiB with {tokens:,} tokens of KV cache: int8 weights {self.int8_weights / MIB:,.0f}, "
-            f"float weights {self.float_weights / MIB:,.0f}, embeddings {self.embeddings / MIB:,.0f}{' (read in place from the file)' if not self.embeddings else ''}, "
+            f"float weights {self.float_weights / MIB:,.0f}, embeddings {self.embeddings / MIB:,.0f}{in_place}, "
             f"KV cache {self.kv_cache_per_1k_tokens / MIB:,.1f} per 1,000 tokens (MiB; plus ~300 MiB of libraries)"
         )
 

@@ -191,6 +191,29 @@ def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
         cpu_attention.probe.cache_clear()
 
 
+def test_a_prebuilt_kernel_from_an_older_source_is_refused_in_one_line(monkeypatch, tmp_path):
+    """A library in ``$QUASAR_KERNELS`` that passes its self-check but lacks an entry point this version calls (built
+    from an older source) is not used, and ``why_not`` says so, instead of a crash at the first call."""
+    import shutil
+    import subprocess
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the stale library")
+    prebuilt = tmp_path / "kernels"
+    prebuilt.mkdir()
+    (tmp_path / "old.c").write_text("int quasar_probe(void) { return 0; }\n")
+    for width in BUILDS:
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(prebuilt / f"cpu_attention-{width}.so"), str(tmp_path / "old.c")], check=True)
+    monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
+    cpu_attention.probe.cache_clear()
+    try:
+        assert cpu_attention.load() is None
+        reason = cpu_attention.why_not()
+        assert "lacks an entry point this version calls" in reason and "undefined symbol" in reason and "\n" not in reason
+    finally:
+        cpu_attention.probe.cache_clear()
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     shape=st.sampled_from([(4, 2), (8, 2), (4, 4), (6, 1), (16, 2)]),

@@ -84,7 +84,10 @@ def probe(width: int) -> tuple[Kernel | None, str | None]:
     path, reason = native.built_and_probed(SOURCE, f"cpu_attention-{width}", [f"-DW={width}", *BUILDS[width]])
     if path is None:
         return None, f"{width}-wide build: {reason}"
-    library, openmp = _open(path)
+    try:
+        library, openmp = _open(path)
+    except AttributeError as error:  # a prebuilt library ($QUASAR_KERNELS) from an older source
+        return None, f"{width}-wide build: {path} lacks an entry point this version calls ({error}); rebuild it from this version's source"
     return Kernel(library, width, path, openmp), None
 
 

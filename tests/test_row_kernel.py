@@ -55,6 +55,17 @@ def test_bf16_rows_come_back_in_bf16_within_its_rounding(rows):
 
 
 @needs_kernel
+def test_bf16_rows_are_the_float32_results_rounded_once(rows):
+    """A bf16 decoder's rows are read and written as bf16 by the kernel (no conversion ops around the call): the bits
+    of the float32 path on the same values, rounded to bf16 as torch rounds."""
+    x = random_rows(9, 1027, seed=4).bfloat16()
+    norm = RMSNorm((torch.rand(1027) + 0.5).bfloat16(), 1e-6)
+    assert torch.equal(rows.rms_norm(x, norm), rows.rms_norm(x.float(), norm).bfloat16())
+    gate_up = torch.cat([x, x.flip(0)], dim=-1)
+    assert torch.equal(rows.silu_gate(gate_up), rows.silu_gate(gate_up.float()).bfloat16())
+
+
+@needs_kernel
 def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(rows, monkeypatch):
     """A server's step stacks many sequences' rows, and a prompt's hundreds of rows are shared between threads: each
     row's result is the bits it gets alone."""

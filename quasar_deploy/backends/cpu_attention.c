@@ -337,67 +337,91 @@ int quasar_attend_shared(const int32_t *edges, int shares, const float *q, const
     return 0;
 }
 
-/* The row-wise ops of quasar_rows, each on rows [begin, end) of `dim` columns. */
+/* The row-wise ops of quasar_rows. */
 enum { RMS_NORM = 0, SILU_GATE = 1 };
 
-/* out = weight * (x * inverse_rms(x)), torch's RMSNorm in float32. */
-static void rms_norm_rows(int begin, int end, int dim, const float *x, const float *weight, float eps, float *out) {
-    for (int r = begin; r < end; r++) {
-        const float *xr = x + (size_t)r * dim;
-        float *o = out + (size_t)r * dim, inv = inverse_rms(xr, dim, eps);
-        for (int d = 0; d < dim; d++) o[d] = weight[d] * (xr[d] * inv);
-    }
+/* One row: out = weight * (x * inverse_rms(x)), torch's RMSNorm in float32. */
+static void rms_norm_row(int dim, const float *x, const float *weight, float eps, float *out) {
+    float inv = inverse_rms(x, dim, eps);
+    for (int d = 0; d < dim; d++) out[d] = weight[d] * (x[d] * inv);
 }
 
-/* x [rows][2 * dim] holds gate then up; out [rows][dim] = silu(gate) * up, silu(g) = g / (1 + exp(-g)) computed with
+/* One row: x [2 * dim] holds gate then up; out [dim] = silu(gate) * up, silu(g) = g / (1 + exp(-g)) computed with
  * vexp's argument at most 0 on either side of 0. */
-static void silu_gate_rows(int begin, int end, int dim, const float *x, float *out) {
-    for (int r = begin; r < end; r++) {
-        const float *gate = x + (size_t)r * 2 * dim, *up = gate + dim;
-        float *o = out + (size_t)r * dim;
-        int d = 0;
-        for (; d + W <= dim; d += W) {
-            vf g = load(gate + d);
-            vi negative = g < 0.0f;
-            vf e = vexp(pick(negative, g, -g)); /* exp(-|g|) */
-            vf sigmoid = pick(negative, e, splat(1.0f)) / (1.0f + e);
-            store(o + d, g * sigmoid * load(up + d));
-        }
-        for (; d < dim; d++) {
-            float g = gate[d], e = expf(-fabsf(g));
-            o[d] = g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * up[d];
-        }
+static void silu_gate_row(int dim, const float *x, float *out) {
+    const float *gate = x, *up = x + dim;
+    int d = 0;
+    for (; d + W <= dim; d += W) {
+        vf g = load(gate + d);
+        vi negative = g < 0.0f;
+        vf e = vexp(pick(negative, g, -g)); /* exp(-|g|) */
+        vf sigmoid = pick(negative, e, splat(1.0f)) / (1.0f + e);
+        store(out + d, g * sigmoid * load(up + d));
+    }
+    for (; d < dim; d++) {
+        float g = gate[d], e = expf(-fabsf(g));
+        out[d] = g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * up[d];
     }
 }
 
-static void rows_op(int op, int begin, int end, int dim, const float *x, const float *weight, float eps, float *out) {
-    if (op == RMS_NORM) rms_norm_rows(begin, end, dim, x, weight, eps, out);
-    else silu_gate_rows(begin, end, dim, x, out);
+/* bf16 <-> float32: a bf16 value is the top half of a float32's bits; narrowing rounds to nearest, ties to even (as
+ * torch's conversion does for finite values). */
+static void widen(const uint16_t *in, int n, float *out) {
+    for (int i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)in[i] << 16;
+        memcpy(out + i, &bits, sizeof bits);
+    }
+}
+
+static void narrow(const float *in, int n, uint16_t *out) {
+    for (int i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, in + i, sizeof bits);
+        out[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+}
+
+/* Rows [begin, end): in float32, x and out float32 or (bf16) bf16, a row widened in and its result narrowed out. */
+static void rows_op(int op, int begin, int end, int dim, const void *x, const float *weight, float eps, void *out,
+                    int bf16) {
+    int width = op == SILU_GATE ? 2 * dim : dim;
+    float row[bf16 ? width : 1], result[bf16 ? dim : 1];
+    for (int r = begin; r < end; r++) {
+        const float *xr = bf16 ? row : (const float *)x + (size_t)r * width;
+        float *o = bf16 ? result : (float *)out + (size_t)r * dim;
+        if (bf16) widen((const uint16_t *)x + (size_t)r * width, width, row);
+        if (op == RMS_NORM) rms_norm_row(dim, xr, weight, eps, o);
+        else silu_gate_row(dim, xr, o);
+        if (bf16) narrow(result, dim, (uint16_t *)out + (size_t)r * dim);
+    }
 }
 
 struct rows_call {
-    int op, rows, dim, shares;
-    const float *x, *weight;
+    int op, rows, dim, shares, bf16;
+    const void *x;
+    const float *weight;
     float eps;
-    float *out;
+    void *out;
 };
 
 static void run_row_shares(void *data) {
     const struct rows_call *c = data;
     for (int s = omp_thread(); s < c->shares; s += omp_threads())
         rows_op(c->op, (int)((long)c->rows * s / c->shares), (int)((long)c->rows * (s + 1) / c->shares), c->dim, c->x,
-                c->weight, c->eps, c->out);
+                c->weight, c->eps, c->out, c->bf16);
 }
 
-/* Op RMS_NORM (x, out [rows][dim]; weight [dim]) or SILU_GATE (x [rows][2 * dim], out [rows][dim]) over all rows, in
- * `shares` pieces of about equal rows side by side in the OpenMP pool where one was handed in (a prompt's hundreds of
- * rows), else here. */
-void quasar_rows(int op, int rows, int dim, const float *x, const float *weight, float eps, float *out, int shares) {
+/* Op RMS_NORM (x, out [rows][dim]; weight [dim], float32) or SILU_GATE (x [rows][2 * dim], out [rows][dim]) over all
+ * rows, x and out float32 or, with bf16, both bf16 (a bf16 decoder's, computed in float32 all the same), in `shares`
+ * pieces of about equal rows side by side in the OpenMP pool where one was handed in (a prompt's hundreds of rows),
+ * else here. */
+void quasar_rows(int op, int rows, int dim, const void *x, const float *weight, float eps, void *out, int bf16,
+                 int shares) {
     if (shares > 1 && omp_parallel) {
-        struct rows_call call = {op, rows, dim, shares, x, weight, eps, out};
+        struct rows_call call = {op, rows, dim, shares, bf16, x, weight, eps, out};
         omp_parallel(run_row_shares, &call, (unsigned)shares, 0);
     } else {
-        rows_op(op, 0, rows, dim, x, weight, eps, out);
+        rows_op(op, 0, rows, dim, x, weight, eps, out, bf16);
     }
 }
 
@@ -460,7 +484,7 @@ static int probe_rows(void) {
     unsigned state = 4242;
     for (int i = 0; i < ROWS_ * 2 * DIM; i++) x[i] = 12.0f * NEXT();
     for (int d = 0; d < DIM; d++) weight[d] = NEXT();
-    quasar_rows(RMS_NORM, ROWS_, DIM, x, weight, 1e-6f, out, 1);
+    quasar_rows(RMS_NORM, ROWS_, DIM, x, weight, 1e-6f, out, 0, 1);
     for (int r = 0; r < ROWS_; r++) {
         double sum = 0;
         for (int d = 0; d < DIM; d++) sum += (double)x[r * DIM + d] * x[r * DIM + d];
@@ -469,13 +493,20 @@ static int probe_rows(void) {
             if (fabs(out[r * DIM + d] - want) > 1e-5 * (1 + fabs(want))) return 1;
         }
     }
-    quasar_rows(SILU_GATE, ROWS_, DIM, x, NULL, 0.0f, out, 1);
+    quasar_rows(SILU_GATE, ROWS_, DIM, x, NULL, 0.0f, out, 0, 1);
     for (int r = 0; r < ROWS_; r++)
         for (int d = 0; d < DIM; d++) {
             double g = x[r * 2 * DIM + d], want = g / (1 + exp(-g)) * x[r * 2 * DIM + DIM + d];
             if (fabs(out[r * DIM + d] - want) > 1e-5 * (1 + fabs(want))) return 1;
         }
-    return 0;
+    /* bf16 rows: the float32 result of the widened row, rounded once */
+    static uint16_t half_in[ROWS_ * DIM], half_out[ROWS_ * DIM], want[ROWS_ * DIM];
+    narrow(x, ROWS_ * DIM, half_in);
+    widen(half_in, ROWS_ * DIM, x);
+    quasar_rows(RMS_NORM, ROWS_, DIM, x, weight, 1e-6f, out, 0, 1);
+    narrow(out, ROWS_ * DIM, want);
+    quasar_rows(RMS_NORM, ROWS_, DIM, half_in, weight, 1e-6f, half_out, 1, 1);
+    return memcmp(half_out, want, sizeof want) != 0;
 }
 
 /* Runs the kernel on a small case against a plain double-precision reference: 0 when they agree. Called in a child

@@ -100,7 +100,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     library.quasar_attend_shared.argtypes = [pointer, integer, *[pointer] * 10, integer, integer, integer, real]
     library.quasar_attend_shared.argtypes += [pointer, pointer, ctypes.c_size_t]
     library.quasar_attend_shared.restype = integer
-    library.quasar_rows.argtypes = [integer, integer, integer, pointer, pointer, real, pointer, integer]
+    library.quasar_rows.argtypes = [integer, integer, integer, pointer, pointer, real, pointer, integer, integer]
     library.quasar_rows.restype = None
     runtime = parallel_entry_points()
     if runtime is not None:
@@ -323,8 +323,8 @@ ROW_SHARE_FLOATS = 1 << 16
 
 class TorchRows:
     """The kernel's row-wise ops as the torch decoder's (``Decoder.row_kernel``): RMSNorm and the SiLU gate in one C call
-    each (``quasar_rows``), in float32 (a bf16 decoder's rows converted in and out); large calls shared in torch's
-    OpenMP pool."""
+    each (``quasar_rows``), in float32 (a bf16 decoder's rows read and written as bf16 by the kernel itself); large
+    calls shared in torch's OpenMP pool."""
 
     def __init__(self, kernel: Kernel, threads: int):
         self.library, self.threads = kernel.library, threads
@@ -336,12 +336,13 @@ class TorchRows:
         return self._weights[norm]
 
     def _run(self, op: int, x: torch.Tensor, width: int, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        rows = x.detach().float().contiguous()
+        bf16 = x.dtype == torch.bfloat16  # read and written as bf16 by the kernel: no conversion ops around the call
+        rows = x.detach().contiguous() if bf16 else x.detach().float().contiguous()
         count = rows.numel() // (2 * width if op == SILU_GATE else width)
-        out = torch.empty(count, width)
+        out = torch.empty(count, width, dtype=rows.dtype)
         shares = self.threads if count * width >= ROW_SHARE_FLOATS else 1
-        self.library.quasar_rows(op, count, width, rows.data_ptr(), _pointer(weight), eps, out.data_ptr(), shares)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        self.library.quasar_rows(op, count, width, rows.data_ptr(), _pointer(weight), eps, out.data_ptr(), int(bf16), shares)
+        return out.to(x.dtype)
 
     def rms_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
         """``norm`` (a ``model.RMSNorm``) of ``x`` [rows, hidden]."""

@@ -184,9 +184,19 @@ def test_batched_step_times_each_serving_backend_at_each_count(tiny_artifact):
     assert set(r["ms"]) == {"cpu", "onnxruntime"} and all(set(by_n) == {"1", "3"} for by_n in r["ms"].values())
     assert all(ms > 0 for by_n in r["ms"].values() for ms in by_n.values())
     assert "layer graphs" in r["descriptions"]["onnxruntime"]
-    assert len(HEADLINES["bench batched-step"](r)) == 4
+    assert r["prefill_tokens"] == 256 and set(r["prefill_ms"]) == {"cpu", "onnxruntime"} and min(r["prefill_ms"].values()) > 0
+    assert len(HEADLINES["bench batched-step"](r)) == 6
     text = CliRunner().invoke(main, args).output
-    assert "onnxruntime vs cpu:" in text and "3 over 1:" in text
+    assert "onnxruntime vs cpu:" in text and "3 over 1:" in text and "prefill of a 256-token prompt piece" in text
+    without = json.loads(CliRunner().invoke(main, [*args, "--prefill", "0", "--json"]).output)["figures"]
+    assert without["prefill_ms"] == {} and len(HEADLINES["bench batched-step"](without)) == 4
+    too_long = CliRunner().invoke(main, [*args, "--prefill", "300"])  # more than a server round's piece: click's range
+    assert too_long.exit_code == 2 and "Invalid value for '--prefill': 300 is not in the range 0<=x<=256" in too_long.output
+    from quasar_deploy.bench.batched_step import batched_step
+    from quasar_deploy.errors import QuasarError
+
+    with pytest.raises(QuasarError, match="a prefill piece is 0 to 256 tokens"):  # the API's own bound, before loading
+        batched_step(str(tiny_artifact.path), prefill=300)
     for bad in (["--backends", "tpu"], ["--sequences", "0"]):
         refused = CliRunner().invoke(main, [*args, *bad])
         assert refused.exit_code == 1 and refused.output.startswith("error: --") and len(refused.output.strip().splitlines()) == 1

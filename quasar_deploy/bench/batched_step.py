@@ -1,10 +1,12 @@
-"""``bench batched-step``: a serving step on each backend that batches, for 1 and for N sequences at once.
+"""``bench batched-step``: a serving step on each backend that batches, for 1 and for N sequences at once, and a
+prompt piece's prefill.
 
 A server's round is one forward over every running sequence's verify block (``BatchVerifyingLM.verify_batch``), so
 what a backend gives a server is the cost of that forward for one sequence (the step a lone client waits for) and for
-N (the weights read once for all). The backends take turns, round robin, each call settled as ``bench onnx step``'s
-are (``micro.settled``: on a few cores another pool's threads still spinning cost the next call more than the
-backends differ), and each figure is a median.
+N (the weights read once for all). A new request's first token waits for its prompt's prefill, a piece of up to
+``PREFILL_CHUNK`` tokens a round, so that piece's forward is timed too. The backends take turns, round robin, each
+call settled as ``bench onnx step``'s are (``micro.settled``: on a few cores another pool's threads still spinning
+cost the next call more than the backends differ), and each figure is a median.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from tqdm import tqdm
 
 from ..backends.registry import ONNXRUNTIME_MEMORY_FACTOR, create_backend
 from ..errors import QuasarError
-from ..speculative.causal_lm import BatchVerifyingLM
+from ..speculative.causal_lm import PREFILL_CHUNK, BatchVerifyingLM
 from .memory import check_fits
 from .micro import settled
 
@@ -41,6 +43,8 @@ class BatchedStepResult:
     repeats: int
     descriptions: dict[str, str]  # backend -> what ran
     ms: dict[str, dict[str, float]]  # backend -> sequences (as text: JSON keys) -> median ms of the step
+    prefill_tokens: int = 0  # a prompt piece's tokens (0: not timed)
+    prefill_ms: dict[str, float] = field(default_factory=dict)  # backend -> median ms of that piece's prefill
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,9 +73,13 @@ def batched_step(
     repeats: int = 10,
     backends: Sequence[str] = BACKENDS,
     progress: bool = True,
+    prefill: int = PREFILL_CHUNK,
 ) -> BatchedStepResult:
     """Each backend's ``verify_batch`` of ``n`` sequences x ``tokens`` rows, each sequence on its own ``context``-token
-    cache (random ids, seeded), for every ``n`` of ``sequences``."""
+    cache (random ids, seeded), for every ``n`` of ``sequences``; and a fresh sequence's prefill of ``prefill`` prompt
+    tokens (at most ``PREFILL_CHUNK``, a server round's piece; 0: not timed)."""
+    if not 0 <= prefill <= PREFILL_CHUNK:
+        raise QuasarError(f"a prefill piece is 0 to {PREFILL_CHUNK} tokens (a server round's), not {prefill}")
     from ..artifact import open_model_files
     from ..memory import estimate, report_tokens
 
@@ -83,10 +91,12 @@ def batched_step(
     vocab = files.spec.vocab_size
     prompts = [torch.randint(0, vocab, (context,), generator=generator).tolist() for _ in range(widest)]
     blocks = [torch.randint(0, vocab, (tokens,), generator=generator).tolist() for _ in range(widest)]
-    models, opened = {}, {}
+    piece = torch.randint(0, vocab, (prefill,), generator=generator).tolist()
+    models, opened, fresh = {}, {}, {}
     for backend in backends:
         lm = models[backend] = serving_lm(backend, artifact)
         opened[backend] = [lm.new_sequence() for _ in range(widest)]
+        fresh[backend] = lm.new_sequence()
         for sequence, prompt in zip(opened[backend], prompts):
             sequence.prefill(prompt)
 
@@ -99,11 +109,22 @@ def batched_step(
             sequence.truncate(context)
         return elapsed
 
+    def prefill_piece(backend: str) -> float:
+        lm, sequence = models[backend], fresh[backend]
+        start = time.perf_counter()
+        lm.verify_batch([sequence], [piece], [True])
+        elapsed = time.perf_counter() - start
+        sequence.truncate(0)
+        return elapsed
+
     times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sequences} for b in backends}
+    prefills: dict[str, list[float]] = {b: [] for b in backends}
     for _ in tqdm(range(repeats), desc="batched steps", disable=not progress):
         for backend in backends:
             for n in sequences:
                 times[backend][n].append(settled(partial(step, backend, n)))
+            if prefill:
+                prefills[backend].append(settled(partial(prefill_piece, backend)))
     return BatchedStepResult(
         artifact=str(artifact),
         sequences=list(sequences),
@@ -112,6 +133,8 @@ def batched_step(
         repeats=repeats,
         descriptions={b: models[b].description for b in backends},
         ms={b: {str(n): 1000 * statistics.median(t) for n, t in by_n.items()} for b, by_n in times.items()},
+        prefill_tokens=prefill,
+        prefill_ms={b: 1000 * statistics.median(t) for b, t in prefills.items() if t},
     )
 
 
@@ -129,4 +152,7 @@ def describe(result: BatchedStepResult) -> str:
         for other in others:
             ratios = ", ".join(f"{result.ms[base][n] / result.ms[other][n]:.2f}x at {n}" for n in result.ms[base])
             lines.append(f"{other} vs {base}: {ratios}")
+    if result.prefill_ms:
+        pieces = ", ".join(f"{backend} {ms:.1f} ms" for backend, ms in result.prefill_ms.items())
+        lines.append(f"prefill of a {result.prefill_tokens}-token prompt piece (one server round's), a fresh sequence: {pieces}")
     return "\n".join(lines)

@@ -124,7 +124,9 @@ def _serve_level(what: str, level: dict) -> Quantity:
 
 def _batched_step(f: dict) -> list[Quantity]:
     what = f"serving step, {Path(f['artifact']).name}, {f['tokens']} rows per sequence on {f['context']}-token caches"
-    return [(f"{what}: {backend}, {n} sequences", f"{ms:.1f} ms") for backend, by_n in f["ms"].items() for n, ms in by_n.items()]
+    steps = [(f"{what}: {backend}, {n} sequences", f"{ms:.1f} ms") for backend, by_n in f["ms"].items() for n, ms in by_n.items()]
+    piece = f"prefill of a {f.get('prefill_tokens')}-token prompt piece, {Path(f['artifact']).name}"
+    return steps + [(f"{piece}: {backend}", f"{ms:.1f} ms") for backend, ms in f.get("prefill_ms", {}).items()]
 
 
 def _roofline(f: dict) -> list[Quantity]:

@@ -272,6 +272,13 @@ def serve(
 @click.option("--context", default=150, show_default=True, type=click.IntRange(min=1), help="Tokens in each sequence's cache.")
 @click.option("--repeats", default=10, show_default=True, type=click.IntRange(min=1), help="Timed steps per backend and count.")
 @click.option(
+    "--prefill",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=0, max=256),
+    help="Also time a fresh sequence's prefill of this many prompt tokens (a server round's piece, at most 256); 0: not.",
+)
+@click.option(
     "--backends",
     default="cpu,onnxruntime",
     show_default=True,
@@ -279,7 +286,7 @@ def serve(
     "layer graphs with ORT's attention instead of the C kernel.",
 )
 @json_option
-def batched_step(artifact, sequences, tokens, context, repeats, backends, as_json):
+def batched_step(artifact, sequences, tokens, context, repeats, prefill, backends, as_json):
     """A serving step, N sequences' verify blocks in one forward, on each backend that batches: its cost at each N."""
     from ..bench.batched_step import CONTENDERS, describe
     from ..bench.batched_step import batched_step as measure
@@ -290,7 +297,7 @@ def batched_step(artifact, sequences, tokens, context, repeats, backends, as_jso
         raise QuasarError(f"--backends takes names of {', '.join(CONTENDERS)}, not {backends!r}")
     if not sequences or min(sequences) < 1:
         raise QuasarError("--sequences takes integers >= 1, e.g. 1,8")
-    result = measure(artifact, sequences, tokens, context, repeats, names, progress=not as_json)
+    result = measure(artifact, sequences, tokens, context, repeats, names, progress=not as_json, prefill=prefill)
     _emit(result.to_dict(), lambda: describe(result), as_json, _dtypes_of(artifact))
 
 

@@ -565,8 +565,12 @@ def as_stored(source: TensorSource, name: str, dtype: torch.dtype) -> torch.Tens
     """
     tensor = source.tensor(name)
     check_finite(name, tensor)
-    narrow = tensor.dtype.is_floating_point and tensor.dtype.itemsize <= dtype.itemsize
-    return tensor if narrow else tensor.to(dtype)
+    return tensor if kept_as_stored(tensor.dtype, dtype) else tensor.to(dtype)
+
+
+def kept_as_stored(stored: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a tensor stored as ``stored`` is kept so by a decoder computing in ``dtype`` (a float no wider)."""
+    return stored.is_floating_point and stored.itemsize <= dtype.itemsize
 
 
 def embedding_table(source: TensorSource, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
@@ -577,9 +581,7 @@ def embedding_table(source: TensorSource, dtype: torch.dtype) -> tuple[torch.Ten
     ``Decoder.release_table_pages`` hands back; else None."""
     stored = getattr(source, "dtypes", {}).get(EMBEDDINGS)
     mapped = getattr(source, "mapped", None)
-    if mapped is None or stored is None or TORCH_DTYPES[stored].itemsize > dtype.itemsize or not TORCH_DTYPES[stored].is_floating_point:
-        return as_stored(source, EMBEDDINGS, dtype), None
-    found = mapped(EMBEDDINGS)
+    found = mapped(EMBEDDINGS) if mapped is not None and stored is not None and kept_as_stored(TORCH_DTYPES[stored], dtype) else None
     if found is None:
         return as_stored(source, EMBEDDINGS, dtype), None
     table, pages = found

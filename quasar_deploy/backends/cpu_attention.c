@@ -221,16 +221,18 @@ static float inverse_rms(const float *x, int n, float eps) {
     return 1.0f / sqrtf(sum / (float)n + eps);
 }
 
+/* One row: out = weight * (x * inverse_rms(x)), torch's RMSNorm in float32 (quasar_rows' RMS_NORM, and a q/k norm). */
+static void rms_norm_row(int dim, const float *x, const float *weight, float eps, float *out) {
+    float inv = inverse_rms(x, dim, eps);
+    for (int d = 0; d < dim; d++) out[d] = weight[d] * (x[d] * inv);
+}
+
 /* One head's vector x: RMSNorm with weight (where given), then rotate-half rotary at this row's cos and sin, into y. */
 static void norm_rotate(const float *x, const float *weight, float eps, const float *cos, const float *sin, int dim,
                         float *y) {
     float normed[dim];
-    if (weight) {
-        float inv = inverse_rms(x, dim, eps);
-        for (int d = 0; d < dim; d++) normed[d] = weight[d] * (x[d] * inv);
-    } else {
-        memcpy(normed, x, dim * sizeof(float));
-    }
+    if (weight) rms_norm_row(dim, x, weight, eps, normed);
+    else memcpy(normed, x, dim * sizeof(float));
     int half = dim / 2;
     for (int d = 0; d < half; d++) y[d] = normed[d] * cos[d] - normed[d + half] * sin[d];
     for (int d = half; d < dim; d++) y[d] = normed[d] * cos[d] + normed[d - half] * sin[d];
@@ -339,12 +341,6 @@ int quasar_attend_shared(const int32_t *edges, int shares, const float *q, const
 
 /* The row-wise ops of quasar_rows. */
 enum { RMS_NORM = 0, SILU_GATE = 1 };
-
-/* One row: out = weight * (x * inverse_rms(x)), torch's RMSNorm in float32. */
-static void rms_norm_row(int dim, const float *x, const float *weight, float eps, float *out) {
-    float inv = inverse_rms(x, dim, eps);
-    for (int d = 0; d < dim; d++) out[d] = weight[d] * (x[d] * inv);
-}
 
 /* One row: x [2 * dim] holds gate then up; out [dim] = silu(gate) * up, silu(g) = g / (1 + exp(-g)) computed with
  * vexp's argument at most 0 on either side of 0. */

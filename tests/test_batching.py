@@ -9,6 +9,7 @@ import torch
 
 from quasar_deploy.engine import Engine, load
 from quasar_deploy.kernels import float_linear, onednn_available
+from quasar_deploy.serve import scheduler
 from quasar_deploy.serve.metrics import Metrics
 from quasar_deploy.serve.protocol import Request
 from quasar_deploy.serve.scheduler import Done, Failed, Scheduler, Ticket
@@ -139,16 +140,50 @@ def count_forwards(engine: Engine, monkeypatch) -> list[list[bool]]:
     return forwards
 
 
+def prefill_lengths(engine: Engine, monkeypatch) -> list[list[int]]:
+    """Records each batched forward of ``engine``'s model from now on that prefills: its prompts' lengths, in order."""
+    prefills = []
+
+    def recording(forward, blocks, skip_layers, last_only):
+        if any(last_only):
+            prefills.append([len(block) for block, last in zip(blocks, last_only) if last])
+        return forward()
+
+    patch_forward(engine, monkeypatch, recording)
+    return prefills
+
+
 def test_a_burst_of_requests_prefills_over_rounds_within_the_token_budget(engine, monkeypatch):
     alone = [engine.generate(p, max_new_tokens=16).tokens for p in PROMPTS]
     lengths = [len(engine.encode(p)) for p in PROMPTS]
     budget = max(lengths) + 1
-    forwards, prompts = count_forwards(engine, monkeypatch), iter(lengths)
+    forwards = count_forwards(engine, monkeypatch)
+    prefilled = prefill_lengths(engine, monkeypatch)
     finals = serve(engine, [request(p, 16) for p in PROMPTS], prefill_tokens=budget)
     assert [f.result.tokens for f in finals] == alone
-    prefilled = [[next(prompts) for _ in range(sum(f))] for f in forwards if any(f)]
     assert len(prefilled) > 1 and all(sum(rows) <= budget for rows in prefilled)
     assert not all(forwards[1])  # the first sequences verified while later ones prefilled
+
+
+def test_a_burst_prefills_the_shortest_prompts_first(engine, monkeypatch):
+    """Admitted together, prompts prefill by length, one a round at a budget of one token, ties in admission order."""
+    lengths = [len(engine.encode(p)) for p in PROMPTS]
+    prefilled = prefill_lengths(engine, monkeypatch)
+    finals = serve(engine, [request(p, 4) for p in PROMPTS], prefill_tokens=1)
+    assert all(isinstance(f, Done) for f in finals)
+    assert prefilled == [[n] for n in sorted(lengths)] and lengths != sorted(lengths)
+
+
+def test_a_long_prompt_is_passed_over_for_shorter_ones_at_most_pass_limit_rounds(engine, monkeypatch):
+    monkeypatch.setattr(scheduler, "PASS_LIMIT", 2)
+    prompts = [PROMPTS[0] * 2, *PROMPTS[1:6]]  # the first the longest: every other one is shorter
+    lengths = [len(engine.encode(p)) for p in prompts]
+    alone = [engine.generate(p, max_new_tokens=4).tokens for p in prompts]
+    prefilled = prefill_lengths(engine, monkeypatch)
+    finals = serve(engine, [request(p, 4) for p in prompts], prefill_tokens=1)
+    assert [f.result.tokens for f in finals] == alone
+    shorter = sorted(lengths[1:])
+    assert prefilled == [[n] for n in [*shorter[:2], lengths[0], *shorter[2:]]]
 
 
 def test_a_long_prompt_prefills_a_piece_a_round_while_the_others_step(engine, monkeypatch):

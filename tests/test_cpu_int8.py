@@ -56,11 +56,15 @@ def _running_builds() -> list[str]:
 
 
 @runs_here
-@pytest.mark.parametrize("rows, in_features", [(2, 64), (6, 1024), (16, 128), (17, 192), (40, 256), (48, 2048), (33, 203)])
-def test_every_build_that_runs_here_is_the_reference_at_tile_shapes(monkeypatch, rows, in_features):
-    """Rows in and off whole tile groups, depths in whole 64-byte tile rows (the tiles' case) and off them (the vectors'
-    case): each build that runs here (both on a CPU whose AMX Linux grants, the vector one elsewhere) gives the same bits."""
-    wq, scale, bias, x = _layer(130, in_features, rows, rows, True)
+@pytest.mark.parametrize(
+    "rows, in_features, out_features",
+    [(2, 64, 130), (6, 1024, 130), (16, 128, 130), (17, 192, 130), (40, 256, 130), (48, 2048, 130), (33, 203, 130), (100, 4096, 200)],
+)
+def test_every_build_that_runs_here_is_the_reference_at_tile_shapes(monkeypatch, rows, in_features, out_features):
+    """Rows in and off whole tile groups and pairs of them, depths in whole 64-byte tile rows (the tiles' case) and off
+    them (the vectors' case), blocks in one panel and (4096 deep: a block a panel) in several: each build that runs here
+    (both on a CPU whose AMX Linux grants, the vector one elsewhere) gives the same bits."""
+    wq, scale, bias, x = _layer(out_features, in_features, rows, rows, True)
     expected = kernels.int8_linear(wq, scale, bias, None, "reference")(x)
     for name in _running_builds():
         monkeypatch.setattr(cpu_int8, "library", lambda name=name: cpu_int8.open_build(name))
@@ -82,9 +86,11 @@ def test_extreme_codes_and_deep_rows_sum_exactly():
 
 
 @runs_here
-def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(monkeypatch):
-    """Shares of one block each, as many as 5 threads, in torch's OpenMP pool and on Python threads."""
-    wq, scale, bias, x = _layer(1000, 520, 17, 0, True)
+@pytest.mark.parametrize("in_features", [520, 512])  # off whole tile rows (the vectors) and in them (the tiles, where they run)
+def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(monkeypatch, in_features):
+    """Shares of one block each, as many as 5 threads, in torch's OpenMP pool (40 rows: quantized there side by side)
+    and on Python threads."""
+    wq, scale, bias, x = _layer(1000, in_features, 40, 0, True)
     linear = kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")
     together = linear(x)
     monkeypatch.setattr(cpu_int8, "MIN_SHARE_BYTES", 1)  # every block a share of its own where threads allow
@@ -98,8 +104,9 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(monkeypatch):
                 torch.set_num_threads(count)
                 split = kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")
                 assert torch.equal(split(x), together)
-                for i in (0, 6, 16):
+                for i in (0, 6, 16, 39):
                     assert torch.equal(split(x[i : i + 1])[0], together[i])
+                assert torch.equal(split(x[:33]), together[:33])
     finally:
         torch.set_num_threads(threads)
         lib.quasar_int8_use_openmp(*(runtime or (None, None, None)))
@@ -172,3 +179,25 @@ def test_without_a_compiler_the_kernel_is_not_offered(fresh_probe, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler")
     assert "no C compiler (no-such-compiler)" in cpu_int8.why_not()
     assert kernels.default_int8_kernel("cpu") != "quasar-vnni"
+
+
+@pytest.mark.parametrize("interface", [None, 1])
+def test_a_prebuilt_kernel_from_another_source_is_refused_in_one_line(fresh_probe, monkeypatch, tmp_path, interface):
+    """A library in ``$QUASAR_KERNELS`` that passes its self-check but takes other arguments than this version passes
+    (built from an older source: no interface number, or another one) is not offered, instead of being called wrongly."""
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the stale library")
+    prebuilt = tmp_path / "kernels"
+    prebuilt.mkdir()
+    source = "int quasar_probe(void) { return 0; }\n"
+    if interface is not None:
+        source += f"int quasar_int8_interface(void) {{ return {interface}; }}\n"
+    (tmp_path / "old.c").write_text(source)
+    for name in cpu_int8.BUILDS:
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(prebuilt / f"{name}.so"), str(tmp_path / "old.c")], check=True)
+    monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
+    reason = cpu_int8.why_not()
+    assert f"was built from another version's source (interface {interface}, this version calls {cpu_int8.INTERFACE})" in reason
+    assert "\n" not in reason and not kernels.quasar_int8_available()

@@ -100,23 +100,23 @@ static inline float *key_at(float *keys, int position, int d, int dim) {
     return keys + ((size_t)(position / TILE) * dim + d) * TILE + position % TILE;
 }
 
-/* The scores of R rows (R a constant where inlined; rows <= R of them stored) for keys [j * W, (j + count) * W), count
- * <= KEYS, into scratch (row i at i * stride). */
-INLINE void scores(int R, int rows, const float *const *q, float *keys, int j, int count, int dim, float scale,
+/* The scores of R rows (R and C constants where inlined; rows <= R of them stored) for keys [j * W, (j + C) * W),
+ * C <= KEYS, into scratch (row i at i * stride). */
+INLINE void scores(int R, int C, int rows, const float *const *q, float *keys, int j, int dim, float scale,
                    float *scratch, int stride) {
     vf acc[ROWS][KEYS];
     for (int i = 0; i < R; i++)
-        for (int c = 0; c < KEYS; c++) acc[i][c] = (vf){0};
+        for (int c = 0; c < C; c++) acc[i][c] = (vf){0};
     for (int d = 0; d < dim; d++) {
         vf k[KEYS];
-        for (int c = 0; c < KEYS; c++) k[c] = c < count ? load(key_at(keys, (j + c) * W, d, dim)) : (vf){0};
+        for (int c = 0; c < C; c++) k[c] = load(key_at(keys, (j + c) * W, d, dim));
         for (int i = 0; i < R; i++) {
             vf qd = splat(q[i][d]);
-            for (int c = 0; c < KEYS; c++) acc[i][c] += qd * k[c];
+            for (int c = 0; c < C; c++) acc[i][c] += qd * k[c];
         }
     }
     for (int i = 0; i < rows; i++)
-        for (int c = 0; c < count; c++) store(scratch + (size_t)i * stride + (size_t)(j + c) * W, acc[i][c] * scale);
+        for (int c = 0; c < C; c++) store(scratch + (size_t)i * stride + (size_t)(j + c) * W, acc[i][c] * scale);
 }
 
 /* out_i[c .. c + V * W) = inv_i * sum over t < last of weights_i[t] V[t][c ..], for R rows (R and V constants where
@@ -168,16 +168,20 @@ static void attend_rows(int rows, const float *const *q, const int *len, float *
     for (int i = 0; i < ROWS; i++) qq[i] = q[i < rows ? i : rows - 1]; /* spare rows repeat the last, unstored */
     int j = 0;
     if (rows <= FEW) {
-        for (; j + KEYS <= blocks; j += KEYS) scores(FEW, rows, qq, keys, j, KEYS, dim, scale, scratch, stride);
-        if (j < blocks) scores(FEW, rows, qq, keys, j, blocks - j, dim, scale, scratch, stride);
+        for (; j + KEYS <= blocks; j += KEYS) scores(FEW, KEYS, rows, qq, keys, j, dim, scale, scratch, stride);
+        for (; j < blocks; j++) scores(FEW, 1, rows, qq, keys, j, dim, scale, scratch, stride);
     } else {
-        for (; j + KEYS <= blocks; j += KEYS) scores(ROWS, rows, qq, keys, j, KEYS, dim, scale, scratch, stride);
-        if (j < blocks) scores(ROWS, rows, qq, keys, j, blocks - j, dim, scale, scratch, stride);
+        for (; j + KEYS <= blocks; j += KEYS) scores(ROWS, KEYS, rows, qq, keys, j, dim, scale, scratch, stride);
+        for (; j < blocks; j++) scores(ROWS, 1, rows, qq, keys, j, dim, scale, scratch, stride);
     }
     float inv[ROWS];
+    vi lane;
+    for (int l = 0; l < W; l++) lane[l] = l;
     for (int i = 0; i < rows; i++) {
         float *s = scratch + (size_t)i * stride;
-        for (int t = len[i]; t < stride; t++) s[t] = -3.0e38f;
+        int whole = len[i] / W; /* vectors wholly within the row's keys; the next one holds its tail */
+        if (whole < blocks) store(s + whole * W, pick(lane < len[i] - whole * W, load(s + whole * W), splat(-3.0e38f)));
+        for (int b = whole + 1; b < blocks; b++) store(s + b * W, splat(-3.0e38f));
         vf m = load(s);
         for (int b = 1; b < blocks; b++) m = pick(load(s + b * W) > m, load(s + b * W), m);
         vf top = splat(hmax(m)), total = {0};
@@ -224,7 +228,9 @@ static float inverse_rms(const float *x, int n, float eps) {
 /* One row: out = weight * (x * inverse_rms(x)), torch's RMSNorm in float32 (quasar_rows' RMS_NORM, and a q/k norm). */
 static void rms_norm_row(int dim, const float *x, const float *weight, float eps, float *out) {
     float inv = inverse_rms(x, dim, eps);
-    for (int d = 0; d < dim; d++) out[d] = weight[d] * (x[d] * inv);
+    int d = 0;
+    for (; d + W <= dim; d += W) store(out + d, load(weight + d) * (load(x + d) * inv));
+    for (; d < dim; d++) out[d] = weight[d] * (x[d] * inv);
 }
 
 /* One head's vector x: RMSNorm with weight (where given), then rotate-half rotary at this row's cos and sin, into y. */
@@ -233,9 +239,16 @@ static void norm_rotate(const float *x, const float *weight, float eps, const fl
     float normed[dim];
     if (weight) rms_norm_row(dim, x, weight, eps, normed);
     else memcpy(normed, x, dim * sizeof(float));
-    int half = dim / 2;
-    for (int d = 0; d < half; d++) y[d] = normed[d] * cos[d] - normed[d + half] * sin[d];
-    for (int d = half; d < dim; d++) y[d] = normed[d] * cos[d] + normed[d - half] * sin[d];
+    int half = dim / 2, d = 0;
+    for (; d + W <= half; d += W) {
+        vf low = load(normed + d), high = load(normed + d + half);
+        store(y + d, low * load(cos + d) - high * load(sin + d));
+        store(y + d + half, high * load(cos + d + half) + low * load(sin + d + half));
+    }
+    for (; d < half; d++) {
+        y[d] = normed[d] * cos[d] - normed[d + half] * sin[d];
+        y[d + half] = normed[d + half] * cos[d + half] + normed[d] * sin[d + half];
+    }
 }
 
 /* Items [begin, end) of the (sequence, kv head) pairs, sequence-major. For each: write the sequence's new rows' keys

@@ -22,6 +22,8 @@
  * columns is 16 rows of that same layout, 256 bytes apart, so the packing is the same, and TDPBUSD sums u8 x s8
  * products exactly into int32 as VPDPBUSD does: the same bits. The tiles stream weights from memory faster than the
  * vector loop at a verify step's 6 rows, and do a 48-row batched serving step's arithmetic several times faster.
+ * With more rows (a prompt's) the tile loads, not the products, bound a call: the weights are taken in panels that
+ * stay in L2 while every group of rows passes over them, and two groups at a time share each load of weights.
  * Linux hands out AMX state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM):
  * quasar_int8_enable_amx asks; without it the first tile instruction faults (what a program built with -march=native
  * meets on CPUs that list the AMX flags).
@@ -35,6 +37,7 @@
 #define BLOCK 64 /* output columns per packed block: 4 vectors of 16 int32 */
 #define GROUP 4  /* values of k per dot-product lane */
 #define ROWS 6   /* rows per pass: 6 x 4 accumulators, the rest of the 32 vector registers hold weights */
+#define SHARED_QUANTIZE_ROWS 32 /* from this many rows a shared call's threads quantize side by side */
 #define INLINE static inline __attribute__((always_inline))
 
 #ifdef QUASAR_AMX
@@ -42,6 +45,7 @@
 #include <unistd.h>
 #define AMX_ROWS 16  /* rows of codes per tile; a call's last group is padded with zero codes */
 #define AMX_DEPTH 64 /* bytes of k per tile row: 16 groups of 4 */
+#define PANEL_BYTES (256 << 10) /* packed weights per panel of blocks (tiles_linear): a share of L2 */
 
 /* Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process: 0 when granted. */
 int quasar_int8_enable_amx(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 1; }
@@ -53,7 +57,7 @@ static void amx_configure(void) {
         uint16_t colsb[16];
         uint8_t rows[16];
     } config = {.palette = 1};
-    for (int t = 0; t < 7; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
     _tile_loadconfig(&config);
 }
 
@@ -80,9 +84,37 @@ static void block_tiles(const uint8_t *codes, size_t k4, const int8_t *block, in
     _tile_stored(2, acc[0] + 32, BLOCK * sizeof(int32_t));
     _tile_stored(3, acc[0] + 48, BLOCK * sizeof(int32_t));
 }
+/* 2 x AMX_ROWS rows of codes against half a packed block (32 columns from half): their int32 sums into acc [32][BLOCK]
+ * from column col. Two row tiles by two column tiles: four products per four tile loads, where block_tiles makes four
+ * per five, and the rows' codes are read once per two column tiles. */
+static void pair_tiles(const uint8_t *codes, size_t k4, const int8_t *half, int32_t (*acc)[BLOCK], int col) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (size_t j = 0; j < k4; j += AMX_DEPTH) {
+        const int8_t *w = half + j * BLOCK;
+        _tile_loadd(4, codes + j, k4);
+        _tile_loadd(6, w, BLOCK * GROUP);
+        _tile_dpbusd(0, 4, 6);
+        _tile_loadd(7, w + 64, BLOCK * GROUP);
+        _tile_dpbusd(1, 4, 7);
+        _tile_loadd(5, codes + AMX_ROWS * k4 + j, k4);
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+    }
+    _tile_stored(0, acc[0] + col, BLOCK * sizeof(int32_t));
+    _tile_stored(1, acc[0] + col + 16, BLOCK * sizeof(int32_t));
+    _tile_stored(2, acc[AMX_ROWS] + col, BLOCK * sizeof(int32_t));
+    _tile_stored(3, acc[AMX_ROWS] + col + 16, BLOCK * sizeof(int32_t));
+}
 #endif
 
 static size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
+
+/* The arguments the entry points take, as cpu_int8.py calls them: a new number whenever they change, so a library
+ * prebuilt from another version's source ($QUASAR_KERNELS) is refused rather than called wrongly. */
+int quasar_int8_interface(void) { return 2; }
 
 size_t quasar_int8_packed_bytes(int n, int k) { return round_up((size_t)n, BLOCK) * round_up((size_t)k, GROUP); }
 
@@ -197,35 +229,48 @@ static size_t code_rows(int m) {
 /* Scratch bytes one call needs for m rows of k: the codes, then the scales. */
 size_t quasar_int8_scratch_bytes(int m, int k) { return round_up(code_rows(m) * round_up((size_t)k, GROUP), 64) + (size_t)m * sizeof(float); }
 
-/* out [m][n] = the scheme's linear of x [m][k], for the output columns of packed blocks [first, last). Each caller
- * quantizes the rows itself into its own scratch (microseconds), so threads share nothing but read-only input. */
-void quasar_int8_linear(const float *x, int m, int k, const int8_t *packed, const int32_t *wsum, const float *w_scale,
-                        const float *bias, const float *static_scale, int n, int first, int last, float *out,
-                        uint8_t *scratch) {
-    size_t k4 = round_up((size_t)k, GROUP);
-    uint8_t *codes = scratch;
-    float *scales = (float *)(scratch + round_up(code_rows(m) * k4, 64));
-    quantize(x, m, k, static_scale, codes, scales);
 #ifdef QUASAR_AMX
-    /* every row through the tiles where k is whole tile rows, but a single one: a 16-row tile costs no more time than
-     * the vectors' 6 rows while the weights stream from memory, and a lone row is as fast on the vectors */
-    const int tiles = m > 1 && k4 % AMX_DEPTH == 0;
-    if (tiles) {
-        memset(codes + (size_t)m * k4, 0, (code_rows(m) - (size_t)m) * k4);
-        amx_configure();
+/* Blocks [first, last) of the rows' codes through the tiles, codes padded with zero rows to whole tiles. Panels of
+ * blocks whose weights stay in L2 while every group of rows passes over them: the weights come from memory once, for the
+ * first group, and rows go two tiles at a time (pair_tiles) where two remain. */
+static void tiles_linear(const uint8_t *codes, const float *scales, int m, size_t k4, const int8_t *packed,
+                         const int32_t *wsum, const float *w_scale, const float *bias, int n, int first, int last,
+                         float *out) {
+    amx_configure();
+    int panel = (int)(PANEL_BYTES / (BLOCK * k4));
+    panel = panel < 1 ? 1 : panel;
+    for (int p = first; p < last; p += panel) {
+        int end = p + panel < last ? p + panel : last;
+        for (int r = 0; r < m; r += 2 * AMX_ROWS) {
+            const uint8_t *c = codes + (size_t)r * k4;
+            float *y = out + (size_t)r * n;
+            for (int b = p; b < end; b++) {
+                const int8_t *block = packed + (size_t)b * BLOCK * k4;
+                int32_t acc[2 * AMX_ROWS][BLOCK];
+                if (m - r <= AMX_ROWS) {
+                    block_tiles(c, k4, block, acc);
+                    finish(m - r, acc, scales + r, wsum, w_scale, bias, b * BLOCK, n, y);
+                    continue;
+                }
+                pair_tiles(c, k4, block, acc, 0);
+                pair_tiles(c, k4, block + 2 * AMX_ROWS * GROUP, acc, 2 * AMX_ROWS);
+                int second = m - r - AMX_ROWS < AMX_ROWS ? m - r - AMX_ROWS : AMX_ROWS;
+                finish(AMX_ROWS, acc, scales + r, wsum, w_scale, bias, b * BLOCK, n, y);
+                finish(second, acc + AMX_ROWS, scales + r + AMX_ROWS, wsum, w_scale, bias, b * BLOCK, n, y + (size_t)AMX_ROWS * n);
+            }
+        }
     }
+    _tile_release();
+}
 #endif
+
+/* Blocks [first, last) of the rows' codes on the vectors, ROWS rows a pass. */
+static void vector_linear(const uint8_t *codes, const float *scales, int m, size_t k4, const int8_t *packed,
+                          const int32_t *wsum, const float *w_scale, const float *bias, int n, int first, int last,
+                          float *out) {
     for (int b = first; b < last; b++) {
         const int8_t *block = packed + (size_t)b * BLOCK * k4;
-        int r = 0;
-#ifdef QUASAR_AMX
-        for (; tiles && r < m; r += AMX_ROWS) {
-            int32_t acc[AMX_ROWS][BLOCK];
-            block_tiles(codes + (size_t)r * k4, k4, block, acc);
-            finish(m - r < AMX_ROWS ? m - r : AMX_ROWS, acc, scales + r, wsum, w_scale, bias, b * BLOCK, n, out + (size_t)r * n);
-        }
-#endif
-        for (; r < m; r += ROWS) {
+        for (int r = 0; r < m; r += ROWS) {
             const uint8_t *c = codes + (size_t)r * k4;
             float *y = out + (size_t)r * n;
             switch (m - r < ROWS ? m - r : ROWS) { /* constant row counts: each unrolled, its sums in registers */
@@ -238,9 +283,50 @@ void quasar_int8_linear(const float *x, int m, int k, const int8_t *packed, cons
             }
         }
     }
+}
+
+/* Whether m rows of k go through the tiles: where k is whole tile rows, every call but a single row's (a 16-row tile
+ * costs no more time than the vectors' 6 rows while the weights stream from memory, and a lone row is as fast on the
+ * vectors). */
+static int use_tiles(int m, size_t k4) {
 #ifdef QUASAR_AMX
-    if (tiles) _tile_release();
+    return m > 1 && k4 % AMX_DEPTH == 0;
+#else
+    (void)m, (void)k4;
+    return 0;
 #endif
+}
+
+/* Blocks [first, last) of out from m rows of codes and scales (quantize's; with the tiles, padded to whole tiles). */
+static void linear_from_codes(const uint8_t *codes, const float *scales, int m, size_t k4, const int8_t *packed,
+                              const int32_t *wsum, const float *w_scale, const float *bias, int n, int first, int last,
+                              float *out) {
+#ifdef QUASAR_AMX
+    if (use_tiles(m, k4)) {
+        tiles_linear(codes, scales, m, k4, packed, wsum, w_scale, bias, n, first, last, out);
+        return;
+    }
+#endif
+    vector_linear(codes, scales, m, k4, packed, wsum, w_scale, bias, n, first, last, out);
+}
+
+/* Where a call's codes and scales lie in its scratch (quasar_int8_scratch_bytes), and the tiles' zero rows past m. */
+static float *scales_in(uint8_t *scratch, int m, size_t k4) { return (float *)(scratch + round_up(code_rows(m) * k4, 64)); }
+
+static void pad_codes(uint8_t *codes, int m, size_t k4) {
+    if (use_tiles(m, k4)) memset(codes + (size_t)m * k4, 0, (code_rows(m) - (size_t)m) * k4);
+}
+
+/* out [m][n] = the scheme's linear of x [m][k], for the output columns of packed blocks [first, last). This caller
+ * quantizes the rows itself into its own scratch, so threads calling it share nothing but read-only input. */
+void quasar_int8_linear(const float *x, int m, int k, const int8_t *packed, const int32_t *wsum, const float *w_scale,
+                        const float *bias, const float *static_scale, int n, int first, int last, float *out,
+                        uint8_t *scratch) {
+    size_t k4 = round_up((size_t)k, GROUP);
+    float *scales = scales_in(scratch, m, k4);
+    quantize(x, m, k, static_scale, scratch, scales);
+    pad_codes(scratch, m, k4);
+    linear_from_codes(scratch, scales, m, k4, packed, wsum, w_scale, bias, n, first, last, out);
 }
 
 /* Sharing a call's blocks among the threads of the caller's OpenMP pool (torch's): GOMP_parallel, omp_get_thread_num
@@ -262,26 +348,41 @@ struct shared_call {
     const float *x, *w_scale, *bias, *static_scale;
     const int8_t *packed;
     const int32_t *wsum, *edges;
-    float *out;
-    uint8_t *scratch;
-    size_t scratch_bytes;
+    float *out, *scales;
+    uint8_t *codes;
     int m, k, n, shares;
 };
 
+static void run_quantize(void *data) { /* each thread its rows' codes, in the one buffer every share reads */
+    const struct shared_call *c = data;
+    size_t k4 = round_up((size_t)c->k, GROUP);
+    int t = omp_thread(), threads = omp_threads();
+    int begin = (int)((long)c->m * t / threads), end = (int)((long)c->m * (t + 1) / threads);
+    quantize(c->x + (size_t)begin * c->k, end - begin, c->k, c->static_scale, c->codes + (size_t)begin * k4, c->scales + begin);
+}
+
 static void run_shares(void *data) {
     const struct shared_call *c = data;
+    size_t k4 = round_up((size_t)c->k, GROUP);
     for (int s = omp_thread(); s < c->shares; s += omp_threads()) /* every share runs, however many threads came */
-        quasar_int8_linear(c->x, c->m, c->k, c->packed, c->wsum, c->w_scale, c->bias, c->static_scale, c->n, c->edges[s],
-                           c->edges[s + 1], c->out, c->scratch + (size_t)s * c->scratch_bytes);
+        linear_from_codes(c->codes, c->scales, c->m, k4, c->packed, c->wsum, c->w_scale, c->bias, c->n, c->edges[s],
+                          c->edges[s + 1], c->out);
 }
 
 /* quasar_int8_linear over shares of blocks [edges[s], edges[s + 1]), s < shares, side by side in the OpenMP pool; 1 where
- * no runtime was handed in (the caller then shares them itself), else 0. scratch: shares x scratch_bytes. */
+ * no runtime was handed in (the caller then shares them itself), else 0. The rows are quantized once, into scratch
+ * (quasar_int8_scratch_bytes), by the pool's threads side by side from SHARED_QUANTIZE_ROWS rows (the division per
+ * value costs a prompt's linear a tenth of its time or more) and by this thread below: the same codes either way, a
+ * row's depending on that row alone. */
 int quasar_int8_linear_shared(const float *x, int m, int k, const int8_t *packed, const int32_t *wsum, const float *w_scale,
                               const float *bias, const float *static_scale, int n, const int32_t *edges, int shares,
-                              float *out, uint8_t *scratch, size_t scratch_bytes) {
+                              float *out, uint8_t *scratch) {
     if (!omp_parallel) return 1;
-    struct shared_call call = {x, w_scale, bias, static_scale, packed, wsum, edges, out, scratch, scratch_bytes, m, k, n, shares};
+    size_t k4 = round_up((size_t)k, GROUP);
+    struct shared_call call = {x, w_scale, bias, static_scale, packed, wsum, edges, out, scales_in(scratch, m, k4), scratch, m, k, n, shares};
+    if (m >= SHARED_QUANTIZE_ROWS) omp_parallel(run_quantize, &call, (unsigned)shares, 0);
+    else quantize(x, m, k, static_scale, scratch, call.scales);
+    pad_codes(scratch, m, k4);
     omp_parallel(run_shares, &call, (unsigned)shares, 0);
     return 0;
 }

@@ -31,6 +31,7 @@ AMX_BUILD = "cpu_int8-amx"
 # grants this process their state (the same bits: exact integer sums either way), else the vectors alone
 BUILDS = {AMX_BUILD: [*VNNI_FLAGS, "-mamx-tile", "-mamx-int8", "-DQUASAR_AMX"], "cpu_int8-avx512vnni": VNNI_FLAGS}
 BLOCK = 64  # output columns per packed block, the unit of a thread's share
+INTERFACE = 2  # the arguments this module passes the entry points (quasar_int8_interface)
 # a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about
 # what reading this much takes (a few tens of microseconds)
 MIN_SHARE_BYTES = 1 << 19
@@ -67,6 +68,9 @@ def open_build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     if path is None:
         return None, reason
     lib = ctypes.CDLL(str(path))
+    interface = lib.quasar_int8_interface() if hasattr(lib, "quasar_int8_interface") else None
+    if interface != INTERFACE:
+        return None, f"{path} was built from another version's source (interface {interface}, this version calls {INTERFACE}); rebuild it"
     if name == AMX_BUILD and lib.quasar_int8_enable_amx() != 0:
         return None, "Linux refused this process the AMX tile state"
     lib.quasar_build = name
@@ -76,7 +80,7 @@ def open_build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.quasar_int8_pack.argtypes, lib.quasar_int8_pack.restype = [pointer, integer, integer, pointer, pointer], None
     lib.quasar_int8_linear.argtypes = [pointer, integer, integer, *[pointer] * 5, integer, integer, integer, pointer, pointer]
     lib.quasar_int8_linear.restype = None
-    lib.quasar_int8_linear_shared.argtypes = [pointer, integer, integer, *[pointer] * 5, integer, pointer, integer, pointer, pointer, size]
+    lib.quasar_int8_linear_shared.argtypes = [pointer, integer, integer, *[pointer] * 5, integer, pointer, integer, pointer, pointer]
     lib.quasar_int8_linear_shared.restype = integer
     runtime = parallel_entry_points()
     if runtime is not None:
@@ -145,7 +149,7 @@ class PackedInt8Linear:
         )
         if shares > 1:
             bounds = self.edges(shares).data_ptr()
-            if self.lib.quasar_int8_linear_shared(*args, bounds, shares, out.data_ptr(), scratch.data_ptr(), scratch_bytes) == 0:
+            if self.lib.quasar_int8_linear_shared(*args, bounds, shares, out.data_ptr(), scratch.data_ptr()) == 0:
                 return out
         # no OpenMP runtime in the process: threads of our own (ctypes lets go of the GIL), the caller's taking the first
         shares = min(shares, -(-rows // ROWS_PER_SHARE))

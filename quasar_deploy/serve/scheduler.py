@@ -2,8 +2,9 @@
 
 Each round admits waiting requests into free slots, drops cancelled sequences, then
 takes one step of every running sequence (``_step_all``): admitted ones not yet prefilled
-prefill, up to ``PREFILL_TOKENS`` prompt tokens a round (at least one prompt; on a backend
-that prefills in pieces, ``prefill_chunk``, a long prompt takes a piece per round); every
+prefill, the fewest prompt tokens left first (within ``PASS_LIMIT``), up to ``PREFILL_TOKENS``
+prompt tokens a round (at least one prompt; on a backend that prefills in pieces,
+``prefill_chunk``, a long prompt takes a piece per round); every
 other one drafts its block (pending token plus k_i drafts, with its own drafter, so
 layerskip drafts on its own cache). On a backend that batches (``BatchVerifyingLM``: cpu
 with row-invariant kernels, ONNX Runtime's layer graphs) the prompts and the blocks run in
@@ -71,6 +72,11 @@ T = TypeVar("T")
 # them (docs/serving.md), and every running sequence waits for the round's prefills: a burst of arrivals, and a long
 # prompt's pieces, are spread over rounds instead.
 PREFILL_TOKENS = 256
+# rounds a prompt waiting for its prefill may be passed over by prompts admitted after it with fewer tokens left: the
+# shortest go first, which brings a burst's first tokens sooner, and past this bound the passed-over go first in
+# admission order, so a long prompt is not held back by a stream of short ones (a burst of max_sequences at the default
+# is ordered wholly by length)
+PASS_LIMIT = 8
 
 
 class QueueFull(Exception):
@@ -123,6 +129,7 @@ class Running:
     first_step_done: bool = False
     prompt_done: int = 0  # prompt tokens prefilled (a backend with a ``prefill_chunk`` takes them a piece per round)
     prefill_began: float | None = None  # when its first piece ran (``time.perf_counter``)
+    passed_over: int = 0  # rounds in which a sequence admitted after it prefilled while it waited (``_prefill_turn``)
     verify_steps: int = 0
     accepted: int = 0
 
@@ -285,13 +292,16 @@ class Scheduler:
         self.metrics.running.set(len(self._running))
 
     def _prefill_turn(self) -> list[tuple[Running, list[int]]]:
-        """The prompt pieces that prefill this round, with their sequences: in admission order, one piece per sequence
-        (its whole prompt, or on a backend with a ``prefill_chunk`` the next piece of that many tokens), up to
-        ``prefill_tokens`` prompt tokens in all and at least one piece (a longer one runs alone in its round)."""
+        """The prompt pieces that prefill this round, with their sequences: one piece per sequence (its whole prompt, or
+        on a backend with a ``prefill_chunk`` the next piece of that many tokens), up to ``prefill_tokens`` prompt tokens
+        in all and at least one piece (a longer one runs alone in its round). The fewest prompt tokens left go first
+        (a burst's median wait for its first token is then the shorter half's prefill, not half of everyone's), ties
+        and the sequences passed over ``PASS_LIMIT`` times (``passed_over``) in admission order, the latter ahead of
+        all others: a long prompt waits for at most that many rounds of shorter ones."""
+        waiting = [r for r in self._running if not r.first_step_done]
+        order = sorted(waiting, key=lambda r: (r.passed_over < PASS_LIMIT, len(r.generation.prompt) - r.prompt_done))
         turn, tokens = [], 0
-        for running in self._running:
-            if running.first_step_done:
-                continue
+        for running in order:
             chunk = getattr(running.batcher, "prefill_chunk", None)
             prompt = running.generation.prompt
             piece = list(prompt[running.prompt_done : running.prompt_done + chunk]) if chunk else list(prompt)
@@ -299,6 +309,10 @@ class Scheduler:
             if turn and tokens > self.prefill_tokens:
                 break
             turn.append((running, piece))
+        chosen = {id(running) for running, _ in turn}
+        latest = max(i for i, running in enumerate(waiting) if id(running) in chosen) if turn else -1
+        for running in waiting[:latest]:  # admitted before one that prefills now, and not prefilling: passed over
+            running.passed_over += id(running) not in chosen
         return turn
 
     def _step_batched(

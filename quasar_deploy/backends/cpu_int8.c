@@ -37,7 +37,9 @@
 #define BLOCK 64 /* output columns per packed block: 4 vectors of 16 int32 */
 #define GROUP 4  /* values of k per dot-product lane */
 #define ROWS 6   /* rows per pass: 6 x 4 accumulators, the rest of the 32 vector registers hold weights */
-#define SHARED_QUANTIZE_ROWS 32 /* from this many rows a shared call's threads quantize side by side */
+/* from this many input values (rows x k) a shared call's threads quantize side by side: below it (a serving step's 48
+ * rows of the narrower linears) a second parallel region costs about what halving the division saves */
+#define SHARED_QUANTIZE_VALUES (1 << 17)
 #define INLINE static inline __attribute__((always_inline))
 
 #ifdef QUASAR_AMX
@@ -46,6 +48,7 @@
 #define AMX_ROWS 16  /* rows of codes per tile; a call's last group is padded with zero codes */
 #define AMX_DEPTH 64 /* bytes of k per tile row: 16 groups of 4 */
 #define PANEL_BYTES (256 << 10) /* packed weights per panel of blocks (tiles_linear): a share of L2 */
+#define PAIRED_ROWS 48            /* rows past which tiles_linear pairs row tiles over panels */
 
 /* Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process: 0 when granted. */
 int quasar_int8_enable_amx(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 1; }
@@ -230,26 +233,29 @@ static size_t code_rows(int m) {
 size_t quasar_int8_scratch_bytes(int m, int k) { return round_up(code_rows(m) * round_up((size_t)k, GROUP), 64) + (size_t)m * sizeof(float); }
 
 #ifdef QUASAR_AMX
-/* Blocks [first, last) of the rows' codes through the tiles, codes padded with zero rows to whole tiles. Panels of
- * blocks whose weights stay in L2 while every group of rows passes over them: the weights come from memory once, for the
- * first group, and rows go two tiles at a time (pair_tiles) where two remain. */
+/* Blocks [first, last) of the rows' codes through the tiles, codes padded with zero rows to whole tiles. Past
+ * PAIRED_ROWS rows (a prompt's) the weights go in panels that stay in L2 while every group of rows passes over them (from
+ * memory once, for the first group), rows two tiles at a time (pair_tiles) where two remain; up to it (a serving step's
+ * 8 x 6 rows) block by block, a group of rows at a time, each block's weights hot for the next group (bench batched-step
+ * timed that order faster there). */
 static void tiles_linear(const uint8_t *codes, const float *scales, int m, size_t k4, const int8_t *packed,
                          const int32_t *wsum, const float *w_scale, const float *bias, int n, int first, int last,
                          float *out) {
     amx_configure();
     int panel = (int)(PANEL_BYTES / (BLOCK * k4));
-    panel = panel < 1 ? 1 : panel;
+    int pairs = m > PAIRED_ROWS;
+    panel = panel < 1 || !pairs ? 1 : panel;
     for (int p = first; p < last; p += panel) {
         int end = p + panel < last ? p + panel : last;
-        for (int r = 0; r < m; r += 2 * AMX_ROWS) {
+        for (int r = 0; r < m; r += pairs ? 2 * AMX_ROWS : AMX_ROWS) {
             const uint8_t *c = codes + (size_t)r * k4;
             float *y = out + (size_t)r * n;
             for (int b = p; b < end; b++) {
                 const int8_t *block = packed + (size_t)b * BLOCK * k4;
                 int32_t acc[2 * AMX_ROWS][BLOCK];
-                if (m - r <= AMX_ROWS) {
+                if (!pairs || m - r <= AMX_ROWS) {
                     block_tiles(c, k4, block, acc);
-                    finish(m - r, acc, scales + r, wsum, w_scale, bias, b * BLOCK, n, y);
+                    finish(m - r < AMX_ROWS ? m - r : AMX_ROWS, acc, scales + r, wsum, w_scale, bias, b * BLOCK, n, y);
                     continue;
                 }
                 pair_tiles(c, k4, block, acc, 0);
@@ -371,7 +377,7 @@ static void run_shares(void *data) {
 
 /* quasar_int8_linear over shares of blocks [edges[s], edges[s + 1]), s < shares, side by side in the OpenMP pool; 1 where
  * no runtime was handed in (the caller then shares them itself), else 0. The rows are quantized once, into scratch
- * (quasar_int8_scratch_bytes), by the pool's threads side by side from SHARED_QUANTIZE_ROWS rows (the division per
+ * (quasar_int8_scratch_bytes), by the pool's threads side by side from SHARED_QUANTIZE_VALUES values (the division per
  * value costs a prompt's linear a tenth of its time or more) and by this thread below: the same codes either way, a
  * row's depending on that row alone. */
 int quasar_int8_linear_shared(const float *x, int m, int k, const int8_t *packed, const int32_t *wsum, const float *w_scale,
@@ -380,7 +386,7 @@ int quasar_int8_linear_shared(const float *x, int m, int k, const int8_t *packed
     if (!omp_parallel) return 1;
     size_t k4 = round_up((size_t)k, GROUP);
     struct shared_call call = {x, w_scale, bias, static_scale, packed, wsum, edges, out, scales_in(scratch, m, k4), scratch, m, k, n, shares};
-    if (m >= SHARED_QUANTIZE_ROWS) omp_parallel(run_quantize, &call, (unsigned)shares, 0);
+    if ((size_t)m * k >= SHARED_QUANTIZE_VALUES) omp_parallel(run_quantize, &call, (unsigned)shares, 0);
     else quantize(x, m, k, static_scale, scratch, call.scales);
     pad_codes(scratch, m, k4);
     omp_parallel(run_shares, &call, (unsigned)shares, 0);

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import queue
+import threading
+import time
 
 import pytest
 import torch
@@ -236,3 +238,36 @@ def test_a_failing_batched_forward_fails_its_requests_and_not_the_scheduler(engi
     patch_forward(engine, monkeypatch, broken)
     finals = serve(engine, [request(p, 8) for p in PROMPTS[:3]])
     assert all(isinstance(f, Failed) and f.error.status == 500 and "out of memory" in f.error.message for f in finals)
+
+
+def test_requests_arriving_while_the_first_opens_join_its_round(engine, monkeypatch):
+    """The request that wakes the worker opens (tokenizing: slow here) while the rest of its burst arrives; they are
+    admitted before the round runs, so the shortest prompt of the whole burst prefills first, not the first to come."""
+    prompts = [PROMPTS[0] * 2, *PROMPTS[1:4]]  # the first the longest
+    lengths = [len(engine.encode(p)) for p in prompts]
+    encode, opening = engine.encode, threading.Event()
+
+    def slow_encode(text):
+        if text == prompts[0]:
+            opening.set()
+            time.sleep(0.5)
+        return encode(text)
+
+    monkeypatch.setattr(engine, "encode", slow_encode)
+    prefilled = prefill_lengths(engine, monkeypatch)
+    scheduler = Scheduler(engine, Metrics(), max_sequences=len(prompts), prefill_tokens=1)
+    inboxes = [queue.Queue() for _ in prompts]
+    tickets = [Ticket(request(p, 4), inbox.put) for p, inbox in zip(prompts, inboxes)]
+    scheduler.start()
+    try:
+        scheduler.submit(tickets[0])
+        assert opening.wait(30)
+        for ticket in tickets[1:]:
+            scheduler.submit(ticket)
+        for inbox in inboxes:
+            while not isinstance(event := inbox.get(timeout=120), Done | Failed):
+                pass
+            assert isinstance(event, Done)
+    finally:
+        scheduler.stop()
+    assert prefilled[0] == [min(lengths)] and lengths[0] == max(lengths)

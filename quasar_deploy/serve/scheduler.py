@@ -195,12 +195,14 @@ class Scheduler:
                 self._wake.wait_for(lambda: self._stopping or self._waiting or self._running)
                 if self._stopping:
                     break
-                free = self.max_sequences - len(self._running)
-                admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-                self.metrics.queue_depth.set(len(self._waiting))
-            for ticket in admitted:
-                if not ticket.cancelled and not self._expired(ticket):
-                    self._open(ticket)
+            # requests that arrive while the admitted ones open join this round too: a burst's first round then sees
+            # the whole burst (whose shortest prompts go first), not just the request that woke the worker
+            opened = 0  # bounded: a flood of requests that fail to open (400) cannot hold the running ones
+            while opened < self.max_sequences + self.max_queue and (admitted := self._admit()):
+                opened += len(admitted)
+                for ticket in admitted:
+                    if not ticket.cancelled and not self._expired(ticket):
+                        self._open(ticket)
             self._drop_cancelled()
             self._end_expired()
             self._step_all()
@@ -208,6 +210,14 @@ class Scheduler:
             ticket.deliver(Failed(ApiError(503, "the server is shutting down")))  # the app adds Retry-After
         self._running.clear()
         self._waiting.clear()
+
+    def _admit(self) -> list[Ticket]:
+        """The waiting tickets that take the free slots, in arrival order."""
+        with self._wake:
+            free = self.max_sequences - len(self._running)
+            admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            self.metrics.queue_depth.set(len(self._waiting))
+            return admitted
 
     def _open(self, ticket: Ticket) -> None:
         """Tokenize, cap ``max_tokens`` at the context window and open the sequence; a bad prompt fails the ticket with 400."""

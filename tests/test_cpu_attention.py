@@ -3,6 +3,7 @@ from its company, and the choice of build by probe."""
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quasar_deploy.backends import cpu_attention, native
-from quasar_deploy.backends.cpu_attention import BUILDS, StepAttention, new_cache
+from quasar_deploy.backends.cpu_attention import BUILDS, StepAttention, new_caches
 
 HEADS, KV, LAYERS = 4, 2, 2
 PASTS, SIZES = [0, 37, 150], [5, 1, 8]  # a prompt, a one-token decode, a verify block
@@ -34,7 +35,7 @@ def kernel(request) -> cpu_attention.Kernel:
 def filled_cache(k: np.ndarray, v: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """One layer's cache in the kernel's layout holding past keys and values ``k``, ``v`` [kv_heads, past, dim]."""
     kv, past, dim = k.shape
-    keys, values = new_cache(kv, capacity, dim)
+    [(keys, values)] = new_caches(1, kv, capacity, dim)
     for t in range(past):
         keys[:, t // 16, :, t % 16] = k[:, t]
     values[:, :past] = v
@@ -250,3 +251,26 @@ def test_any_shape_matches_the_reference_and_any_company(kernel, monkeypatch, sh
         assert np.array_equal(alone, together[rows_of])
         start += n
     pool.shutdown()
+
+
+def test_a_sequences_caches_are_zeroed_layers_of_their_own_in_one_mapping():
+    """Every layer's keys and values in the kernel's layout, zeroed, writable, none overlapping another, all in one
+    mapping that lives as long as any of them."""
+    import gc
+    import weakref
+
+    caches = new_caches(3, 2, 32, 16)
+    assert [(k.shape, v.shape) for k, v in caches] == [((2, 2, 16, 16), (2, 32, 16))] * 3
+    arrays = [a for pair in caches for a in pair]
+    assert all(a.dtype == np.float32 and a.flags.writeable and not a.any() for a in arrays)
+    for i, array in enumerate(arrays):
+        array.fill(i + 1)
+    assert [float(a.min()) for a in arrays] == [float(a.max()) for a in arrays] == [float(i + 1) for i in range(6)]
+    mapping = arrays[0].base
+    while not isinstance(mapping, mmap.mmap):
+        mapping = mapping.base if isinstance(mapping, np.ndarray) else mapping.obj
+    assert all(np.shares_memory(a, np.frombuffer(mapping, np.float32)) for a in arrays)
+    gone = weakref.finalize(mapping, lambda: None)
+    del mapping, caches, arrays, array
+    gc.collect()
+    assert not gone.alive

@@ -145,7 +145,7 @@ class LayeredOnnxLM:
         self.description = model.description
         self._length = 0
         self._capacity = 0
-        # per layer (keys, values): numpy arrays in the C kernel's layout (``cpu_attention.new_cache``), else OrtValues
+        # per layer (keys, values): numpy arrays in the C kernel's layout (``cpu_attention.new_caches``), else OrtValues
         # [1, kv_heads, capacity, head_dim] for GroupQueryAttention
         self._cache: list[tuple] = []
         self._bindings: list = []  # per layer: the attention call's binding, its cache and lengths bound once (``_bind``)
@@ -224,7 +224,7 @@ class LayeredOnnxLM:
         capacity = max(2 * self._capacity, round_up(end, KEY_CHUNK))
         if kernel:
             spec = self.spec
-            grown = [cpu_attention.new_cache(spec.num_kv_heads, capacity, spec.head_dim) for _ in range(spec.num_layers)]
+            grown = cpu_attention.new_caches(spec.num_layers, spec.num_kv_heads, capacity, spec.head_dim)
             for old, new in zip(self._cache, grown):
                 cpu_attention.copy_cache(old, new, self._length)
             self._cache, self._capacity = grown, capacity

@@ -221,8 +221,8 @@ class StepAttention:
 def new_caches(layers: int, kv_heads: int, capacity: int, dim: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Zeroed keys and values of every layer of one sequence, in the kernel's layout (capacity a multiple of TILE), all
     in one anonymous mapping, unmapped once the last of them goes. Its pages come zeroed from the OS as they are first
-    written. numpy's zeros (calloc) may instead take memory that earlier caches freed and clear all of it first: 3 to 19
-    ms for a 256-position cache of a 0.6B model, paid by every request a server admits."""
+    written. numpy's zeros (calloc) may instead take memory that earlier caches freed and clear all of it first, tens of
+    megabytes for a 0.6B model's 256 positions, paid by every request a server admits (docs/serving.md)."""
     floats = kv_heads * capacity * dim  # one layer's keys, or its values
     flat = np.frombuffer(mmap.mmap(-1, 2 * layers * floats * 4), np.float32)
     pairs = (flat[2 * i * floats : (2 * i + 2) * floats] for i in range(layers))

@@ -356,36 +356,35 @@ struct shared_call {
     const int32_t *wsum, *edges;
     float *out, *scales;
     uint8_t *codes;
+    size_t k4;
     int m, k, n, shares;
 };
 
 static void run_quantize(void *data) { /* each thread its rows' codes, in the one buffer every share reads */
     const struct shared_call *c = data;
-    size_t k4 = round_up((size_t)c->k, GROUP);
     int t = omp_thread(), threads = omp_threads();
     int begin = (int)((long)c->m * t / threads), end = (int)((long)c->m * (t + 1) / threads);
-    quantize(c->x + (size_t)begin * c->k, end - begin, c->k, c->static_scale, c->codes + (size_t)begin * k4, c->scales + begin);
+    quantize(c->x + (size_t)begin * c->k, end - begin, c->k, c->static_scale, c->codes + (size_t)begin * c->k4, c->scales + begin);
 }
 
 static void run_shares(void *data) {
     const struct shared_call *c = data;
-    size_t k4 = round_up((size_t)c->k, GROUP);
     for (int s = omp_thread(); s < c->shares; s += omp_threads()) /* every share runs, however many threads came */
-        linear_from_codes(c->codes, c->scales, c->m, k4, c->packed, c->wsum, c->w_scale, c->bias, c->n, c->edges[s],
+        linear_from_codes(c->codes, c->scales, c->m, c->k4, c->packed, c->wsum, c->w_scale, c->bias, c->n, c->edges[s],
                           c->edges[s + 1], c->out);
 }
 
 /* quasar_int8_linear over shares of blocks [edges[s], edges[s + 1]), s < shares, side by side in the OpenMP pool; 1 where
  * no runtime was handed in (the caller then shares them itself), else 0. The rows are quantized once, into scratch
- * (quasar_int8_scratch_bytes), by the pool's threads side by side from SHARED_QUANTIZE_VALUES values (the division per
- * value costs a prompt's linear a tenth of its time or more) and by this thread below: the same codes either way, a
- * row's depending on that row alone. */
+ * (quasar_int8_scratch_bytes, one call's), by the pool's threads side by side from SHARED_QUANTIZE_VALUES values (a
+ * division per value: a prompt's hundreds of rows make it a sizeable part of a call) and by this thread below: the same
+ * codes either way, a row's depending on that row alone. */
 int quasar_int8_linear_shared(const float *x, int m, int k, const int8_t *packed, const int32_t *wsum, const float *w_scale,
                               const float *bias, const float *static_scale, int n, const int32_t *edges, int shares,
                               float *out, uint8_t *scratch) {
     if (!omp_parallel) return 1;
     size_t k4 = round_up((size_t)k, GROUP);
-    struct shared_call call = {x, w_scale, bias, static_scale, packed, wsum, edges, out, scales_in(scratch, m, k4), scratch, m, k, n, shares};
+    struct shared_call call = {x, w_scale, bias, static_scale, packed, wsum, edges, out, scales_in(scratch, m, k4), scratch, k4, m, k, n, shares};
     if ((size_t)m * k >= SHARED_QUANTIZE_VALUES) omp_parallel(run_quantize, &call, (unsigned)shares, 0);
     else quantize(x, m, k, static_scale, scratch, call.scales);
     pad_codes(scratch, m, k4);

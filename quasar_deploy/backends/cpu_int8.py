@@ -135,7 +135,6 @@ class PackedInt8Linear:
         out = torch.empty(rows, self.out_features)
         shares = min(torch.get_num_threads(), self.max_shares)
         scratch_bytes = self.lib.quasar_int8_scratch_bytes(rows, self.in_features)
-        scratch = torch.empty(shares, scratch_bytes, dtype=torch.uint8)
         args = (
             x.data_ptr(),
             rows,
@@ -149,10 +148,13 @@ class PackedInt8Linear:
         )
         if shares > 1:
             bounds = self.edges(shares).data_ptr()
-            if self.lib.quasar_int8_linear_shared(*args, bounds, shares, out.data_ptr(), scratch.data_ptr()) == 0:
+            codes = torch.empty(scratch_bytes, dtype=torch.uint8)  # the rows quantized once, read by every share
+            if self.lib.quasar_int8_linear_shared(*args, bounds, shares, out.data_ptr(), codes.data_ptr()) == 0:
                 return out
-        # no OpenMP runtime in the process: threads of our own (ctypes lets go of the GIL), the caller's taking the first
+        # no OpenMP runtime in the process: threads of our own (ctypes lets go of the GIL), the caller's taking the first,
+        # each quantizing the rows into a scratch of its own
         shares = min(shares, -(-rows // ROWS_PER_SHARE))
+        scratch = torch.empty(shares, scratch_bytes, dtype=torch.uint8)
         edges = self.edges(shares).tolist()
         run = self.lib.quasar_int8_linear
         pending = [

@@ -46,10 +46,9 @@ class DrainingServer(uvicorn.Server):
 
 
 def freeze_loaded_objects() -> None:
-    """Everything loaded so far (the model's modules and tensors, the tokenizer, the libraries: about a quarter million
-    objects with a 0.6B model) lives as long as the server: kept out of the cyclic collector's passes, each of which
-    walked it all (about 70 ms on the Intel Xeon kind), a stall of every running request. Garbage is collected first,
-    so none is kept."""
+    """Everything loaded so far (the model's modules and tensors, the tokenizer, the libraries: hundreds of thousands of
+    objects) lives as long as the server: kept out of the cyclic collector's passes, each of which walked it all, a
+    stall of every running request (docs/serving.md). Garbage is collected first, so none is kept."""
     gc.collect()
     gc.freeze()
 

@@ -76,7 +76,7 @@ def probes() -> dict:
         "layer_graph_attention": attention.description if attention else "ORT GroupQueryAttention",
         "layer_graph_attention_why": None if attention else cpu_attention.why_not(),
         "float32_ms": round(probe.float32_ms, 3),
-        "bfloat16_ms": round(probe.bfloat16_ms, 3),
+        "bfloat16_ms": None if probe.bfloat16_ms is None else round(probe.bfloat16_ms, 3),
         "bf16_invariant_rows": probe.bf16_invariant_rows,
         "bf16_rows": probe.rows_text,
         "float_dtype": dtype_name(default_float_dtype("cpu")),

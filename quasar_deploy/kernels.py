@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from . import probe_store
 from .errors import QuasarError
+from .files import first_line
 from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activation
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
@@ -244,12 +245,13 @@ class FloatProbe:
     """What running oneDNN's packed linear once in float32 and in bf16 showed (``float_probe``)."""
 
     float32_ms: float
-    bfloat16_ms: float
+    bfloat16_ms: float | None  # None: no bf16 linear here (``bf16_missing`` says why)
     bf16_invariant_rows: int  # the most rows one bf16 call takes with every row's bits those of the row alone
+    bf16_missing: str | None = None  # why this CPU has no bf16 linear of oneDNN's (torch's refusal), else None
 
     @property
     def bf16_speedup(self) -> float:
-        return self.float32_ms / self.bfloat16_ms if self.bfloat16_ms > 0 else 0.0
+        return self.float32_ms / self.bfloat16_ms if self.bfloat16_ms else 0.0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -257,11 +259,15 @@ class FloatProbe:
 
     @property
     def reason(self) -> str:
+        if self.bf16_missing:
+            return f"no bf16 linear here: {self.bf16_missing}"
         return f"bf16 {self.bf16_speedup:.1f}x float32 at a verify step's shape (bf16 needs {BF16_MIN_SPEEDUP}x)"
 
     @property
-    def rows_text(self) -> str:
-        """How bf16 calls keep every row's bits its own, for reports."""
+    def rows_text(self) -> str | None:
+        """How bf16 calls keep every row's bits its own, for reports (None where there is no bf16 linear)."""
+        if self.bf16_missing:
+            return None
         if self.bf16_invariant_rows >= BF16_ROW_COUNTS[-1]:
             return f"bf16 rows invariant up to {self.bf16_invariant_rows} per call, every count checked"
         return f"bf16 rows invariant up to {self.bf16_invariant_rows} per call here: larger calls are split"
@@ -284,11 +290,15 @@ def float_probe() -> FloatProbe:
     bf16 calls are split at the largest count that held (``float_linear``): verification stays lossless and a
     sequence's rows stay the same among other sequences'.
     """
-    if not onednn_available():
-        return FloatProbe(1.0, 0.0, 1)
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(4096, 1024, generator=generator), torch.randn(BF16_ROW_COUNTS[-1], 1024, generator=generator)
-    rows = _bf16_invariant_rows(_onednn_linear(weight.bfloat16(), None), x.bfloat16())
+    if not onednn_available():
+        return FloatProbe(_fastest_ms(lambda rows: F.linear(rows, weight), x[:6]), None, 0, "torch was built without oneDNN")
+    try:
+        bf16_linear = _onednn_linear(weight.bfloat16(), None)
+    except RuntimeError as refusal:  # oneDNN's bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2 CPU has neither
+        return FloatProbe(_fastest_ms(_onednn_linear(weight, None), x[:6]), None, 0, first_line(refusal))
+    rows = _bf16_invariant_rows(bf16_linear, x.bfloat16())
     times = {}
     for dtype, most in ((torch.float32, None), (torch.bfloat16, rows)):
         times[dtype] = _fastest_ms(_onednn_linear(weight.to(dtype), None, most), x[:6].to(dtype))
@@ -315,7 +325,18 @@ def default_float_dtype(device: str = "cpu", name: str | None = None) -> torch.d
         return float_probe().dtype if device == "cpu" else torch.bfloat16
     if name not in FLOAT_DTYPES:
         raise QuasarError(f"unknown float dtype {name!r}: choose from {', '.join(FLOAT_DTYPES)}")
+    if FLOAT_DTYPES[name] == torch.bfloat16 and device == "cpu" and onednn_available():
+        _bf16_rows_here()  # refused here, in one line, rather than when the first weight is packed
     return FLOAT_DTYPES[name]
+
+
+def _bf16_rows_here() -> int:
+    """The most rows one bf16 call takes here (``FloatProbe.bf16_invariant_rows``); a one-line error where oneDNN,
+    which packs every CPU float linear (row-invariant where torch's own kernels promise nothing), has no bf16 one."""
+    probe = float_probe()
+    if probe.bf16_missing:
+        raise QuasarError(f"bfloat16 cannot compute on this CPU ({probe.bf16_missing}): use float32")
+    return probe.bf16_invariant_rows
 
 
 def cpu_computes_bf16() -> bool:
@@ -346,7 +367,7 @@ def float_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -
     if kernel == "onednn":
         if not _onednn_packs(weight):
             return lambda x: F.linear(x, weight, bias)
-        most = float_probe().bf16_invariant_rows if weight.dtype == torch.bfloat16 else None
+        most = _bf16_rows_here() if weight.dtype == torch.bfloat16 else None
         return _onednn_linear(weight, bias, most)
     raise ValueError(f"unknown float kernel {kernel!r}; choose from {FLOAT_KERNELS}")
 

@@ -13,6 +13,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 
 # The calibration settings of the shared artifacts (conftest.py), and of the tests that calibrate a variant.
@@ -20,6 +21,15 @@ FAST_CALIBRATION = dict(num_samples=8, seq_len=64, progress=False)
 
 # Token ids for the ONNX tests (any ids below the tiny vocabulary of 4096 would do).
 ONNX_PROMPT = [1, 5, 9, 200, 33, 7, 8, 4000, 12]
+
+
+def skip_without_bf16() -> None:
+    """Skips a test of bf16 computing on a CPU whose oneDNN has no bf16 linear (AVX2 only, no AVX-512 BW/VL/DQ nor
+    AVX-NE-CONVERT): the product computes float32 there and refuses bf16 in one line (test_float_dtype.py)."""
+    from quasar_deploy.kernels import float_probe
+
+    if missing := float_probe().bf16_missing:
+        pytest.skip(f"no bf16 linear on this CPU: {missing}")
 
 
 def greedy(lm, prompt: list[int], n: int) -> list[int]:

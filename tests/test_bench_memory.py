@@ -19,6 +19,8 @@ from quasar_deploy.errors import QuasarError
 from quasar_deploy.kernels import default_float_kernel, default_int8_kernel
 from quasar_deploy.scheme import quantize_weight
 
+from .helpers import skip_without_bf16
+
 GB = 10**9
 
 
@@ -109,6 +111,7 @@ def test_verify_step_reports_its_run_against_the_bytes_ideal(small_shape):
 
 def test_verify_step_is_against_the_fastest_float_contender(small_shape):
     """float32 and bf16 both run; the ratio and the ideal bytes are the fastest one's, whichever it is on this CPU."""
+    skip_without_bf16()
     result = verify_step(small_shape, tokens=3, context=8, repeats=2, progress=False, float_dtypes=(torch.float32, torch.bfloat16))
     assert set(result.float_ms) == {"float32", "bfloat16"} and result.head_dtype == "bfloat16"
     assert result.best_float == min(result.float_ms, key=result.float_ms.get)
@@ -282,6 +285,7 @@ def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape,
     from quasar_deploy import kernels
     from quasar_deploy.bench import onnx as bench_onnx
 
+    skip_without_bf16()  # the probe says bf16 below, and the kernels then run it
     monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
     monkeypatch.setattr(kernels, "float_probe", lambda: kernels.FloatProbe(4.0, 1.5, 256))
     monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": int8_kernel)

@@ -16,6 +16,7 @@ from quasar_deploy.checkpoint import Checkpoint
 from quasar_deploy.memory import estimate
 from quasar_deploy.scheme import W8A8Scheme
 
+from .helpers import skip_without_bf16
 from .tiny import naive_w8a8_decoder, save_tiny
 
 SCRIPT = r"""
@@ -142,6 +143,8 @@ def test_the_table_is_read_in_place_and_its_pages_handed_back(tmp_path):
     head's packing) the process holds almost none of it, a lookup faults in the rows it reads, and the logits are those
     of a decoder holding the table in memory."""
     import torch
+
+    skip_without_bf16()
 
     from quasar_deploy import model
 

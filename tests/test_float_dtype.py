@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from quasar_deploy import kernels
+from quasar_deploy import doctor, kernels
 from quasar_deploy.backends.torch_backend import load_cpu
+from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.kernels import FloatProbe, default_float_dtype
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
 from quasar_deploy.speculative.loop import speculate
 from quasar_deploy.speculative.ngram import NgramDrafter
 
-from .helpers import greedy
+from .helpers import greedy, skip_without_bf16
 
 PROMPT = [7, 100, 7, 100, 7, 55, 9, 7, 100, 7]
 # bf16 keeps 8 significant bits: each rounding is within 2^-9 relative. Over the tiny models' 2 layers the logits of
@@ -66,6 +68,54 @@ def test_a_named_dtype_or_the_environment_overrides_the_probe(monkeypatch):
         default_float_dtype("cpu", "fp8")
 
 
+BF16_REFUSAL = "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+
+
+def refuse_bf16_packing(monkeypatch) -> None:
+    """oneDNN as torch gives it on a CPU without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: packing a bf16 weight raises."""
+    real = kernels._onednn_linear
+
+    def packing(weight, bias, most_rows=None):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(BF16_REFUSAL + "\n(torch's trace)")
+        return real(weight, bias, most_rows)
+
+    monkeypatch.setattr(kernels, "_onednn_linear", packing)
+
+
+def test_a_cpu_whose_onednn_refuses_bf16_computes_float32_and_says_why(monkeypatch):
+    """An AVX2-only CPU: torch refuses oneDNN's bf16 linear there. The probe must not fail with it (every float path
+    asks it); it times float32 alone and reports the refusal's first line."""
+    if not kernels.onednn_available():
+        pytest.skip("the refusal is oneDNN's; this torch has no oneDNN")
+    monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
+    refuse_bf16_packing(monkeypatch)
+    probe = kernels.float_probe()
+    assert probe.dtype == torch.float32 and default_float_dtype("cpu") == torch.float32
+    assert probe.float32_ms > 0 and probe.bfloat16_ms is None and probe.bf16_missing == BF16_REFUSAL
+    assert probe.reason == f"no bf16 linear here: {BF16_REFUSAL}" and probe.rows_text is None
+    assert default_float_dtype("cuda") == torch.bfloat16
+    assert default_float_dtype("cpu", "float32") == torch.float32
+    with pytest.raises(QuasarError, match=r"^bfloat16 cannot compute on this CPU \(mkldnn_reorder.*avx512dq\): use float32$"):
+        default_float_dtype("cpu", "bfloat16")
+    monkeypatch.setenv(kernels.FLOAT_DTYPE_ENV, "bfloat16")
+    with pytest.raises(QuasarError, match="^bfloat16 cannot compute on this CPU"):
+        default_float_dtype("cpu")
+
+
+def test_doctor_reports_a_cpu_without_bf16(monkeypatch):
+    probe = FloatProbe(0.5, None, 0, BF16_REFUSAL)
+    probe_says(monkeypatch, probe)
+    monkeypatch.setattr(doctor, "float_probe", lambda: probe)
+    found = doctor.probes()
+    assert found["float_dtype"] == "float32" and found["bfloat16_ms"] is None and found["bf16_rows"] is None
+    assert found["float_dtype_why"] == f"no bf16 linear here: {BF16_REFUSAL}"
+    result = CliRunner().invoke(main, ["doctor"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("float dtype"))
+    assert line.endswith(f"(float models wholly, W8A8 models' lm_head; no bf16 linear here: {BF16_REFUSAL})")
+
+
 def test_the_probe_finds_the_row_count_where_a_kernel_changes_its_rounding():
     """A kernel that rounds otherwise from 33 rows on (as oneDNN's bf16 one does on some CPUs) is found at 32; one that
     never does, at the largest count checked; one that differs at 2 rows, at 1 (every call then split to rows)."""
@@ -89,6 +139,7 @@ def test_the_probe_finds_the_row_count_where_a_kernel_changes_its_rounding():
 def test_a_bf16_linear_splits_its_calls_at_the_probes_row_count(monkeypatch, most_rows):
     if not kernels.onednn_available():
         pytest.skip("the split lives in oneDNN's packed linear; this torch has no oneDNN")
+    skip_without_bf16()
     probe_says(monkeypatch, FloatProbe(4.0, 1.5, most_rows))
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
@@ -105,6 +156,8 @@ def test_the_real_probe_measures_both_dtypes_and_bf16_rows_are_their_own_at_ever
     probe = kernels.float_probe()
     if not kernels.onednn_available():
         pytest.skip("no oneDNN in this torch: the product computes float32 with torch's kernel")
+    if probe.bf16_missing:
+        pytest.skip(f"oneDNN has no bf16 linear on this CPU ({probe.bf16_missing}): the product computes float32")
     assert probe.float32_ms > 0 and probe.bfloat16_ms > 0 and probe.bf16_invariant_rows >= 1
     assert probe.dtype in (torch.float32, torch.bfloat16)
     torch.manual_seed(0)
@@ -170,6 +223,7 @@ def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgem
 
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_qwen3_tied"])
 def test_a_bf16_float_model_stays_close_to_float32_and_holds_no_float32_weight(request, checkpoint):
+    skip_without_bf16()
     path = request.getfixturevalue(checkpoint)
     lm32, lm16 = load_cpu(path, float_dtype="float32"), load_cpu(path, float_dtype="bfloat16")
     assert lm16.description.startswith("cpu float, ") and "float dtype bfloat16" in lm16.description
@@ -181,6 +235,7 @@ def test_a_bf16_float_model_stays_close_to_float32_and_holds_no_float32_weight(r
 
 
 def test_a_w8a8_model_computes_its_head_in_bf16(tiny_artifact):
+    skip_without_bf16()
     lm32 = load_cpu(tiny_artifact, float_dtype="float32")
     lm16 = load_cpu(tiny_artifact, float_dtype="bfloat16")
     assert lm16.decoder.lm_head.dtype == torch.bfloat16 and lm16.decoder.dtype == torch.float32
@@ -191,6 +246,7 @@ def test_a_w8a8_model_computes_its_head_in_bf16(tiny_artifact):
 
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_artifact"])
 def test_bf16_speculative_output_is_the_verifiers_own_greedy_decode(request, checkpoint):
+    skip_without_bf16()
     lm = load_cpu(request.getfixturevalue(checkpoint), float_dtype="bfloat16")
     expected = greedy(lm, PROMPT, 24)
     for k in (1, 3, 6):
@@ -202,6 +258,7 @@ def test_a_head_in_another_dtype_converts_its_input():
     """A bf16 head inside a float32 decoder: input converted in, output handed back in the caller's dtype."""
     from quasar_deploy.model import Linear
 
+    skip_without_bf16()
     weight = torch.randn(64, 32)
     head = Linear(weight.bfloat16(), dtype=torch.bfloat16)
     head.prepare("onednn" if kernels.onednn_available() else "torch")

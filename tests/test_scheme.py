@@ -54,7 +54,7 @@ NEEDS_VNNI = "needs AVX-512 VNNI"
 EXACT_KERNELS = [
     pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")),
     pytest.param("fbgemm-vnni", marks=pytest.mark.skipif(not (fbgemm_available() and vnni_available()), reason="needs AVX-512 VNNI")),
-    pytest.param("onednn-vnni", marks=pytest.mark.skipif(not (onednn_int8_available() and vnni_available()), reason=NEEDS_VNNI)),
+    pytest.param("onednn-vnni", marks=pytest.mark.skipif(not (onednn_int8_available() and onednn_int8_exact()), reason=NEEDS_VNNI)),
     pytest.param("quasar-vnni", marks=pytest.mark.skipif(not quasar_int8_available(), reason="our VNNI kernel does not run here")),
 ]
 VNNI_KERNELS = EXACT_KERNELS[2:]

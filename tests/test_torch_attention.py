@@ -13,6 +13,7 @@ from quasar_deploy.backends.torch_backend import bind_cpu_attention, cpu_causal_
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.model import KEY_CHUNK
 
+from .helpers import skip_without_bf16
 from .tiny import save_tiny, save_tiny_qwen2_with_biases
 
 IDS = torch.randint(0, 4096, (2 * KEY_CHUNK + 40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -54,6 +55,8 @@ def test_its_logits_are_torch_attentions_within_float_rounding(tiny_qwen3, tmp_p
     """Prefill, a verify block and one-token decodes past a key chunk: the same logits as torch's attention (and torch's
     norms, rotary and SiLU gates) up to the rounding of float sums taken in another order (bf16: the float32 kernel's
     outputs rounded to bf16 once more). Qwen3 norms q and k in the kernel, Llama does not, Qwen2 adds q/k/v biases."""
+    if dtype == torch.bfloat16:
+        skip_without_bf16()
     model = {
         "qwen3": lambda: tiny_qwen3,
         "llama": lambda: save_tiny(tmp_path / "llama", "llama"),
@@ -95,6 +98,7 @@ def test_a_cache_grown_mid_sequence_keeps_what_it_held(tiny_qwen3):
 @needs_kernel
 def test_its_cache_is_counted_in_float32(tiny_qwen3):
     """The kernel caches float32 keys and values even for a bf16 decoder: memory budgets count four bytes each."""
+    skip_without_bf16()
     files = open_model_files(tiny_qwen3)
     kernel = cpu_causal_lm(files.decoder(torch.bfloat16))
     ops = cpu_causal_lm(files.decoder(torch.bfloat16), attention="torch")

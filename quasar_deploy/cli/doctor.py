@@ -34,10 +34,8 @@ def doctor(path, as_json, exact, exact_source):
     click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; {info['probes']['int8_kernel_why']})")
     click.echo(f"float kernel   {info['float_kernel']} (oneDNN {'available' if info['onednn'] else 'missing'})")
     probes = info["probes"]
-    click.echo(
-        f"float dtype    {probes['float_dtype']} (float models wholly, W8A8 models' lm_head; {probes['float_dtype_why']}; "
-        f"{probes['bf16_rows']})"
-    )
+    float_why = "; ".join(filter(None, ("float models wholly, W8A8 models' lm_head", probes["float_dtype_why"], probes["bf16_rows"])))
+    click.echo(f"float dtype    {probes['float_dtype']} ({float_why})")
     int8 = "32-bit sums" if probes["fbgemm_int8_sums_32bit"] else "16-bit saturating sums: split kernel"
     ort = probes["onnxruntime_int8_options"]
     ort_text = "not installed" if ort is None else ", ".join(ort) or "exact without options"

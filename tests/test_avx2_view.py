@@ -1,0 +1,49 @@
+"""tools/avx2_view.sh, which CI runs the suite under: it must still cap what it says it caps with the torch installed.
+Were a torch to ignore oneDNN's cap, the second pass would silently test this CPU's branches again."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "avx2_view.sh"
+
+REPORT = """
+import json, torch
+from quasar_deploy import kernels
+from quasar_deploy.backends import cpu_attention, cpu_int8
+codes = torch.full((2, 64), 127, dtype=torch.int8)
+attention = cpu_attention.load()
+print(json.dumps({
+    "bf16_missing": kernels.float_probe().bf16_missing,
+    "float_dtype": str(kernels.default_float_dtype("cpu")),
+    "int_mm_exact": torch.equal(torch._int_mm(codes, codes.t().contiguous()).long(), codes.long() @ codes.t().long()),
+    "attention_width": attention.width if attention else None,
+    "int8_why_not": cpu_int8.why_not(),
+}))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the view caps x86 instruction sets")
+def test_the_view_runs_the_code_as_an_avx2_cpu_would(monkeypatch):
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: the kernels' builds are not tried at all")
+    monkeypatch.delenv("QUASAR_FLOAT_DTYPE", raising=False)  # the suite pins float32; the probe's choice is asked here
+    result = subprocess.run(["bash", str(TOOL), sys.executable, "-c", REPORT], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["bf16_missing"] and "bf16" in seen["bf16_missing"] and seen["float_dtype"] == "torch.float32"
+    assert not seen["int_mm_exact"]  # oneDNN's AVX2 int8 sums product pairs in saturating 16 bits
+    assert seen["attention_width"] == 8  # the AVX-512 build faults in its self-check, the AVX2 one runs
+    assert "failed its self-check (exit -4)" in seen["int8_why_not"] and "avx512" in seen["int8_why_not"]
+
+
+def test_the_view_refuses_to_run_nothing():
+    result = subprocess.run(["bash", str(TOOL)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip() == "usage: tools/avx2_view.sh COMMAND [ARGS...]"

@@ -15,12 +15,14 @@
  * thread computed which columns.
  *
  * Weights are packed once: [n / 64][k / 4][64][4], zero-padded to whole blocks, so one 64-byte load holds 4 values of
- * k for 16 output columns, and a block of 64 columns is one contiguous run.
+ * k for 16 output columns, and a block of 64 columns is one contiguous run (the AMX build reorders within a block).
  *
  * Built with -DQUASAR_AMX (and the AMX flags), a call of more than one row goes through AMX tiles instead, in groups
  * of 16 rows (the last padded with zero codes), where k is whole 64-byte tile rows: a tile of 16 groups of k x 16
- * columns is 16 rows of that same layout, 256 bytes apart, so the packing is the same, and TDPBUSD sums u8 x s8
- * products exactly into int32 as VPDPBUSD does: the same bits. The tiles stream weights from memory faster than the
+ * columns. There each 4 kB of a block (16 groups) holds its four column tiles whole, one kilobyte after another
+ * (tiled_layout), which the tiles load faster than 16 rows 256 bytes apart; the vector loop, which a single row still
+ * takes, reads its four vectors of a group a kilobyte apart. TDPBUSD sums u8 x s8 products exactly into int32 as
+ * VPDPBUSD does: the same bits. The tiles stream weights from memory faster than the
  * vector loop at a verify step's 6 rows, and do a 48-row batched serving step's arithmetic several times faster.
  * With more rows (a prompt's) the tile loads, not the products, bound a call: the weights are taken in panels that
  * stay in L2 while every group of rows passes over them, and two groups at a time share each load of weights.
@@ -49,6 +51,8 @@
 #define AMX_DEPTH 64 /* bytes of k per tile row: 16 groups of 4 */
 #define PANEL_BYTES (256 << 10) /* packed weights per panel of blocks (tiles_linear): a share of L2 */
 #define PAIRED_ROWS 48            /* rows past which tiles_linear pairs row tiles over panels */
+#define TILE_ROW 64               /* bytes per tile row of weights: one group of k for 16 columns */
+#define TILE_BYTES (AMX_ROWS * TILE_ROW) /* one tile of weights, stored whole (tiled_layout) */
 
 /* Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process: 0 when granted. */
 int quasar_int8_enable_amx(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 1; }
@@ -71,15 +75,15 @@ static void block_tiles(const uint8_t *codes, size_t k4, const int8_t *block, in
     _tile_zero(2);
     _tile_zero(3);
     for (size_t j = 0; j < k4; j += AMX_DEPTH) {
-        const int8_t *w = block + j * BLOCK; /* group j / 4 of the block */
+        const int8_t *w = block + j * BLOCK; /* the 16 groups from j / 4 of the block: four tiles, one after another */
         _tile_loadd(4, codes + j, k4);
-        _tile_loadd(5, w, BLOCK * GROUP);
+        _tile_loadd(5, w, TILE_ROW);
         _tile_dpbusd(0, 4, 5);
-        _tile_loadd(6, w + 64, BLOCK * GROUP);
+        _tile_loadd(6, w + TILE_BYTES, TILE_ROW);
         _tile_dpbusd(1, 4, 6);
-        _tile_loadd(5, w + 128, BLOCK * GROUP);
+        _tile_loadd(5, w + 2 * TILE_BYTES, TILE_ROW);
         _tile_dpbusd(2, 4, 5);
-        _tile_loadd(6, w + 192, BLOCK * GROUP);
+        _tile_loadd(6, w + 3 * TILE_BYTES, TILE_ROW);
         _tile_dpbusd(3, 4, 6);
     }
     _tile_stored(0, acc[0], BLOCK * sizeof(int32_t));
@@ -98,9 +102,9 @@ static void pair_tiles(const uint8_t *codes, size_t k4, const int8_t *half, int3
     for (size_t j = 0; j < k4; j += AMX_DEPTH) {
         const int8_t *w = half + j * BLOCK;
         _tile_loadd(4, codes + j, k4);
-        _tile_loadd(6, w, BLOCK * GROUP);
+        _tile_loadd(6, w, TILE_ROW);
         _tile_dpbusd(0, 4, 6);
-        _tile_loadd(7, w + 64, BLOCK * GROUP);
+        _tile_loadd(7, w + TILE_BYTES, TILE_ROW);
         _tile_dpbusd(1, 4, 7);
         _tile_loadd(5, codes + AMX_ROWS * k4 + j, k4);
         _tile_dpbusd(2, 5, 6);
@@ -119,6 +123,18 @@ static size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
  * prebuilt from another version's source ($QUASAR_KERNELS) is refused rather than called wrongly. */
 int quasar_int8_interface(void) { return 2; }
 
+/* Whether a linear of k4 bytes of k keeps its blocks in the tiles' layout: the AMX build, where k is whole tile rows
+ * (use_tiles). Each 4 kB of a block (16 groups of k) then holds its four column tiles one after another, 1 kB each,
+ * where the vector layout interleaves them 64 bytes at a time: a tile loads from one contiguous kilobyte. */
+static int tiled_layout(size_t k4) {
+#ifdef QUASAR_AMX
+    return k4 % AMX_DEPTH == 0;
+#else
+    (void)k4;
+    return 0;
+#endif
+}
+
 size_t quasar_int8_packed_bytes(int n, int k) { return round_up((size_t)n, BLOCK) * round_up((size_t)k, GROUP); }
 
 /* w [n][k] int8 -> packed (quasar_int8_packed_bytes(n, k) bytes) and row sums wsum [n]. Written in order, 4 bytes
@@ -133,6 +149,14 @@ void quasar_int8_pack(const int8_t *w, int n, int k, int8_t *packed, int32_t *ws
             for (int c = 0; c < rows; c++) memcpy(out + c * GROUP, w + (size_t)(first + c) * k + j, GROUP);
         for (int c = 0; c < rows; c++)
             for (size_t j = whole; j < (size_t)k; j++) out[c * GROUP + j - whole] = w[(size_t)(first + c) * k + j];
+    }
+    if (tiled_layout(k4)) {
+        int8_t chunk[4 * 1024]; /* 16 groups x 64 columns x 4 bytes */
+        for (int8_t *at = packed, *end = packed + round_up((size_t)n, BLOCK) * k4; at < end; at += sizeof chunk) {
+            memcpy(chunk, at, sizeof chunk);
+            for (int group = 0; group < 16; group++)
+                for (int tile = 0; tile < 4; tile++) memcpy(at + tile * 1024 + group * 64, chunk + group * 256 + tile * 64, 64);
+        }
     }
     for (int c = 0; c < n; c++) {
         int32_t sum = 0;
@@ -200,10 +224,13 @@ INLINE void block_rows(const int R, const uint8_t *codes, size_t k4, const int8_
     __m512i sum[ROWS][4];
     for (int i = 0; i < R; i++)
         for (int v = 0; v < 4; v++) sum[i][v] = _mm512_setzero_si512();
+    const int tiled = tiled_layout(k4);
+    const size_t vector = tiled ? 1024 : 64; /* bytes from one 16-column vector of a group to the next */
     const int8_t *w = block;
-    for (size_t g = 0; g < k4; g += GROUP, w += BLOCK * GROUP) {
-        __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
-        __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
+    for (size_t g = 0; g < k4; g += GROUP, w += tiled ? 64 : BLOCK * GROUP) {
+        if (tiled && g && g % 64 == 0) w += 3 * 1024; /* past the other three tiles of the 16 groups just read */
+        __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + vector);
+        __m512i w2 = _mm512_loadu_si512(w + 2 * vector), w3 = _mm512_loadu_si512(w + 3 * vector);
         for (int i = 0; i < R; i++) {
             int32_t four;
             memcpy(&four, codes + (size_t)i * k4 + g, sizeof four);
@@ -259,7 +286,7 @@ static void tiles_linear(const uint8_t *codes, const float *scales, int m, size_
                     continue;
                 }
                 pair_tiles(c, k4, block, acc, 0);
-                pair_tiles(c, k4, block + 2 * AMX_ROWS * GROUP, acc, 2 * AMX_ROWS);
+                pair_tiles(c, k4, block + 2 * TILE_BYTES, acc, 2 * AMX_ROWS);
                 int second = m - r - AMX_ROWS < AMX_ROWS ? m - r - AMX_ROWS : AMX_ROWS;
                 finish(AMX_ROWS, acc, scales + r, wsum, w_scale, bias, b * BLOCK, n, y);
                 finish(second, acc + AMX_ROWS, scales + r + AMX_ROWS, wsum, w_scale, bias, b * BLOCK, n, y + (size_t)AMX_ROWS * n);

@@ -43,16 +43,16 @@
  * rows of the narrower linears) a second parallel region costs about what halving the division saves */
 #define SHARED_QUANTIZE_VALUES (1 << 17)
 #define INLINE static inline __attribute__((always_inline))
+#define AMX_DEPTH 64  /* bytes of k per tile row of codes: 16 groups of 4 */
+#define TILE_ROW 64   /* bytes of one group of k for 16 columns: a tile row of weights, one vector */
+#define TILE_BYTES (16 * TILE_ROW) /* a tile of weights: 16 groups x 16 columns, stored whole where tiled_layout */
 
 #ifdef QUASAR_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX_ROWS 16  /* rows of codes per tile; a call's last group is padded with zero codes */
-#define AMX_DEPTH 64 /* bytes of k per tile row: 16 groups of 4 */
 #define PANEL_BYTES (256 << 10) /* packed weights per panel of blocks (tiles_linear): a share of L2 */
 #define PAIRED_ROWS 48            /* rows past which tiles_linear pairs row tiles over panels */
-#define TILE_ROW 64               /* bytes per tile row of weights: one group of k for 16 columns */
-#define TILE_BYTES (AMX_ROWS * TILE_ROW) /* one tile of weights, stored whole (tiled_layout) */
 
 /* Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process: 0 when granted. */
 int quasar_int8_enable_amx(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 1; }
@@ -151,11 +151,12 @@ void quasar_int8_pack(const int8_t *w, int n, int k, int8_t *packed, int32_t *ws
             for (size_t j = whole; j < (size_t)k; j++) out[c * GROUP + j - whole] = w[(size_t)(first + c) * k + j];
     }
     if (tiled_layout(k4)) {
-        int8_t chunk[4 * 1024]; /* 16 groups x 64 columns x 4 bytes */
+        int8_t chunk[4 * TILE_BYTES]; /* 16 groups of a block, 64 columns: its four column tiles */
         for (int8_t *at = packed, *end = packed + round_up((size_t)n, BLOCK) * k4; at < end; at += sizeof chunk) {
             memcpy(chunk, at, sizeof chunk);
             for (int group = 0; group < 16; group++)
-                for (int tile = 0; tile < 4; tile++) memcpy(at + tile * 1024 + group * 64, chunk + group * 256 + tile * 64, 64);
+                for (int tile = 0; tile < 4; tile++)
+                    memcpy(at + tile * TILE_BYTES + group * TILE_ROW, chunk + group * BLOCK * GROUP + tile * TILE_ROW, TILE_ROW);
         }
     }
     for (int c = 0; c < n; c++) {
@@ -225,10 +226,10 @@ INLINE void block_rows(const int R, const uint8_t *codes, size_t k4, const int8_
     for (int i = 0; i < R; i++)
         for (int v = 0; v < 4; v++) sum[i][v] = _mm512_setzero_si512();
     const int tiled = tiled_layout(k4);
-    const size_t vector = tiled ? 1024 : 64; /* bytes from one 16-column vector of a group to the next */
+    const size_t vector = tiled ? TILE_BYTES : TILE_ROW; /* bytes from one 16-column vector of a group to the next */
     const int8_t *w = block;
-    for (size_t g = 0; g < k4; g += GROUP, w += tiled ? 64 : BLOCK * GROUP) {
-        if (tiled && g && g % 64 == 0) w += 3 * 1024; /* past the other three tiles of the 16 groups just read */
+    for (size_t g = 0; g < k4; g += GROUP, w += tiled ? TILE_ROW : BLOCK * GROUP) {
+        if (tiled && g && g % AMX_DEPTH == 0) w += 3 * TILE_BYTES; /* past the other three tiles of the groups just read */
         __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + vector);
         __m512i w2 = _mm512_loadu_si512(w + 2 * vector), w3 = _mm512_loadu_si512(w + 3 * vector);
         for (int i = 0; i < R; i++) {

@@ -24,6 +24,8 @@ print(json.dumps({
     "bf16_missing": kernels.float_probe().bf16_missing,
     "float_dtype": str(kernels.default_float_dtype("cpu")),
     "int_mm_exact": torch.equal(torch._int_mm(codes, codes.t().contiguous()).long(), codes.long() @ codes.t().long()),
+    "fbgemm_sums_32bit": kernels.vnni_available(),
+    "int8_kernel": kernels.default_int8_kernel("cpu"),
     "attention_width": attention.width if attention else None,
     "int8_why_not": cpu_int8.why_not(),
 }))
@@ -40,6 +42,7 @@ def test_the_view_runs_the_code_as_an_avx2_cpu_would(monkeypatch):
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["bf16_missing"] and "bf16" in seen["bf16_missing"] and seen["float_dtype"] == "torch.float32"
     assert not seen["int_mm_exact"]  # oneDNN's AVX2 int8 sums product pairs in saturating 16 bits
+    assert not seen["fbgemm_sums_32bit"] and seen["int8_kernel"] == "fbgemm"  # so do FBGEMM's: its split kernel runs
     assert seen["attention_width"] == 8  # the AVX-512 build faults in its self-check, the AVX2 one runs
     assert "failed its self-check (exit -4)" in seen["int8_why_not"] and "avx512" in seen["int8_why_not"]
 

@@ -6,12 +6,13 @@
 #   tools/avx2_view.sh python -m pytest        # the suite
 #   tools/avx2_view.sh quasar-deploy doctor    # what the probes choose there
 #
-# - oneDNN (torch's float and int8 linears) and ATen's vector kernels are capped to AVX2 by their own variables.
+# - oneDNN (torch's float and int8 linears), FBGEMM (torch's dynamic int8 linear) and ATen's vector kernels are capped
+#   to AVX2 by their own variables.
 # - Our C kernels: a build for AVX-512 or AMX becomes a library whose self-check dies of SIGILL, as on a CPU without
 #   those instructions; the AVX2 builds are compiled as usual.
 # - Kernels are built and probes kept in a cache of the view's own ($QUASAR_CACHE, default under the view's directory
 #   $QUASAR_AVX2_VIEW, /tmp/quasar-avx2-view), so the machine's own cache is not mixed with the view's.
-# Not capped (no variable exists): FBGEMM's and ONNX Runtime's int8 kernels keep this CPU's instruction sets.
+# Not capped (no variable exists): ONNX Runtime's kernels (MLAS) keep this CPU's instruction sets.
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: tools/avx2_view.sh COMMAND [ARGS...]" >&2; exit 2; }
 view=${QUASAR_AVX2_VIEW:-/tmp/quasar-avx2-view}  # fixed: a kernel's build is cached by its compiler's path
@@ -40,6 +41,6 @@ exec $real_cc "\$@"
 EOF
 chmod +x "$view/cc.$$"
 mv -f "$view/cc.$$" "$view/cc"  # whole, for a build of another process running the view
-export CC="$view/cc" ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+export CC="$view/cc" ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
 export QUASAR_CACHE=${QUASAR_CACHE:-$view/cache}
 "$@"

@@ -135,29 +135,35 @@ static int tiled_layout(size_t k4) {
 #endif
 }
 
+/* Where the 4 bytes of group g (of k / 4) for column c lie in a packed block: c x 4 within the group's 256 bytes, or
+ * with tiled_layout, in column tile c / 16 of the 4 kB holding groups g / 16 x 16 onwards. A group's part plus a
+ * column's part (packed_offset(g, 0) + packed_offset(0, c)), so loops take each once. */
+INLINE size_t packed_offset(size_t g, int c, int tiled) {
+    if (!tiled) return g * BLOCK * GROUP + (size_t)c * GROUP;
+    return g / 16 * 4 * TILE_BYTES + (size_t)(c / 16) * TILE_BYTES + g % 16 * TILE_ROW + (size_t)(c % 16) * GROUP;
+}
+
 size_t quasar_int8_packed_bytes(int n, int k) { return round_up((size_t)n, BLOCK) * round_up((size_t)k, GROUP); }
 
-/* w [n][k] int8 -> packed (quasar_int8_packed_bytes(n, k) bytes) and row sums wsum [n]. Written in order, 4 bytes
- * at a time, from 64 rows read side by side: an 8B model's 7 GB pack in seconds. */
+/* w [n][k] int8 -> packed (quasar_int8_packed_bytes(n, k) bytes) and row sums wsum [n]. Written 4 bytes at a time in
+ * order (in the tiled layout, in order within each 4 kB), from 64 rows read side by side: an 8B model's 7 GB pack in
+ * seconds. */
 void quasar_int8_pack(const int8_t *w, int n, int k, int8_t *packed, int32_t *wsum) {
     size_t k4 = round_up((size_t)k, GROUP), whole = (size_t)k / GROUP * GROUP;
+    int tiled = tiled_layout(k4);
+    size_t column[BLOCK];
+    for (int c = 0; c < BLOCK; c++) column[c] = packed_offset(0, c, tiled);
     memset(packed, 0, round_up((size_t)n, BLOCK) * k4);
     for (int first = 0; first < n; first += BLOCK) {
         int rows = n - first < BLOCK ? n - first : BLOCK;
-        int8_t *out = packed + (size_t)first * k4;
-        for (size_t j = 0; j < whole; j += GROUP, out += BLOCK * GROUP)
-            for (int c = 0; c < rows; c++) memcpy(out + c * GROUP, w + (size_t)(first + c) * k + j, GROUP);
-        for (int c = 0; c < rows; c++)
-            for (size_t j = whole; j < (size_t)k; j++) out[c * GROUP + j - whole] = w[(size_t)(first + c) * k + j];
-    }
-    if (tiled_layout(k4)) {
-        int8_t chunk[4 * TILE_BYTES]; /* 16 groups of a block, 64 columns: its four column tiles */
-        for (int8_t *at = packed, *end = packed + round_up((size_t)n, BLOCK) * k4; at < end; at += sizeof chunk) {
-            memcpy(chunk, at, sizeof chunk);
-            for (int group = 0; group < 16; group++)
-                for (int tile = 0; tile < 4; tile++)
-                    memcpy(at + tile * TILE_BYTES + group * TILE_ROW, chunk + group * BLOCK * GROUP + tile * TILE_ROW, TILE_ROW);
+        int8_t *block = packed + (size_t)first * k4;
+        for (size_t j = 0; j < whole; j += GROUP) {
+            int8_t *group = block + packed_offset(j / GROUP, 0, tiled);
+            for (int c = 0; c < rows; c++) memcpy(group + column[c], w + (size_t)(first + c) * k + j, GROUP);
         }
+        int8_t *last = block + packed_offset(whole / GROUP, 0, tiled); /* k's last values, past its whole groups */
+        for (int c = 0; c < rows; c++)
+            for (size_t j = whole; j < (size_t)k; j++) last[column[c] + j - whole] = w[(size_t)(first + c) * k + j];
     }
     for (int c = 0; c < n; c++) {
         int32_t sum = 0;
@@ -226,10 +232,9 @@ INLINE void block_rows(const int R, const uint8_t *codes, size_t k4, const int8_
     for (int i = 0; i < R; i++)
         for (int v = 0; v < 4; v++) sum[i][v] = _mm512_setzero_si512();
     const int tiled = tiled_layout(k4);
-    const size_t vector = tiled ? TILE_BYTES : TILE_ROW; /* bytes from one 16-column vector of a group to the next */
-    const int8_t *w = block;
-    for (size_t g = 0; g < k4; g += GROUP, w += tiled ? TILE_ROW : BLOCK * GROUP) {
-        if (tiled && g && g % AMX_DEPTH == 0) w += 3 * TILE_BYTES; /* past the other three tiles of the groups just read */
+    const size_t vector = packed_offset(0, 16, tiled); /* bytes from one 16-column vector of a group to the next */
+    for (size_t g = 0; g < k4; g += GROUP) {
+        const int8_t *w = block + packed_offset(g / GROUP, 0, tiled);
         __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + vector);
         __m512i w2 = _mm512_loadu_si512(w + 2 * vector), w3 = _mm512_loadu_si512(w + 3 * vector);
         for (int i = 0; i < R; i++) {

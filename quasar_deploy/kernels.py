@@ -30,14 +30,16 @@ accumulation; they differ only in speed and in where they run):
   without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only where running it
   once shows exact sums (``onednn_int8_exact``).
   No pinning rows and no float64 recovery. Tested bit-identical to the reference.
-- ``quasar-vnni``: our own AVX-512 VNNI kernel (``backends/cpu_int8.c``; on AMX tiles where they run), built with the
-  system's C compiler and offered where its self-check runs (``cpu_int8.why_not``). It streams weights packed for it, so a verify step's
-  linears read int8 weights at close to the memory's rate, which the library kernels do not; it quantizes, sums and
-  scales in C, bit for bit as the reference does. Tested bit-identical to the reference.
+- ``quasar``: our own kernel (``backends/cpu_int8.c``), built with the system's C compiler for AMX tiles, AVX-512
+  VNNI, AVX-VNNI or AVX2, the widest build whose self-check runs (``cpu_int8.build``; ``cpu_int8.why_not`` where
+  none does). It streams weights packed for it, so a verify step's linears read int8 weights at close to the memory's
+  rate, which the library kernels do not; it quantizes, sums (exactly in 32 bits on every build, AVX2's included)
+  and scales in C, bit for bit as the reference does. Tested bit-identical to the reference on every build.
 - ``cuda`` / ``npu`` kernels live with their backends.
 
-Where several 32-bit kernels are exact, the default is the one a timing on a verify step's shape finds fastest
-(``int8_probe``): all compute the same bits, so the choice moves speed, never an output.
+Where several kernels are exact, the default is the one a timing on a verify step's shape finds fastest
+(``int8_probe``; FBGEMM's split kernel is timed only where its 32-bit one is not exact): all compute the same bits, so
+the choice moves speed, never an output.
 
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
 once for oneDNN, measured faster than MKL at small M on AMD parts). Only ``onednn`` is
@@ -65,7 +67,7 @@ from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activatio
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 ZERO_POINT = 128  # int8 codes shifted to uint8 for oneDNN's u8 x s8 kernel
-INT8_KERNELS = ("reference", "fbgemm", "fbgemm-vnni", "onednn-vnni", "quasar-vnni")
+INT8_KERNELS = ("reference", "fbgemm", "fbgemm-vnni", "onednn-vnni", "quasar")
 FLOAT_KERNELS = ("torch", "onednn")
 
 
@@ -125,23 +127,23 @@ PROBE_ROWS = (6, 48)  # a verify block, and a batched serving step of 8 sequence
 
 @dataclass(frozen=True)
 class Int8Probe:
-    """What timing the exact 32-bit int8 kernels once showed (``int8_probe``): ms of one call at each of ``PROBE_ROWS``,
-    summed, per kernel that sums exactly here."""
+    """What timing the exact int8 kernels once showed (``int8_probe``): ms of one call at each of ``PROBE_ROWS``,
+    summed, per kernel timed here (``int8_kernels_to_time``)."""
 
     ms: dict[str, float]
     timed: str | None = None  # when it was timed (UTC), here or by an earlier process (``probe_store``); None: not timed
 
     @property
     def kernel(self) -> str:
-        """The faster 32-bit kernel; with none here (AVX2 without VNNI), FBGEMM's split kernel."""
-        return min(self.ms, key=self.ms.__getitem__) if self.ms else "fbgemm"
+        """The fastest exact kernel; with none here, the reference."""
+        return min(self.ms, key=self.ms.__getitem__) if self.ms else "reference"
 
     @property
     def reason(self) -> str:
         if not self.ms:
-            return "no 32-bit int8 kernel here: FBGEMM's split kernel"
+            return "no exact int8 kernel but the reference here (no FBGEMM, and no build of ours runs)"
         if len(self.ms) == 1:
-            return "the only exact 32-bit int8 kernel here"
+            return "the only exact int8 kernel here"
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
         when = f"; timed {self.timed}, kept: {probe_store.REPROBE_ENV}=1 times again" if self.timed else ""
         return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times}{when})"
@@ -153,15 +155,14 @@ PROBE_COPIES = 6  # packed copies of it timed in turn: 48 MB, more than a server
 
 @functools.cache
 def int8_probe() -> Int8Probe:
-    """Times ``fbgemm-vnni``, ``onednn-vnni`` and ``quasar-vnni`` (those that sum exactly here) once per machine, each on
+    """Times the exact int8 kernels here (``int8_kernels_to_time``) once per machine, each on
     ``PROBE_COPIES`` packed copies of one linear of a verify step's shape in turn (more than a last-level cache holds,
     so the weights come from memory, as in a model's step; one cached weight times the arithmetic instead), the
     kernels interleaved run by run so that drift hits all alike. All compute the same bits (exact), so the kernel
     changes speed only, never an output; which is fastest depends on the CPU and the row count, so it is timed. The
     timing is kept (``probe_store``) and later processes on this machine reuse it: ``auto``'s backend follows the pick,
     and a near tie must not send one process to another backend than the next."""
-    kernels = [name for name, exact in (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact())) if exact]
-    kernels += ["quasar-vnni"] if quasar_int8_available() else []
+    kernels = int8_kernels_to_time()
     if len(kernels) < 2:
         return Int8Probe({name: 0.0 for name in kernels})
     key = _int8_probe_key(kernels)
@@ -170,6 +171,19 @@ def int8_probe() -> Int8Probe:
         return Int8Probe({name: float(kept[0][name]) for name in kernels}, kept[1])
     ms = _time_int8_kernels(kernels)
     return Int8Probe(ms, probe_store.keep(key, ms))
+
+
+def int8_kernels_to_time() -> list[str]:
+    """The int8 kernels ``int8_probe`` times here: ``fbgemm-vnni`` and ``onednn-vnni`` where they sum in 32 bits, our
+    ``quasar`` where a build of it runs, and FBGEMM's split kernel where its own does not sum in 32 bits (an AVX2 CPU:
+    exact there at twice the rows, and so possibly still faster than our AVX2 build)."""
+    offered = (
+        ("fbgemm-vnni", vnni_available()),
+        ("onednn-vnni", onednn_int8_exact()),
+        ("quasar", quasar_int8_available()),
+        ("fbgemm", fbgemm_available() and not vnni_available()),
+    )
+    return [name for name, here in offered if here]
 
 
 def _int8_probe_key(kernels: list[str]) -> dict:
@@ -224,11 +238,8 @@ def _fastest_ms(linear: LinearFn, rows: torch.Tensor, runs: int = 5) -> float:
 
 
 def default_int8_kernel(device: str = "cpu") -> str:
-    """The fastest exact int8 kernel here: of the 32-bit ones, the one ``int8_probe`` timed faster; on AVX2 without
-    VNNI, ``fbgemm`` (split); ``reference`` off the CPU or without FBGEMM."""
-    if device != "cpu" or not fbgemm_available():
-        return "reference"
-    return int8_probe().kernel
+    """The fastest exact int8 kernel here (``int8_probe``); ``reference`` off the CPU."""
+    return int8_probe().kernel if device == "cpu" else "reference"
 
 
 def default_float_kernel(device: str = "cpu") -> str:
@@ -492,11 +503,20 @@ def int8_linear(
         return _reference(wq, w_scale, bias, input_scale)
     if kernel == "onednn-vnni":
         return _onednn_int8(wq, w_scale, bias, input_scale)
-    if kernel == "quasar-vnni":
+    if kernel == "quasar":
         from .backends.cpu_int8 import PackedInt8Linear
 
         return PackedInt8Linear(wq, w_scale, bias, input_scale)
     return _fbgemm(wq, w_scale, bias, input_scale, split=kernel == "fbgemm")
+
+
+def int8_kernel_label(kernel: str) -> str:
+    """``kernel`` as reports name it: ours with the build that runs here (``quasar-avx2``), where builds time apart."""
+    if kernel != "quasar" or not quasar_int8_available():
+        return kernel
+    from .backends import cpu_int8
+
+    return f"quasar-{cpu_int8.build().removeprefix('cpu_int8-')}"
 
 
 def check_int8_kernel(kernel: str) -> None:
@@ -509,10 +529,10 @@ def check_int8_kernel(kernel: str) -> None:
         raise QuasarError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
     if kernel == "onednn-vnni" and not onednn_int8_exact():
         raise QuasarError("the onednn-vnni kernel needs a CPU where oneDNN's int8 linear sums in 32 bits (AVX-512 VNNI)")
-    if kernel == "quasar-vnni" and not quasar_int8_available():
+    if kernel == "quasar" and not quasar_int8_available():
         from .backends import cpu_int8
 
-        raise QuasarError(f"the quasar-vnni kernel does not run here: {cpu_int8.why_not()}")
+        raise QuasarError(f"the quasar kernel does not run here: {cpu_int8.why_not()}")
 
 
 __all__ = [
@@ -525,6 +545,7 @@ __all__ = [
     "default_float_dtype",
     "dtype_name",
     "float_probe",
+    "int8_kernel_label",
     "int8_probe",
     "onednn_int8_exact",
     "quasar_int8_available",

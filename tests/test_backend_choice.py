@@ -118,13 +118,13 @@ def test_needs_and_options_choose_a_backend_that_provides_them(tiny_artifact, ti
 
 
 def test_our_int8_kernel_keeps_artifacts_on_the_cpu_backend(tiny_artifact, tiny_qwen3, monkeypatch):
-    """Where the probe picks ``quasar-vnni`` the cpu backend runs W8A8 steps faster than ONNX Runtime's graphs (alone and
+    """Where the probe picks ``quasar`` the cpu backend runs W8A8 steps faster than ONNX Runtime's graphs (alone and
     batched: docs/architecture.md), so auto keeps artifacts there, for generation and serving; float checkpoints are
     not its business."""
     from quasar_deploy import kernels
     from quasar_deploy.cli.serve import SERVER_NEEDS
 
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "quasar-vnni")
+    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "quasar")
     assert registry.auto_backend(tiny_artifact.path) == "cpu"
     assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "cpu"
     assert registry.auto_backend(tiny_qwen3) == "onnxruntime"  # float32 here (the suite's float dtype): ORT's float graph
@@ -143,7 +143,7 @@ def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, m
     assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
 
 
-@pytest.mark.parametrize(("int8_kernel", "artifacts"), [("quasar-vnni", "cpu"), ("onednn-vnni", "onnxruntime")])
+@pytest.mark.parametrize(("int8_kernel", "artifacts"), [("quasar", "cpu"), ("onednn-vnni", "onnxruntime")])
 def test_doctor_names_what_auto_gives_each_kind_of_model(int8_kernel, artifacts, monkeypatch):
     from click.testing import CliRunner
 

@@ -277,7 +277,7 @@ def test_the_step_estimate_lets_a_streamed_1_7b_run_fit_24_gb_and_refuses_what_c
         memory.check_fits(needed, "bench onnx step --synthetic qwen3-8b", available=24 * GB)
 
 
-@pytest.mark.parametrize(("int8_kernel", "auto"), [("onednn-vnni", "ORT W8A8 + bf16 head (auto)"), ("quasar-vnni", "torch W8A8 ")])
+@pytest.mark.parametrize(("int8_kernel", "auto"), [("onednn-vnni", "ORT W8A8 + bf16 head (auto)"), ("quasar", "torch W8A8 ")])
 def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape, monkeypatch, int8_kernel, auto):
     """On a bf16 CPU (monkeypatched probe): torch's float decoder in bf16, and ORT's graph with its head in bf16 beside
     it; the ideal ratio is against bf16. "(auto)" marks the W8A8 contender auto runs, as the int8 probe decides."""

@@ -1,9 +1,12 @@
-"""Our int8 kernel (``backends/cpu_int8.c``, AVX-512 VNNI, and AMX tiles where they run): bit for bit the scheme's
-reference linear at any shape, a row alone or in company and however the columns are shared between threads, on every
-build that runs here; and offered only where its self-check runs, the tiles' build first."""
+"""Our int8 kernel (``backends/cpu_int8.c``: AMX tiles, AVX-512 VNNI, AVX-VNNI and AVX2 builds): bit for bit the
+scheme's reference linear at any shape, a row alone or in company and however the columns are shared between threads,
+on every build that runs here (the AVX2 build on every x86 CPU); and offered only where its self-check runs, the widest
+build first."""
 
 from __future__ import annotations
 
+import platform
+import shutil
 import subprocess
 
 import pytest
@@ -16,7 +19,7 @@ from quasar_deploy.backends import cpu_int8, native
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.scheme import quantize_weight
 
-runs_here = pytest.mark.skipif(cpu_int8.why_not() is not None, reason=f"our VNNI kernel does not run here: {cpu_int8.why_not()}")
+runs_here = pytest.mark.skipif(cpu_int8.why_not() is not None, reason=f"our int8 kernel does not run here: {cpu_int8.why_not()}")
 
 
 def _layer(out_features: int, in_features: int, rows: int, seed: int, bias: bool):
@@ -30,11 +33,32 @@ def _layer(out_features: int, in_features: int, rows: int, seed: int, bias: bool
 
 def _both(wq, scale, bias, input_scale, x):
     expected = kernels.int8_linear(wq, scale, bias, input_scale, "reference")(x)
-    return expected, kernels.int8_linear(wq, scale, bias, input_scale, "quasar-vnni")(x)
+    return expected, kernels.int8_linear(wq, scale, bias, input_scale, "quasar")(x)
 
 
-@runs_here
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def _running_builds() -> list[str]:
+    return [name for name in cpu_int8.BUILDS if cpu_int8.open_build(name)[0] is not None]
+
+
+@pytest.fixture(params=list(cpu_int8.BUILDS))
+def each_build(request, monkeypatch):
+    """Each build of the kernel in turn, where it runs here (skipped, saying why, where it does not)."""
+    lib, reason = cpu_int8.open_build(request.param)
+    if lib is None:
+        pytest.skip(f"{request.param} does not run here: {reason}")
+    monkeypatch.setattr(cpu_int8, "library", lambda: (lib, None))
+    return request.param
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None, reason="x86 with a C compiler")
+def test_the_avx2_build_runs_on_every_x86_cpu_this_project_has():
+    """Every CPU kind of this project has AVX2: there the AVX2 build must pass its self-check (so its branch of the
+    kernel is tested on every kind, not only where it is the one that runs)."""
+    lib, reason = cpu_int8.open_build("cpu_int8-avx2")
+    assert lib is not None, reason
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     out_features=st.integers(1, 200),
     in_features=st.integers(1, 300),
@@ -43,16 +67,13 @@ def _both(wq, scale, bias, input_scale, x):
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_the_kernel_is_the_reference_at_any_shape(out_features, in_features, rows, static, bias, seed):
-    """Column counts off the 64-column blocks, depths off the 4-value groups, row counts off the 6-row passes."""
+def test_the_kernel_is_the_reference_at_any_shape(each_build, out_features, in_features, rows, static, bias, seed):
+    """Column counts off the 64-column blocks and 32-column spans, depths off the 4-value groups, row counts off each
+    build's passes (6, 3 or 2 rows)."""
     wq, scale, b, x = _layer(out_features, in_features, rows, seed, bias)
     input_scale = (x.abs().max() / 127).reshape(1) if static else None
     expected, got = _both(wq, scale, b, input_scale, x)
     assert torch.equal(got, expected)
-
-
-def _running_builds() -> list[str]:
-    return [name for name in cpu_int8.BUILDS if cpu_int8.open_build(name)[0] is not None]
 
 
 @runs_here
@@ -79,12 +100,11 @@ def test_every_build_that_runs_here_is_the_reference_at_tile_shapes(monkeypatch,
     expected = kernels.int8_linear(wq, scale, bias, None, "reference")(x)
     for name in _running_builds():
         monkeypatch.setattr(cpu_int8, "library", lambda name=name: cpu_int8.open_build(name))
-        assert torch.equal(kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")(x), expected), name
-        assert torch.equal(kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")(x[:1]), expected[:1]), name
+        assert torch.equal(kernels.int8_linear(wq, scale, bias, None, "quasar")(x), expected), name
+        assert torch.equal(kernels.int8_linear(wq, scale, bias, None, "quasar")(x[:1]), expected[:1]), name
 
 
-@runs_here
-def test_extreme_codes_and_deep_rows_sum_exactly():
+def test_extreme_codes_and_deep_rows_sum_exactly(each_build):
     """Full-range codes at K = 12288 (sums past 2^24, where float32 rounds them: as the reference's ``.float()`` does)."""
     k = 12288
     wq = torch.full((70, k), 127, dtype=torch.int8)
@@ -96,13 +116,12 @@ def test_extreme_codes_and_deep_rows_sum_exactly():
     assert expected.abs().max() > 2**24 * 1e-3 / 127 and torch.equal(got, expected)
 
 
-@runs_here
 # off whole tile rows (the vectors); in them (the tiles, where they run), enough values to quantize side by side
 @pytest.mark.parametrize("rows, in_features", [(40, 520), (260, 512)])
-def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(monkeypatch, rows, in_features):
+def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(each_build, monkeypatch, rows, in_features):
     """Shares of one block each, as many as 5 threads, in torch's OpenMP pool and on Python threads."""
     wq, scale, bias, x = _layer(1000, in_features, rows, 0, True)
-    linear = kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")
+    linear = kernels.int8_linear(wq, scale, bias, None, "quasar")
     together = linear(x)
     monkeypatch.setattr(cpu_int8, "MIN_SHARE_BYTES", 1)  # every block a share of its own where threads allow
     monkeypatch.setattr(cpu_int8, "ROWS_PER_SHARE", 1)
@@ -113,7 +132,7 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(monkeypatch, ro
             lib.quasar_int8_use_openmp(*(handed or (None, None, None)))
             for count in (1, 2, 3, 5):
                 torch.set_num_threads(count)
-                split = kernels.int8_linear(wq, scale, bias, None, "quasar-vnni")
+                split = kernels.int8_linear(wq, scale, bias, None, "quasar")
                 assert torch.equal(split(x), together)
                 for i in (0, 6, 16, rows - 1):
                     assert torch.equal(split(x[i : i + 1])[0], together[i])
@@ -145,9 +164,9 @@ def test_a_build_that_fails_its_self_check_is_not_offered(fresh_probe, monkeypat
 
     monkeypatch.setattr(native.subprocess, "run", run)
     assert "failed its self-check (exit -4)" in cpu_int8.why_not()
-    assert not kernels.quasar_int8_available() and "quasar-vnni" not in kernels.int8_probe().ms
-    with pytest.raises(QuasarError, match="the quasar-vnni kernel does not run here: .*self-check"):
-        kernels.check_int8_kernel("quasar-vnni")
+    assert not kernels.quasar_int8_available() and "quasar" not in kernels.int8_probe().ms
+    with pytest.raises(QuasarError, match="the quasar kernel does not run here: .*self-check"):
+        kernels.check_int8_kernel("quasar")
 
 
 def test_where_the_tiles_fail_their_self_check_the_vector_build_runs(fresh_probe, monkeypatch):
@@ -183,13 +202,13 @@ def test_where_linux_refuses_the_tile_state_the_vector_build_runs(fresh_probe, m
     monkeypatch.setattr(cpu_int8.ctypes, "CDLL", Refusing)
     lib, reason = cpu_int8.open_build(cpu_int8.AMX_BUILD)
     assert lib is None and (reason == "Linux refused this process the AMX tile state" or reason.startswith("failed its self-check"))
-    assert cpu_int8.build() in (None, "cpu_int8-avx512vnni")  # a CPU without AMX fails in the child, before the process asks
+    assert cpu_int8.build() != cpu_int8.AMX_BUILD  # a CPU without AMX fails in the child, before the process asks
 
 
 def test_without_a_compiler_the_kernel_is_not_offered(fresh_probe, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler")
     assert "no C compiler (no-such-compiler)" in cpu_int8.why_not()
-    assert kernels.default_int8_kernel("cpu") != "quasar-vnni"
+    assert kernels.default_int8_kernel("cpu") != "quasar"
 
 
 @pytest.mark.parametrize("interface", [None, 1])
@@ -212,3 +231,38 @@ def test_a_prebuilt_kernel_from_another_source_is_refused_in_one_line(fresh_prob
     reason = cpu_int8.why_not()
     assert f"was built from another version's source (interface {interface}, this version calls {cpu_int8.INTERFACE})" in reason
     assert "\n" not in reason and not kernels.quasar_int8_available()
+
+
+def test_a_pinned_build_is_the_only_one_tried(fresh_probe, monkeypatch):
+    """``QUASAR_INT8_BUILD`` names the build to run (to time a narrower one on a wider CPU); a name of none is refused in
+    one line, and the kernel is then not offered."""
+    monkeypatch.setenv(cpu_int8.BUILD_ENV, "cpu_int8-avx2")
+    if cpu_int8.open_build("cpu_int8-avx2")[0] is None:
+        pytest.skip(f"the AVX2 build does not run here: {cpu_int8.open_build('cpu_int8-avx2')[1]}")
+    assert cpu_int8.build() == "cpu_int8-avx2" and cpu_int8.why_not() is None
+    cpu_int8.library.cache_clear()
+    monkeypatch.setenv(cpu_int8.BUILD_ENV, "cpu_int8-sse")
+    reason = cpu_int8.why_not()
+    assert reason.startswith("QUASAR_INT8_BUILD=cpu_int8-sse names no build of it: choose from cpu_int8-amx, ") and "\n" not in reason
+    assert cpu_int8.build() is None and not kernels.quasar_int8_available()
+
+
+@pytest.mark.parametrize("fbgemm_32bit", [True, False])
+def test_fbgemms_split_kernel_is_timed_only_where_its_own_kernel_saturates(monkeypatch, fbgemm_32bit):
+    """On an AVX2 CPU FBGEMM's split kernel (exact at twice the rows) is timed against our AVX2 build; where FBGEMM sums
+    in 32 bits its one-call kernel is timed instead."""
+    monkeypatch.setattr(kernels, "fbgemm_available", lambda: True)
+    monkeypatch.setattr(kernels, "vnni_available", lambda: fbgemm_32bit)
+    monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: False)
+    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: True)
+    assert kernels.int8_kernels_to_time() == (["fbgemm-vnni", "quasar"] if fbgemm_32bit else ["quasar", "fbgemm"])
+
+
+def test_with_no_exact_kernel_but_the_reference_the_reference_runs(monkeypatch):
+    monkeypatch.setattr(kernels, "int8_kernels_to_time", lambda: [])
+    kernels.int8_probe.cache_clear()
+    try:
+        assert kernels.default_int8_kernel("cpu") == "reference"
+        assert kernels.int8_probe().reason.startswith("no exact int8 kernel but the reference here")
+    finally:
+        kernels.int8_probe.cache_clear()

@@ -195,13 +195,16 @@ def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
     for timed, chosen in (
         ({"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, "onednn-vnni"),
         ({"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, "fbgemm-vnni"),
-        ({"fbgemm-vnni": 0.0}, "fbgemm-vnni"),  # the only exact 32-bit kernel: not timed
-        ({}, "fbgemm"),  # none sums in 32 bits (AVX2): the split kernel
+        ({"fbgemm-vnni": 0.0}, "fbgemm-vnni"),  # the only exact kernel: not timed
+        ({"quasar": 2.0, "fbgemm": 1.0}, "fbgemm"),  # an AVX2 CPU where FBGEMM's split kernel timed faster than ours
+        ({"quasar": 1.0, "fbgemm": 2.0}, "quasar"),
+        ({}, "reference"),  # no FBGEMM and no build of ours
     ):
         monkeypatch.setattr(kernels, "int8_probe", lambda timed=timed: kernels.Int8Probe(timed))
         assert kernels.default_int8_kernel("cpu") == chosen
+        assert kernels.default_int8_kernel("cuda") == "reference"
     assert "onednn-vnni 1.00 ms" in kernels.Int8Probe({"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}).reason
-    assert "split kernel" in kernels.Int8Probe({}).reason
+    assert "but the reference" in kernels.Int8Probe({}).reason
     monkeypatch.setattr(kernels, "vnni_available", lambda: False)
     with pytest.raises(QuasarError, match="fbgemm-vnni kernel needs"):
         kernels.check_int8_kernel("fbgemm-vnni")
@@ -209,6 +212,7 @@ def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
 
 @pytest.mark.parametrize("fbgemm, onednn, ours", [(True, False, False), (False, True, False), (False, False, True), (False, False, False)])
 def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgemm, onednn, ours):
+    monkeypatch.setattr(kernels, "fbgemm_available", lambda: fbgemm)  # without it, no split kernel to time either
     monkeypatch.setattr(kernels, "vnni_available", lambda: fbgemm)
     monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: onednn)
     monkeypatch.setattr(kernels, "quasar_int8_available", lambda: ours)
@@ -217,7 +221,7 @@ def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgem
         probe = kernels.int8_probe()
     finally:
         kernels.int8_probe.cache_clear()  # the next caller probes this CPU itself
-    expected = [name for name, exact in (("fbgemm-vnni", fbgemm), ("onednn-vnni", onednn), ("quasar-vnni", ours)) if exact]
+    expected = [name for name, exact in (("fbgemm-vnni", fbgemm), ("onednn-vnni", onednn), ("quasar", ours)) if exact]
     assert list(probe.ms) == expected and all(ms == 0.0 for ms in probe.ms.values())
 
 

@@ -54,7 +54,7 @@ EXACT_KERNELS = [
     pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")),
     pytest.param("fbgemm-vnni", marks=pytest.mark.skipif(not (fbgemm_available() and vnni_available()), reason="needs AVX-512 VNNI")),
     pytest.param("onednn-vnni", marks=pytest.mark.skipif(not (onednn_int8_available() and onednn_int8_exact()), reason=NEEDS_VNNI)),
-    pytest.param("quasar-vnni", marks=pytest.mark.skipif(not quasar_int8_available(), reason="our VNNI kernel does not run here")),
+    pytest.param("quasar", marks=pytest.mark.skipif(not quasar_int8_available(), reason="our VNNI kernel does not run here")),
 ]
 VNNI_KERNELS = EXACT_KERNELS[2:]
 
@@ -88,7 +88,7 @@ def test_32_bit_kernels_are_exact_past_float32s_integer_range(kernel):
 
 
 def test_the_default_int8_kernel_follows_the_cpu():
-    offered = (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact()), ("quasar-vnni", quasar_int8_available()))
+    offered = (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact()), ("quasar", quasar_int8_available()))
     exact = [name for name, ok in offered if ok]
     probe = int8_probe()
     assert sorted(probe.ms) == sorted(exact)  # every exact 32-bit kernel timed, and no other

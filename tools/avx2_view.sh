@@ -8,11 +8,13 @@
 #
 # - oneDNN (torch's float and int8 linears), FBGEMM (torch's dynamic int8 linear) and ATen's vector kernels are capped
 #   to AVX2 by their own variables.
-# - Our C kernels: a build for AVX-512 or AMX becomes a library whose self-check dies of SIGILL, as on a CPU without
-#   those instructions; the AVX2 builds are compiled as usual.
+# - Our C kernels: a build for AVX-512, AMX or AVX-VNNI becomes a library whose self-check dies of SIGILL, as on a CPU
+#   without those instructions; the AVX2 builds are compiled as usual.
 # - Kernels are built and probes kept in a cache of the view's own ($QUASAR_CACHE, default under the view's directory
 #   $QUASAR_AVX2_VIEW, /tmp/quasar-avx2-view), so the machine's own cache is not mixed with the view's.
-# Not capped (no variable exists): ONNX Runtime's kernels (MLAS) keep this CPU's instruction sets.
+# Not capped (no variable exists): ONNX Runtime's kernels (MLAS) keep this CPU's instruction sets. Not modelled: what
+# an AVX2 CPU's own library kernels do where the caps make them do otherwise (torch._int_mm saturates under the cap,
+# and is exact on an AVX2 CPU); docs/cpu-kinds.md.
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: tools/avx2_view.sh COMMAND [ARGS...]" >&2; exit 2; }
 view=${QUASAR_AVX2_VIEW:-/tmp/quasar-avx2-view}  # fixed: a kernel's build is cached by its compiler's path
@@ -23,10 +25,10 @@ real_cc=${CC:-cc}
 export QUASAR_AVX2_VIEW_CC=$real_cc
 cat > "$view/cc.$$" <<EOF
 #!/bin/sh
-# A compiler as an AVX2-only CPU would see its output run: AVX-512 or AMX builds fault in their self-check.
+# A compiler as an AVX2-only CPU would see its output run: AVX-512, AMX or AVX-VNNI builds fault in their self-check.
 output=""; wide=0; previous=""
 for argument in "\$@"; do
-  case "\$argument" in *avx512*|*amx*) wide=1;; esac
+  case "\$argument" in *avx512*|*amx*|*avxvnni*) wide=1;; esac
   [ "\$previous" = "-o" ] && output="\$argument"
   previous="\$argument"
 done

@@ -1,21 +1,30 @@
-/* The W8A8 linear of scheme.py on AVX-512 VNNI, for the cpu backend (quasar_deploy/backends/cpu_int8.py builds and
- * probes this file; kernels.py offers it as the "quasar-vnni" int8 kernel).
+/* The W8A8 linear of scheme.py on x86 vectors, for the cpu backend (quasar_deploy/backends/cpu_int8.py builds and
+ * probes this file in four builds; kernels.py offers it as the "quasar" int8 kernel).
  *
  * Why its own kernel: at verify sizes (1-16 rows) a linear is a pass over its weights, and the library kernels read
  * int8 weights more slowly than their bf16 kernels read twice the bytes, so a W8A8 step gained less than its bytes
- * promise (`quasar-deploy bench kernels --int8-kernels quasar-vnni,onednn-vnni,fbgemm-vnni` times them against each
+ * promise (`quasar-deploy bench kernels --int8-kernels quasar,onednn-vnni,fbgemm-vnni` times them against each
  * other and the float kernel; its record is on docs/benchmarks.md). Here each thread streams one contiguous run of
  * packed weights.
  *
  * What it computes, bit for bit as scheme.reference_linear: per-token (or the calibrated static) activation scale
  * max|x| / 127 (at least 1e-12); codes rint(x / scale) clamped to [-127, 127]; the exact int32 sum of code x weight
- * over k (vpdpbusd takes unsigned activations: codes + 128, and 128 x the weight row's sum is taken off after);
- * then y = float(acc) * scale * weight_scale (+ bias), in that order, with no fused multiply-add (-ffp-contract=off).
- * Integer sums are exact, so a row's result depends on nothing but that row: not on the rows beside it, nor on which
- * thread computed which columns.
+ * over k; then y = float(acc) * scale * weight_scale (+ bias), in that order, with no fused multiply-add
+ * (-ffp-contract=off). Integer sums are exact, so a row's result depends on nothing but that row: not on the rows
+ * beside it, nor on which thread computed which columns.
  *
- * Weights are packed once: [n / 64][k / 4][64][4], zero-padded to whole blocks, so one 64-byte load holds 4 values of
- * k for 16 output columns, and a block of 64 columns is one contiguous run (the AMX build reorders within a block).
+ * The builds (cpu_int8.py's BUILDS) differ only in how they sum:
+ * - AVX-512 VNNI (the default) and AVX-VNNI (-DQUASAR_YMM -DQUASAR_AVXVNNI: 256-bit vpdpbusd, Intel's client CPUs and
+ *   Zen 5) take unsigned activations: codes + 128, and 128 x the weight row's sum is taken off after.
+ * - AVX2 (-DQUASAR_YMM alone) has no 32-bit dot product. vpmaddubsw multiplies u8 by s8 and sums pairs into
+ *   saturating 16 bits, which codes + 128 (up to 255 x 127 x 2) would overflow; so the activation's sign moves onto
+ *   the weight (vpsignb: w x sgn(x)) and |x| <= 127 goes in unsigned: a pair is at most 2 x 127 x 127 = 32258, exact,
+ *   and vpmaddwd widens pairs of pairs into the int32 sums. The codes stay signed there (CODE_SHIFT 0).
+ *
+ * Weights are packed once, zero-padded to whole 64-column blocks: the 512-bit builds lay a block out as
+ * [k / 4][64][4], so one 64-byte load holds 4 values of k for 16 output columns; the 256-bit builds as two spans of
+ * 32 columns one after the other, each [k / 4][32][4] (a 32-byte load: 4 values of k for 8 columns), so that the
+ * span their four vectors cover streams as one contiguous run. A block of 64 columns is one contiguous run in all.
  *
  * Built with -DQUASAR_AMX (and the AMX flags), a call of more than one row goes through AMX tiles instead, in groups
  * of 16 rows (the last padded with zero codes), where k is whole 64-byte tile rows: a tile of 16 groups of k x 16
@@ -36,9 +45,23 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BLOCK 64 /* output columns per packed block: 4 vectors of 16 int32 */
+#define BLOCK 64 /* output columns per packed block: a thread's share is whole blocks */
 #define GROUP 4  /* values of k per dot-product lane */
-#define ROWS 6   /* rows per pass: 6 x 4 accumulators, the rest of the 32 vector registers hold weights */
+#ifdef QUASAR_YMM
+#define LANES 8 /* int32 lanes per vector */
+#ifdef QUASAR_AVXVNNI
+#define ROWS 3 /* rows per pass: 3 x 4 accumulators and a row's codes in registers, the weights as memory operands */
+#define CODE_SHIFT 128
+#else
+#define ROWS 2 /* rows per pass: 2 x 4 accumulators, 4 weights, a row's codes and their magnitudes, the ones */
+#define CODE_SHIFT 0
+#endif
+#else
+#define LANES 16
+#define ROWS 6 /* rows per pass: 6 x 4 accumulators, the rest of the 32 vector registers hold weights */
+#define CODE_SHIFT 128
+#endif
+#define SPAN (4 * LANES) /* output columns one pass of block_rows covers: four vectors; a block is whole spans */
 /* from this many input values (rows x k) a shared call's threads quantize side by side: below it (a serving step's 48
  * rows of the narrower linears) a second parallel region costs about what halving the division saves */
 #define SHARED_QUANTIZE_VALUES (1 << 17)
@@ -69,7 +92,7 @@ static void amx_configure(void) {
 }
 
 /* AMX_ROWS rows of codes against one packed block: their int32 sums into acc [AMX_ROWS][BLOCK]. */
-static void block_tiles(const uint8_t *codes, size_t k4, const int8_t *block, int32_t (*acc)[BLOCK]) {
+static void block_tiles(const uint8_t *codes, size_t k4, const int8_t *block, int32_t (*acc)[SPAN]) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -94,7 +117,7 @@ static void block_tiles(const uint8_t *codes, size_t k4, const int8_t *block, in
 /* 2 x AMX_ROWS rows of codes against half a packed block (32 columns from half): their int32 sums into acc [32][BLOCK]
  * from column col. Two row tiles by two column tiles: four products per four tile loads, where block_tiles makes four
  * per five, and the rows' codes are read once per two column tiles. */
-static void pair_tiles(const uint8_t *codes, size_t k4, const int8_t *half, int32_t (*acc)[BLOCK], int col) {
+static void pair_tiles(const uint8_t *codes, size_t k4, const int8_t *half, int32_t (*acc)[SPAN], int col) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -123,6 +146,7 @@ static size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
  * prebuilt from another version's source ($QUASAR_KERNELS) is refused rather than called wrongly. */
 int quasar_int8_interface(void) { return 2; }
 
+#ifndef QUASAR_YMM
 /* Whether a linear of k4 bytes of k keeps its blocks in the tiles' layout: the AMX build, where k is whole tile rows
  * (use_tiles). Each 4 kB of a block (16 groups of k) then holds its four column tiles one after another, 1 kB each,
  * where the vector layout interleaves them 64 bytes at a time: a tile loads from one contiguous kilobyte. */
@@ -134,34 +158,39 @@ static int tiled_layout(size_t k4) {
     return 0;
 #endif
 }
+#endif
 
-/* Where the 4 bytes of group g (of k / 4) for column c lie in a packed block: c x 4 within the group's 256 bytes, or
- * with tiled_layout, in column tile c / 16 of the 4 kB holding groups g / 16 x 16 onwards. A group's part plus a
- * column's part (packed_offset(g, 0) + packed_offset(0, c)), so loops take each once. */
-INLINE size_t packed_offset(size_t g, int c, int tiled) {
-    if (!tiled) return g * BLOCK * GROUP + (size_t)c * GROUP;
+/* Where the 4 bytes of group g (of k / 4) for column c lie in a packed block of k4 bytes of k: c x 4 within the
+ * group's 256 bytes; with tiled_layout, in column tile c / 16 of the 4 kB holding groups g / 16 x 16 onwards; in the
+ * 256-bit builds, in span c / 32 (k4 x 32 bytes), c % 32 x 4 within the group's 128 bytes there. A group's part plus a
+ * column's part (packed_offset(g, 0, k4) + packed_offset(0, c, k4)), so loops take each once. */
+INLINE size_t packed_offset(size_t g, int c, size_t k4) {
+#ifdef QUASAR_YMM
+    return (size_t)(c / SPAN) * SPAN * k4 + g * SPAN * GROUP + (size_t)(c % SPAN) * GROUP;
+#else
+    if (!tiled_layout(k4)) return g * BLOCK * GROUP + (size_t)c * GROUP;
     return g / 16 * 4 * TILE_BYTES + (size_t)(c / 16) * TILE_BYTES + g % 16 * TILE_ROW + (size_t)(c % 16) * GROUP;
+#endif
 }
 
 size_t quasar_int8_packed_bytes(int n, int k) { return round_up((size_t)n, BLOCK) * round_up((size_t)k, GROUP); }
 
 /* w [n][k] int8 -> packed (quasar_int8_packed_bytes(n, k) bytes) and row sums wsum [n]. Written 4 bytes at a time in
- * order (in the tiled layout, in order within each 4 kB), from 64 rows read side by side: an 8B model's 7 GB pack in
- * seconds. */
+ * order (in the tiled layout, in order within each 4 kB; in the 256-bit builds, within each span), from 64 rows read
+ * side by side: an 8B model's 7 GB pack in seconds. */
 void quasar_int8_pack(const int8_t *w, int n, int k, int8_t *packed, int32_t *wsum) {
     size_t k4 = round_up((size_t)k, GROUP), whole = (size_t)k / GROUP * GROUP;
-    int tiled = tiled_layout(k4);
     size_t column[BLOCK];
-    for (int c = 0; c < BLOCK; c++) column[c] = packed_offset(0, c, tiled);
+    for (int c = 0; c < BLOCK; c++) column[c] = packed_offset(0, c, k4);
     memset(packed, 0, round_up((size_t)n, BLOCK) * k4);
     for (int first = 0; first < n; first += BLOCK) {
         int rows = n - first < BLOCK ? n - first : BLOCK;
         int8_t *block = packed + (size_t)first * k4;
         for (size_t j = 0; j < whole; j += GROUP) {
-            int8_t *group = block + packed_offset(j / GROUP, 0, tiled);
+            int8_t *group = block + packed_offset(j / GROUP, 0, k4);
             for (int c = 0; c < rows; c++) memcpy(group + column[c], w + (size_t)(first + c) * k + j, GROUP);
         }
-        int8_t *last = block + packed_offset(whole / GROUP, 0, tiled); /* k's last values, past its whole groups */
+        int8_t *last = block + packed_offset(whole / GROUP, 0, k4); /* k's last values, past its whole groups */
         for (int c = 0; c < rows; c++)
             for (size_t j = whole; j < (size_t)k; j++) last[column[c] + j - whole] = w[(size_t)(first + c) * k + j];
     }
@@ -172,42 +201,34 @@ void quasar_int8_pack(const int8_t *w, int n, int k, int8_t *packed, int32_t *ws
     }
 }
 
-/* codes + 128 of m rows of x [m][k] into codes [m][k4] (zero-padded), their scales into scales [m]. Vector lanes
- * do what the reference does element by element: IEEE division, round half to even, clamp. */
-static void quantize(const float *x, int m, int k, const float *static_scale, uint8_t *codes, float *scales) {
-    size_t k4 = round_up((size_t)k, GROUP);
-    const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
-    const __m512i shift = _mm512_set1_epi32(128);
-    for (int r = 0; r < m; r++) {
-        const float *row = x + (size_t)r * k;
-        float scale;
-        if (static_scale) {
-            scale = *static_scale;
-        } else {
-            __m512 top = _mm512_setzero_ps();
-            for (int j = 0; j < k; j += 16) {
-                __mmask16 lanes = k - j >= 16 ? 0xffff : (__mmask16)((1u << (k - j)) - 1);
-                top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, row + j)));
-            }
-            scale = fmaxf(_mm512_reduce_max_ps(top) / 127.0f, 1e-12f);
-        }
-        scales[r] = scale;
-        const __m512 divisor = _mm512_set1_ps(scale);
-        uint8_t *out = codes + (size_t)r * k4;
-        memset(out, 0, k4);
-        for (int j = 0; j < k; j += 16) {
-            __mmask16 lanes = k - j >= 16 ? 0xffff : (__mmask16)((1u << (k - j)) - 1);
-            __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, row + j), divisor);
-            q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            q = _mm512_min_ps(_mm512_max_ps(q, low), high);
-            _mm512_mask_cvtepi32_storeu_epi8(out + j, lanes, _mm512_add_epi32(_mm512_cvtps_epi32(q), shift));
-        }
+#ifndef QUASAR_YMM
+/* max |x| over a row of k values */
+INLINE float row_max_abs(const float *row, int k) {
+    __m512 top = _mm512_setzero_ps();
+    for (int j = 0; j < k; j += 16) {
+        __mmask16 lanes = k - j >= 16 ? 0xffff : (__mmask16)((1u << (k - j)) - 1);
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, row + j)));
+    }
+    return _mm512_reduce_max_ps(top);
+}
+
+/* A row's codes + CODE_SHIFT into out [k]. Vector lanes do what the reference does element by element: IEEE division,
+ * round half to even, clamp. */
+INLINE void row_codes(const float *row, int k, float scale, uint8_t *out) {
+    const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f), divisor = _mm512_set1_ps(scale);
+    const __m512i shift = _mm512_set1_epi32(CODE_SHIFT);
+    for (int j = 0; j < k; j += 16) {
+        __mmask16 lanes = k - j >= 16 ? 0xffff : (__mmask16)((1u << (k - j)) - 1);
+        __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, row + j), divisor);
+        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, low), high);
+        _mm512_mask_cvtepi32_storeu_epi8(out + j, lanes, _mm512_add_epi32(_mm512_cvtps_epi32(q), shift));
     }
 }
 
-/* R rows of int32 sums acc [R][BLOCK] of one block, from column on, to y = float(acc - 128 x wsum) * scale * w_scale
+/* R rows of int32 sums acc [R][SPAN] of one span, from column on, to y = float(acc - 128 x wsum) * scale * w_scale
  * (+ bias) in out [R][n] (columns past n left alone) */
-INLINE void finish(const int R, int32_t (*acc)[BLOCK], const float *scales, const int32_t *wsum, const float *w_scale,
+INLINE void finish(const int R, int32_t (*acc)[SPAN], const float *scales, const int32_t *wsum, const float *w_scale,
                    const float *bias, int column, int n, float *out) {
     for (int v = 0; v < 4; v++) {
         int c = column + 16 * v;
@@ -224,17 +245,16 @@ INLINE void finish(const int R, int32_t (*acc)[BLOCK], const float *scales, cons
     }
 }
 
-/* R rows of codes against one packed block of 64 output columns, straight to y = float(acc) * scale * w_scale
- * (+ bias) in out [R][n] (columns past n left alone) */
+/* R rows of codes against one packed span of 64 output columns (a block), straight to y = float(acc) * scale *
+ * w_scale (+ bias) in out [R][n] (columns past n left alone) */
 INLINE void block_rows(const int R, const uint8_t *codes, size_t k4, const int8_t *block, const float *scales,
                        const int32_t *wsum, const float *w_scale, const float *bias, int column, int n, float *out) {
     __m512i sum[ROWS][4];
     for (int i = 0; i < R; i++)
         for (int v = 0; v < 4; v++) sum[i][v] = _mm512_setzero_si512();
-    const int tiled = tiled_layout(k4);
-    const size_t vector = packed_offset(0, 16, tiled); /* bytes from one 16-column vector of a group to the next */
+    const size_t vector = packed_offset(0, 16, k4); /* bytes from one 16-column vector of a group to the next */
     for (size_t g = 0; g < k4; g += GROUP) {
-        const int8_t *w = block + packed_offset(g / GROUP, 0, tiled);
+        const int8_t *w = block + packed_offset(g / GROUP, 0, k4);
         __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + vector);
         __m512i w2 = _mm512_loadu_si512(w + 2 * vector), w3 = _mm512_loadu_si512(w + 3 * vector);
         for (int i = 0; i < R; i++) {
@@ -247,10 +267,111 @@ INLINE void block_rows(const int R, const uint8_t *codes, size_t k4, const int8_
             sum[i][3] = _mm512_dpbusd_epi32(sum[i][3], x, w3);
         }
     }
-    int32_t acc[ROWS][BLOCK]; /* through memory: indexing the sums by a variable below would spill them in the loop */
+    int32_t acc[ROWS][SPAN]; /* through memory: indexing the sums by a variable below would spill them in the loop */
     for (int i = 0; i < R; i++)
         for (int v = 0; v < 4; v++) _mm512_storeu_si512(acc[i] + 16 * v, sum[i][v]);
     finish(R, acc, scales, wsum, w_scale, bias, column, n, out);
+}
+#else
+/* The first count of 8 lanes set, for AVX2's masked loads and stores. */
+INLINE __m256i lanes_below(int count) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+
+/* max |x| over a row of k values, 8 lanes at a time */
+INLINE float row_max_abs(const float *row, int k) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 top = _mm256_setzero_ps();
+    for (int j = 0; j < k; j += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_maskload_ps(row + j, lanes_below(k - j))));
+    float lanes[8], most = 0.0f;
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) most = fmaxf(most, lanes[i]);
+    return most;
+}
+
+/* A row's codes (+ CODE_SHIFT) into out [k], as the 512-bit builds compute them, 8 lanes at a time. */
+INLINE void row_codes(const float *row, int k, float scale, uint8_t *out) {
+    const __m256 low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f), divisor = _mm256_set1_ps(scale);
+    const __m256i shift = _mm256_set1_epi32(CODE_SHIFT);
+    for (int j = 0; j < k; j += 8) {
+        __m256 q = _mm256_div_ps(_mm256_maskload_ps(row + j, lanes_below(k - j)), divisor);
+        q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(q, low), high);
+        __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(q), shift);
+        __m128i pairs = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)); /* in order */
+        __m128i bytes = CODE_SHIFT ? _mm_packus_epi16(pairs, pairs) : _mm_packs_epi16(pairs, pairs);
+        if (k - j >= 8) _mm_storel_epi64((__m128i *)(out + j), bytes);
+        else memcpy(out + j, &bytes, (size_t)(k - j));
+    }
+}
+
+/* R rows of int32 sums acc [R][SPAN] of one span, from column on, to y = float(acc - CODE_SHIFT x wsum) * scale *
+ * w_scale (+ bias) in out [R][n] (columns past n left alone) */
+INLINE void finish(const int R, int32_t (*acc)[SPAN], const float *scales, const int32_t *wsum, const float *w_scale,
+                   const float *bias, int column, int n, float *out) {
+    for (int v = 0; v < 4; v++) {
+        int c = column + 8 * v;
+        if (c >= n) break;
+        __m256i lanes = lanes_below(n - c);
+        __m256i shifted = _mm256_mullo_epi32(_mm256_maskload_epi32(wsum + c, lanes), _mm256_set1_epi32(CODE_SHIFT));
+        __m256 ws = _mm256_maskload_ps(w_scale + c, lanes), b = _mm256_maskload_ps(bias ? bias + c : w_scale + c, lanes);
+        for (int i = 0; i < R; i++) {
+            __m256 y = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(acc[i] + 8 * v)), shifted));
+            y = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_set1_ps(scales[i])), ws);
+            if (bias) y = _mm256_add_ps(y, b);
+            _mm256_maskstore_ps(out + (size_t)i * n + c, lanes, y);
+        }
+    }
+}
+
+/* R rows of codes against one packed span of 32 output columns, straight to y = float(acc) * scale * w_scale (+ bias)
+ * in out [R][n] (columns past n left alone) */
+INLINE void block_rows(const int R, const uint8_t *codes, size_t k4, const int8_t *span, const float *scales,
+                       const int32_t *wsum, const float *w_scale, const float *bias, int column, int n, float *out) {
+    __m256i sum[ROWS][4];
+    for (int i = 0; i < R; i++)
+        for (int v = 0; v < 4; v++) sum[i][v] = _mm256_setzero_si256();
+#ifndef QUASAR_AVXVNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (size_t g = 0; g < k4; g += GROUP) {
+        const __m256i *w = (const __m256i *)(span + g * SPAN); /* group g / 4: 4 vectors of 8 columns */
+        __m256i w0 = _mm256_loadu_si256(w), w1 = _mm256_loadu_si256(w + 1);
+        __m256i w2 = _mm256_loadu_si256(w + 2), w3 = _mm256_loadu_si256(w + 3);
+        for (int i = 0; i < R; i++) {
+            int32_t four;
+            memcpy(&four, codes + (size_t)i * k4 + g, sizeof four);
+            __m256i x = _mm256_set1_epi32(four);
+#ifdef QUASAR_AVXVNNI
+            sum[i][0] = _mm256_dpbusd_avx_epi32(sum[i][0], x, w0);
+            sum[i][1] = _mm256_dpbusd_avx_epi32(sum[i][1], x, w1);
+            sum[i][2] = _mm256_dpbusd_avx_epi32(sum[i][2], x, w2);
+            sum[i][3] = _mm256_dpbusd_avx_epi32(sum[i][3], x, w3);
+#else
+            __m256i size = _mm256_abs_epi8(x); /* |x| x (w x sgn x) = x x w, each pair of products within 16 bits */
+            sum[i][0] = _mm256_add_epi32(sum[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(size, _mm256_sign_epi8(w0, x)), ones));
+            sum[i][1] = _mm256_add_epi32(sum[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(size, _mm256_sign_epi8(w1, x)), ones));
+            sum[i][2] = _mm256_add_epi32(sum[i][2], _mm256_madd_epi16(_mm256_maddubs_epi16(size, _mm256_sign_epi8(w2, x)), ones));
+            sum[i][3] = _mm256_add_epi32(sum[i][3], _mm256_madd_epi16(_mm256_maddubs_epi16(size, _mm256_sign_epi8(w3, x)), ones));
+#endif
+        }
+    }
+    int32_t acc[ROWS][SPAN]; /* through memory: indexing the sums by a variable below would spill them in the loop */
+    for (int i = 0; i < R; i++)
+        for (int v = 0; v < 4; v++) _mm256_storeu_si256((__m256i *)(acc[i] + 8 * v), sum[i][v]);
+    finish(R, acc, scales, wsum, w_scale, bias, column, n, out);
+}
+#endif
+
+/* codes (+ CODE_SHIFT) of m rows of x [m][k] into codes [m][k4] (zero-padded), their scales into scales [m]: the
+ * per-token scale max|x| / 127 (at least 1e-12), or the static one. */
+static void quantize(const float *x, int m, int k, const float *static_scale, uint8_t *codes, float *scales) {
+    size_t k4 = round_up((size_t)k, GROUP);
+    for (int r = 0; r < m; r++) {
+        const float *row = x + (size_t)r * k;
+        scales[r] = static_scale ? *static_scale : fmaxf(row_max_abs(row, k) / 127.0f, 1e-12f);
+        uint8_t *out = codes + (size_t)r * k4;
+        memset(out, 0, k4);
+        row_codes(row, k, scales[r], out);
+    }
 }
 
 /* Rows of codes a call of m rows keeps: with the tiles, whole groups of 16 (the last padded with zero codes). */
@@ -285,7 +406,7 @@ static void tiles_linear(const uint8_t *codes, const float *scales, int m, size_
             float *y = out + (size_t)r * n;
             for (int b = p; b < end; b++) {
                 const int8_t *block = packed + (size_t)b * BLOCK * k4;
-                int32_t acc[2 * AMX_ROWS][BLOCK];
+                int32_t acc[2 * AMX_ROWS][SPAN];
                 if (!pairs || m - r <= AMX_ROWS) {
                     block_tiles(c, k4, block, acc);
                     finish(m - r < AMX_ROWS ? m - r : AMX_ROWS, acc, scales + r, wsum, w_scale, bias, b * BLOCK, n, y);
@@ -303,22 +424,27 @@ static void tiles_linear(const uint8_t *codes, const float *scales, int m, size_
 }
 #endif
 
-/* Blocks [first, last) of the rows' codes on the vectors, ROWS rows a pass. */
+/* Blocks [first, last) of the rows' codes on the vectors, span by span (a block in the 512-bit builds, half of one in
+ * the 256-bit ones, each a contiguous run of k4 x SPAN bytes), ROWS rows a pass over a span. */
 static void vector_linear(const uint8_t *codes, const float *scales, int m, size_t k4, const int8_t *packed,
                           const int32_t *wsum, const float *w_scale, const float *bias, int n, int first, int last,
                           float *out) {
-    for (int b = first; b < last; b++) {
-        const int8_t *block = packed + (size_t)b * BLOCK * k4;
+    for (int column = first * BLOCK; column < last * BLOCK && column < n; column += SPAN) {
+        const int8_t *span = packed + (size_t)column * k4;
         for (int r = 0; r < m; r += ROWS) {
             const uint8_t *c = codes + (size_t)r * k4;
             float *y = out + (size_t)r * n;
             switch (m - r < ROWS ? m - r : ROWS) { /* constant row counts: each unrolled, its sums in registers */
-            case 1: block_rows(1, c, k4, block, scales + r, wsum, w_scale, bias, b * BLOCK, n, y); break;
-            case 2: block_rows(2, c, k4, block, scales + r, wsum, w_scale, bias, b * BLOCK, n, y); break;
-            case 3: block_rows(3, c, k4, block, scales + r, wsum, w_scale, bias, b * BLOCK, n, y); break;
-            case 4: block_rows(4, c, k4, block, scales + r, wsum, w_scale, bias, b * BLOCK, n, y); break;
-            case 5: block_rows(5, c, k4, block, scales + r, wsum, w_scale, bias, b * BLOCK, n, y); break;
-            default: block_rows(6, c, k4, block, scales + r, wsum, w_scale, bias, b * BLOCK, n, y); break;
+            case 1: block_rows(1, c, k4, span, scales + r, wsum, w_scale, bias, column, n, y); break;
+#if ROWS > 2
+            case 2: block_rows(2, c, k4, span, scales + r, wsum, w_scale, bias, column, n, y); break;
+            case 3: block_rows(3, c, k4, span, scales + r, wsum, w_scale, bias, column, n, y); break;
+#endif
+#if ROWS > 4
+            case 4: block_rows(4, c, k4, span, scales + r, wsum, w_scale, bias, column, n, y); break;
+            case 5: block_rows(5, c, k4, span, scales + r, wsum, w_scale, bias, column, n, y); break;
+#endif
+            default: block_rows(ROWS, c, k4, span, scales + r, wsum, w_scale, bias, column, n, y); break;
             }
         }
     }
@@ -457,12 +583,15 @@ static int check(int m, int k, int n) {
 }
 
 /* Self-check, run in a child process before first use (an instruction this CPU lacks kills the child, not the
- * caller): odd shapes on the vector path; with the tiles, 40 rows (the last group padded) and a lone row beside. */
+ * caller): odd shapes and a lone row on the vector path, rows off its passes; with the tiles, 40 rows (the last group
+ * padded) and a lone row beside. */
 int quasar_probe(void) {
     if (check(8, 203, 70)) return 1;
 #ifdef QUASAR_AMX
     if (quasar_int8_enable_amx()) return 2;
     if (check(40, 256, 70) || check(1, 256, 70)) return 3;
+#else
+    if (check(13, 256, 70) || check(1, 256, 70)) return 3;
 #endif
     return 0;
 }

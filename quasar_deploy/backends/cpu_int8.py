@@ -1,5 +1,5 @@
-"""The ``quasar-vnni`` int8 kernel: ``cpu_int8.c`` (AVX-512 VNNI, and AMX tiles where they run), compiled here on first
-use and probed by running it.
+"""The ``quasar`` int8 kernel: ``cpu_int8.c`` (AVX-512 VNNI with AMX tiles where they run, AVX-512 VNNI, AVX-VNNI
+or AVX2), compiled here on first use and probed by running it.
 
 At verify sizes a W8A8 linear is a pass over its int8 weights, and the library kernels read them more slowly than their
 bf16 kernels read twice the bytes, which took most of W8A8's advantage over a bf16 float model. This kernel streams its
@@ -7,15 +7,18 @@ packed weights at close to the memory's rate, computes the scheme's linear bit f
 the activation quantization, the exact integer sums and the float epilogue in the reference's order), and is one of the
 exact int8 kernels ``kernels.int8_probe`` times: where it runs and is fastest, the cpu backend uses it.
 
-Built and probed as ``cpu_attention`` is (``native``): where it cannot be built or its self-check fails (no compiler, no
-AVX-512 VNNI), it is not offered, and ``why_not`` says why. The AMX build is tried first; where its self-check fails (no
-AMX, or Linux does not grant the tile state) the vector build runs.
+Built and probed as ``cpu_attention`` is (``native``): the builds are tried widest first, and the first whose self-check
+passes runs (AMX where Linux grants the tile state, else AVX-512 VNNI, else AVX-VNNI's 256-bit dot products, else
+AVX2, which every x86 CPU of the last decade has); where none builds or passes (no compiler, not x86) it is not offered,
+and ``why_not`` says why. ``QUASAR_INT8_BUILD`` names the one build to try instead (to time a narrower build on a wider
+CPU, or to pin one).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,10 +29,24 @@ from . import native
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
+AVX2_FLAGS = ["-mavx2", "-ffp-contract=off", "-DQUASAR_YMM"]
 AMX_BUILD = "cpu_int8-amx"
-# name: flags, in order of preference: with AMX tiles for calls of more than one row where the CPU runs them and Linux
-# grants this process their state (the same bits: exact integer sums either way), else the vectors alone
-BUILDS = {AMX_BUILD: [*VNNI_FLAGS, "-mamx-tile", "-mamx-int8", "-DQUASAR_AMX"], "cpu_int8-avx512vnni": VNNI_FLAGS}
+# name: flags, in order of preference (the same bits in all: exact integer sums): AMX tiles for calls of more than one
+# row where the CPU runs them and Linux grants this process their state, else 512-bit VNNI vectors, else 256-bit ones
+# (AVX-VNNI), else AVX2's 16-bit pair products with the activations' signs moved onto the weights
+BUILDS = {
+    AMX_BUILD: [*VNNI_FLAGS, "-mamx-tile", "-mamx-int8", "-DQUASAR_AMX"],
+    "cpu_int8-avx512vnni": VNNI_FLAGS,
+    "cpu_int8-avxvnni": [*AVX2_FLAGS, "-mavxvnni", "-DQUASAR_AVXVNNI"],
+    "cpu_int8-avx2": AVX2_FLAGS,
+}
+SUMS = {  # how each build sums, for doctor
+    AMX_BUILD: "AMX tiles, 512-bit VNNI vectors for a single row",
+    "cpu_int8-avx512vnni": "512-bit VNNI vectors",
+    "cpu_int8-avxvnni": "256-bit VNNI vectors (AVX-VNNI)",
+    "cpu_int8-avx2": "AVX2 16-bit pair products widened to 32 bits, exact",
+}
+BUILD_ENV = "QUASAR_INT8_BUILD"  # one name of BUILDS: the only build tried
 BLOCK = 64  # output columns per packed block, the unit of a thread's share
 INTERFACE = 2  # the arguments this module passes the entry points (quasar_int8_interface)
 # a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about
@@ -43,9 +60,13 @@ ROWS_PER_SHARE = 8
 
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The first of ``BUILDS`` that builds and passes its self-check here, once per process; or None and why."""
+    """The first of ``BUILDS`` (or the one ``QUASAR_INT8_BUILD`` names) that builds and passes its self-check here, once
+    per process; or None and why."""
+    pinned = os.environ.get(BUILD_ENV)
+    if pinned and pinned not in BUILDS:
+        return None, f"{BUILD_ENV}={pinned} names no build of it: choose from {', '.join(BUILDS)}"
     reasons = []
-    for name in BUILDS:
+    for name in [pinned] if pinned else BUILDS:
         lib, reason = open_build(name)
         if lib is not None:
             return lib, None
@@ -109,7 +130,7 @@ class PackedInt8Linear:
     def __init__(self, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None):
         lib, reason = library()
         if lib is None:
-            raise RuntimeError(f"the quasar-vnni kernel does not run here: {reason}")
+            raise RuntimeError(f"the quasar kernel does not run here: {reason}")
         self.lib = lib
         self.out_features, self.in_features = wq.shape
         wq = wq.detach().cpu().contiguous()

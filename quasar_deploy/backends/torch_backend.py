@@ -10,7 +10,7 @@ import torch
 from ..artifact import ModelFiles, open_model_files
 from ..cpuinfo import default_threads
 from ..errors import QuasarError
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name
+from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name, int8_kernel_label
 from ..memory import kv_cache_bytes
 from ..model import KEY_CHUNK, Decoder, KVCache, round_up
 from ..speculative.causal_lm import split_batch
@@ -166,7 +166,7 @@ def cpu_causal_lm(
     return lm_class(
         decoder,
         description=f"cpu {kind}, {torch.get_num_threads()} threads (float dtype {dtype_name(decoder.lm_head.dtype)}, "
-        f"float kernel {float_kernel}, int8 kernel {int8_kernel}, attention {attends})",
+        f"float kernel {float_kernel}, int8 kernel {int8_kernel_label(int8_kernel)}, attention {attends})",
     )
 
 

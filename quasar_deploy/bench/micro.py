@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..backends.torch_backend import bind_cpu_attention
 from ..cpuinfo import cpu_model
 from ..decoder_spec import DecoderSpec
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name
+from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name, int8_kernel_label
 from ..model import Decoder
 from .memory import check_fits
 from .synthetic import LIBRARIES_BYTES, RandomTensors, engines_peak_bytes, step_read_bytes, synthetic_decoders, synthetic_spec
@@ -270,6 +270,7 @@ def linear_kernels(
         "float_kernel": float_kernel,
         "float_dtype": dtype_name(dtype),
         "int8_kernel": int8_kernel,
+        "int8_kernel_label": int8_kernel_label(int8_kernel),
         "other_int8_kernels": others,
         "threads": torch.get_num_threads(),
         "bandwidth_gb_s": bandwidth / 1e9,
@@ -281,7 +282,7 @@ def describe_linear_kernels(result: dict) -> str:
     others = result["other_int8_kernels"]
     lines = [
         f"linear kernels at {result['shape']} sizes; float {result['float_kernel']} in {result['float_dtype']}, "
-        f"int8 {result['int8_kernel']}, "
+        f"int8 {result.get('int8_kernel_label', result['int8_kernel'])}, "
         f"{result['threads']} threads; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s",
         f"{'out x in':>13} {'M':>3} {'float ms':>9} {'W8A8 ms':>8} {'speed-up':>8} {'float %bw':>9} {'W8A8 %bw':>8}"
         + "".join(f" {k + ' ms':>15}" for k in others),

@@ -15,7 +15,7 @@ import click
 def doctor(path, as_json, exact, exact_source):
     """What this machine can run: CPU features, chosen kernels, every target; with PATH (an artifact or float
     checkpoint), the memory it needs on the cpu backend, from its tensor headers, and the backend auto picks for it."""
-    from ..backends.cpu_int8 import AMX_BUILD
+    from ..backends.cpu_int8 import SUMS
     from ..doctor import report
     from ..errors import QuasarError
 
@@ -40,9 +40,9 @@ def doctor(path, as_json, exact, exact_source):
     ort = probes["onnxruntime_int8_options"]
     ort_text = "not installed" if ort is None else ", ".join(ort) or "exact without options"
     onednn = "exact" if probes["onednn_int8_exact"] else "not exact"
-    tiles = "AMX tiles, vectors for a single row" if probes["quasar_int8_build"] == AMX_BUILD else "vectors"
-    ours = probes["quasar_int8_why_not"] or f"runs ({probes['quasar_int8_build']}: {tiles}; its self-check passed)"
-    click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; quasar-vnni {ours}; onnxruntime {ort_text}")
+    build = probes["quasar_int8_build"]
+    ours = probes["quasar_int8_why_not"] or f"runs ({build}: {SUMS[build]}; its self-check passed)"
+    click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; quasar {ours}; onnxruntime {ort_text}")
     why = probes["layer_graph_attention_why"]
     how = f": {why}" if why else ", chosen by running it"
     click.echo(f"attention      {probes['layer_graph_attention']} (the cpu backend and onnxruntime's layer graphs{how})")

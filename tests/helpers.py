@@ -60,8 +60,8 @@ def ort_session(model_or_path, optimized: Path | None = None):
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
-def run_full(sess, spec, ids: list[int]):
-    """No cache: the whole sequence in one call (ORT's own answer, independent of the backend's cache handling)."""
+def prefill_feed(spec, ids: list[int]) -> dict:
+    """A whole-decoder graph's inputs for ``ids`` in one call with an empty cache."""
     import numpy as np
 
     n = len(ids)
@@ -69,7 +69,12 @@ def run_full(sess, spec, ids: list[int]):
     empty = np.zeros((1, spec.num_kv_heads, 0, spec.head_dim), np.float32)
     for i in range(spec.num_layers):
         feed[f"past_key_values.{i}.key"] = feed[f"past_key_values.{i}.value"] = empty
-    return sess.run(["logits"], feed)[0][0]
+    return feed
+
+
+def run_full(sess, spec, ids: list[int]):
+    """No cache: the whole sequence in one call (ORT's own answer, independent of the backend's cache handling)."""
+    return sess.run(["logits"], prefill_feed(spec, ids))[0][0]
 
 
 def copy_dir(source: Path, tmp_path: Path, name: str = "copy") -> Path:

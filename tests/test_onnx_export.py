@@ -45,14 +45,8 @@ def test_linear_is_bit_exact_to_the_scheme(static):
     g = GraphBuilder()
     y = w8a8_linear(g, "x", wq.numpy(), w_scale.numpy(), None if input_scale is None else float(input_scale), "test")
     g.op("Identity", y, outputs=["y"])
-    graph = helper.make_graph(
-        g.nodes,
-        "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
-        g.initializers,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)])
+    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["m", size]) for name, size in (("x", k), ("y", n))]
+    model = g.model("linear", io[:1], io[1:])
     onnx.checker.check_model(model)
     got = session(model).run(None, {"x": x.numpy()})[0]
     expected = reference_linear(x, wq, w_scale, input_scale=input_scale)

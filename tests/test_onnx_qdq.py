@@ -53,9 +53,7 @@ def test_linear_fuses_to_an_integer_kernel_and_matches_the_scheme(tmp_path):
     g = GraphBuilder("qdq")
     g.op("Identity", qdq_linear(g, "x", wq.numpy(), w_scale.numpy(), float(input_scale), "test"), outputs=["y"])
     io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["m", size]) for name, size in (("x", k), ("y", n))]
-    model = helper.make_model(
-        helper.make_graph(g.nodes, "linear", io[:1], io[1:], g.initializers), opset_imports=[helper.make_opsetid("", g.opset)]
-    )
+    model = g.model("linear", io[:1], io[1:])
     onnx.checker.check_model(model, full_check=True)
     got = torch.from_numpy(session(model, optimized=tmp_path / "optimized.onnx").run(None, {"x": x.numpy()})[0])
     expected = reference_linear(x, wq, w_scale, input_scale=input_scale)

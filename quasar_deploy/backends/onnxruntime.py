@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from ..files import first_line, inside_file, model_directory, read_inside, verif
 from ..integrity import EXPORT_MANIFEST, MANIFEST, read_export_manifest
 from ..memory import return_freed_memory
 from ..model import Linear
+
+if TYPE_CHECKING:
+    import onnx  # imported where a probe is built: loading this module needs neither onnx nor onnxruntime
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {
@@ -87,10 +91,14 @@ def exact_int8_entries() -> tuple[tuple[str, str], ...]:
     )
 
 
-def _int8_matmul_exact(entries: tuple[tuple[str, str], ...]) -> bool:
-    """Whether u8 x s8 products at the codes' extremes (255 x +-127, whose pair sums overflow 16 bits) sum exactly."""
-    import onnxruntime as ort
+def int8_probe() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
+    """The model ``exact_int8_entries`` runs: a u8 x s8 ``MatMulInteger`` whose weight has whole columns of +-127, with
+    its weight [256, 32] and the codes it is fed [6, 256]: a row of 255 (pair sums 2 x 255 x 127 overflow 16 bits), a row
+    of 0, random rows. Declared as the integer graph is (opset and IR version), since it runs in every process that
+    builds an ORT session, on each ORT that runs those graphs."""
     from onnx import TensorProto, helper, numpy_helper
+
+    from ..exporters.onnx_versions import OPSETS, make_model
 
     depth, width = 256, 32
     weight = np.random.default_rng(0).integers(-127, 128, (depth, width)).astype(np.int8)
@@ -102,14 +110,21 @@ def _int8_matmul_exact(entries: tuple[tuple[str, str], ...]) -> bool:
         [helper.make_tensor_value_info("y", TensorProto.INT32, [None, width])],
         [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.array(128, np.uint8), "zero")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    codes = np.random.default_rng(1).integers(0, 256, (6, depth)).astype(np.uint8)
+    codes[0], codes[1] = 255, 0
+    return make_model(graph, OPSETS["integer"]), weight, codes
+
+
+def _int8_matmul_exact(entries: tuple[tuple[str, str], ...]) -> bool:
+    """Whether u8 x s8 products at the codes' extremes (255 x +-127, whose pair sums overflow 16 bits) sum exactly."""
+    import onnxruntime as ort
+
+    model, weight, codes = int8_probe()
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     for entry in entries:
         options.add_session_config_entry(*entry)
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    codes = np.random.default_rng(1).integers(0, 256, (6, depth)).astype(np.uint8)
-    codes[0], codes[1] = 255, 0
     for rows in (codes[:1], codes):
         expected = (rows.astype(np.int64) - 128) @ weight.astype(np.int64)
         if not np.array_equal(session.run(None, {"x": rows})[0], expected):

@@ -103,9 +103,7 @@ def _chain(weights: list[tuple[torch.Tensor, torch.Tensor]], form: str, input_sc
     g.op("Identity", x, outputs=["y"])
     size = weights[0][0].shape[1]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["m", size]) for n in ("x", "y")]
-    return helper.make_model(
-        helper.make_graph(g.nodes, "chain", io[:1], io[1:], g.initializers), opset_imports=[helper.make_opsetid("", g.opset)]
-    )
+    return g.model("chain", io[:1], io[1:])
 
 
 def _static_scales(weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> list[float]:

@@ -32,7 +32,8 @@ from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
 from ..memory import EMBEDDINGS
 from ..model import BlockSource, DecoderLayer, Linear, RMSNorm, load_linear, tensor_loader
-from .onnx_graph import BFLOAT16, FLOAT32, HEAD_OUTSIDE, HIDDEN, LINEAR_FORMATS, OPSETS, ExternalData, Fill, GraphBuilder, build_graph
+from .onnx_graph import BFLOAT16, FLOAT32, HEAD_OUTSIDE, HIDDEN, LINEAR_FORMATS, ExternalData, Fill, GraphBuilder, build_graph
+from .onnx_versions import IR_VERSIONS, OPSETS
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -87,6 +88,7 @@ def genai_config(files: ModelFiles, precision: str, linear_format: str | None, h
             "activation": scheme.activation if precision == "w8a8" else None,
             "linear": LINEAR_DESCRIPTIONS[linear_format] if linear_format else "float32 MatMul",
             "opset": OPSETS[linear_format or "integer"],
+            "ir_version": IR_VERSIONS[OPSETS[linear_format or "integer"]],
             # the artifact's manifest checksums every file it has (one weights file or many shards): its own hash names it
             "source_manifest_sha256": sha256_files(files.path / MANIFEST) if files.manifest else None,
         },

@@ -42,10 +42,8 @@ from ..decoder_spec import DecoderSpec
 from ..model import MLP, Attention, Decoder, DecoderLayer, Linear, RMSNorm
 from ..scheme import QMAX
 from . import ONNX_HIDDEN_OUTPUT
+from .onnx_versions import OPSETS, make_model
 
-# the integer form quantizes per row with QuantizeLinear's block_size (opset 21); the qdq form stays at 18, which every
-# TensorRT 10 parser reads
-OPSETS = {"integer": 21, "qdq": 18}
 ZERO_POINT = 128
 MASKED = float(np.finfo(np.float32).min)
 BATCH, SEQUENCE, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
@@ -121,6 +119,13 @@ class GraphBuilder:
     @property
     def opset(self) -> int:
         return OPSETS[self.linear_format]
+
+    def model(
+        self, name: str, inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto], domains: Iterable[tuple[str, int]] = ()
+    ) -> onnx.ModelProto:
+        """The nodes and initializers made so far as a model declaring this form's opset and its IR version (and
+        ``domains``, e.g. ORT's contrib ops): ``onnx_versions``, so the installed onnx's own versions never leak in."""
+        return make_model(helper.make_graph(self.nodes, name, inputs, outputs, self.initializers), self.opset, domains)
 
     def _name(self, hint: str) -> str:
         self._count += 1
@@ -419,5 +424,4 @@ def build_graph(
     for i in range(spec.num_layers):
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_shape) for n in past_names(i)]
         outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, present_shape) for n in present_names(i)]
-    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)], producer_name="quasar-deploy")
+    return g.model(name, inputs, outputs)

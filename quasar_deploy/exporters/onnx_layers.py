@@ -30,10 +30,8 @@ def _value(name: str, shape: list, dtype: int = TensorProto.FLOAT) -> onnx.Value
     return helper.make_tensor_value_info(name, dtype, shape)
 
 
-def _serialized(g: GraphBuilder, name: str, inputs: list, outputs: list, opsets: tuple = ()) -> bytes:
-    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
-    imports = [helper.make_opsetid("", g.opset), *(helper.make_opsetid(domain, version) for domain, version in opsets)]
-    return helper.make_model(graph, opset_imports=imports, producer_name="quasar-deploy").SerializeToString()
+def _serialized(g: GraphBuilder, name: str, inputs: list, outputs: list, domains: tuple = ()) -> bytes:
+    return g.model(name, inputs, outputs, domains).SerializeToString()
 
 
 def attention_inputs(spec: DecoderSpec, layer: DecoderLayer, i: int) -> bytes:

@@ -35,6 +35,12 @@ DOCS = [DOCKER / "README.md", *sorted((ROOT / "docs").glob("*.md")), *(DOCKER / 
 BENCH_ONLY = {"matplotlib"}
 # the images whose user cannot be an unprivileged one, and why (their Dockerfile says so too)
 ROOT_IMAGES = {"npu": "HwHiAiUser"}
+# what an image's entrypoint runs before the server: npu's sets up CANN's environment, as its base's entrypoint did
+ENTRYPOINT_WRAPPERS = {"npu": ["quasar-ascend-env"]}
+ASCEND_ENV = DOCKER / "npu" / "ascend-env.sh"
+# vLLM-Ascend's image tags by chip: the release's tag is the Atlas A2 build, "-a3" appended the Atlas A3 one (its
+# docs/source/installation.md, "Set up using Docker", at v0.23.0)
+NPU_CHIPS = {"A2": "", "A3": "-a3"}
 # TensorRT in NVIDIA's TensorRT container by release (NGC TensorRT container release notes), and the TensorRT each
 # onnxruntime-gpu release is built against (ONNX Runtime's TensorRT execution provider page, "Requirements")
 TENSORRT_IN_NGC = {"25.01": "10.8"}
@@ -76,8 +82,22 @@ def exec_form(target: str, instruction: str) -> list[str]:
     return found[-1] if found else []
 
 
+def build_args(target: str) -> dict[str, str]:
+    """The ``ARG NAME=default`` instructions before the first FROM (those a FROM line may use)."""
+    args = {}
+    for name, value in instructions(DOCKERFILES[target]):
+        if name == "FROM":
+            break
+        if name == "ARG":
+            key, _, default = value.partition("=")
+            args[key.strip()] = default.strip()
+    return args
+
+
 def base_image(target: str) -> tuple[str, str]:
+    """The first FROM's image and tag, its ``${ARG}``s at their defaults."""
     image = next(args for name, args in instructions(DOCKERFILES[target]) if name == "FROM").split()[0]
+    image = re.sub(r"\$\{(\w+)\}", lambda m: build_args(target)[m.group(1)], image)
     return tuple(image.rsplit(":", 1))
 
 
@@ -134,7 +154,7 @@ def test_hadolint_is_clean(target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_the_entrypoint_is_the_server_and_its_command_parses(target, monkeypatch):
-    assert exec_form(target, "ENTRYPOINT") == ["quasar-deploy", "serve"]
+    assert exec_form(target, "ENTRYPOINT") == [*ENTRYPOINT_WRAPPERS.get(target, []), "quasar-deploy", "serve"]
     command = exec_form(target, "CMD")
     assert len(command) == 1 and command[0].startswith("/"), "the command is the model's path; options come from QUASAR_*"
     context = parse(["serve", *command], image_env(target), monkeypatch)
@@ -171,6 +191,72 @@ def test_user(target):
         assert not users and ROOT_IMAGES[target] in DOCKERFILES[target].read_text()
     else:
         assert users and users[-1] not in ("0", "root"), f"{target} runs as root"
+
+
+def test_npu_takes_its_base_by_chip():
+    """Atlas A2 and A3 hosts each need vLLM-Ascend's build for their chip: the base's tag is a build argument, A2's by
+    default, and docker/README.md says which tag is which chip's and how to build the other."""
+    tag = build_args("npu")["VLLM_ASCEND_TAG"]
+    first = next(args for name, args in instructions(DOCKERFILES["npu"]) if name == "FROM")
+    assert first == "quay.io/ascend/vllm-ascend:${VLLM_ASCEND_TAG}"
+    readme = (DOCKER / "README.md").read_text()
+    for chip, suffix in NPU_CHIPS.items():
+        assert any(f"Atlas {chip}" in line and f"`{tag}{suffix}`" in line for line in readme.splitlines()), chip
+        if suffix:
+            build = f"--build-arg VLLM_ASCEND_TAG={tag}{suffix}"
+            assert build in readme and build in DOCKERFILES["npu"].read_text(), build
+
+
+# --- docker/npu/ascend-env.sh, the npu entrypoint, against a stand-in CANN whose scripts record how they were sourced
+
+STAND_IN_CANN = {
+    "ascend-toolkit/set_env.sh": 'echo toolkit "$@" >> "$QUASAR_TEST_LOG"\nexport ASCEND_TOOLKIT_HOME="$QUASAR_ASCEND_ROOT/cann-9.1.0"\n',
+    "cann-9.1.0/share/info/ascendnpu-ir/bin/set_env.sh": 'echo bisheng "$@" >> "$QUASAR_TEST_LOG"\nexport BISHENG=b\n',
+    "nnal/atb/set_env.sh": 'echo nnal "$@" >> "$QUASAR_TEST_LOG"\nexport ATB_HOME_PATH=a\n',
+}
+
+
+@pytest.fixture
+def stand_in_cann(tmp_path):
+    root, log = tmp_path / "Ascend", tmp_path / "log"
+    for name, text in STAND_IN_CANN.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    env = {key: value for key, value in os.environ.items() if key not in ("ASCEND_TOOLKIT_HOME", "ATB_CXX_ABI")}
+    return root, log, {**env, "QUASAR_ASCEND_ROOT": str(root), "QUASAR_TEST_LOG": str(log)}
+
+
+def test_the_npu_image_enters_through_the_cann_environment():
+    steps = instructions(DOCKERFILES["npu"])
+    assert ("COPY", "--chmod=755 docker/npu/ascend-env.sh /usr/local/bin/quasar-ascend-env") in steps
+    assert exec_form("npu", "ENTRYPOINT")[0] == "quasar-ascend-env"
+
+
+@pytest.mark.parametrize("abi", [None, "1"], ids=["abi-by-torch", "abi-set"])
+def test_the_npu_entrypoint_sources_canns_scripts_then_execs_the_server(stand_in_cann, abi):
+    """Toolkit, BiSheng (found under the toolkit's home), NNAL, in the base's order, none of them handed the server's
+    arguments (NNAL's reads its options from them) and NNAL given ATB_CXX_ABI where the image sets it; then the server
+    replaces the script, keeping its process (the one ``docker stop`` signals) and its arguments."""
+    root, log, env = stand_in_cann
+    if abi:
+        env["ATB_CXX_ABI"] = abi
+    server = ["sh", "-c", 'echo "$$ $BISHENG$ATB_HOME_PATH $*"', "server", "/models/npu", "--port", "8000"]
+    process = subprocess.Popen(["bash", str(ASCEND_ENV), *server], env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 0
+    pid, sourced, *args = out.split()
+    assert int(pid) == process.pid and sourced == "ba" and args == ["/models/npu", "--port", "8000"]
+    assert log.read_text().splitlines() == ["toolkit", "bisheng", f"nnal --cxx_abi={abi}" if abi else "nnal"]
+
+
+@pytest.mark.parametrize("missing", list(STAND_IN_CANN))
+def test_the_npu_entrypoint_refuses_a_missing_cann_script(stand_in_cann, missing, tmp_path):
+    root, _, env = stand_in_cann
+    (root / missing).unlink()
+    ran = tmp_path / "ran"
+    result = subprocess.run(["bash", str(ASCEND_ENV), "touch", str(ran)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and not ran.exists()
+    assert result.stderr.startswith(f"error: {root / missing} not found") and len(result.stderr.splitlines()) == 1
 
 
 def test_no_image_installs_bench_dependencies():
@@ -213,7 +299,7 @@ def test_versions_agree_across_dockerfiles_constraints_and_docs():
 
     claims = {
         r"vllm/vllm-openai:(\w[\w.-]*\w)": cuda_tag,
-        r"quay\.io/ascend/vllm-ascend:(\w[\w.-]*\w)": npu_tag,
+        r"quay\.io/ascend/vllm-ascend:(\w[\w.-]*\w)": {npu_tag + suffix for suffix in NPU_CHIPS.values()},
         r"nvcr\.io/nvidia/tensorrt:(\w[\w.-]*\w)": trt_tag,
         r"\bpython:(\d[\w.-]*\w)": cpu_tag,
         r"\bvLLM v(\d[\w.]*\w)": vllm,
@@ -223,10 +309,11 @@ def test_versions_agree_across_dockerfiles_constraints_and_docs():
     }
     readme = (DOCKER / "README.md").read_text()
     for pattern, want in claims.items():
+        allowed = want if isinstance(want, set) else {want}
         assert re.search(pattern, readme), f"docker/README.md never states {pattern}"
         for doc in DOCS:
             for found in re.findall(pattern, doc.read_text()):
-                assert found == want, f"{doc.relative_to(ROOT)} says {pattern} = {found}, the images pin {want}"
+                assert found in allowed, f"{doc.relative_to(ROOT)} says {pattern} = {found}, the images pin {want}"
     npu = pins("npu")
     assert f"torch {npu['torch']} / torch-npu {npu['torch-npu']}" in " ".join(readme.split()), "state the npu image's torch"
 
@@ -252,7 +339,7 @@ def test_the_build_context_is_an_allow_list():
     for target in TARGETS:
         for name, args in instructions(DOCKERFILES[target]):
             if name == "COPY" and "--from=" not in args:  # a COPY --from takes a build stage's files, not the context's
-                for source in args.split()[:-1]:
+                for source in (word for word in args.split()[:-1] if not word.startswith("--")):
                     files = [p.relative_to(ROOT).as_posix() for p in ROOT.glob(source)] or [source]
                     assert files and all(dockerignore_allows(f) for f in files if not f.endswith(".pyc")), (target, source)
     for stray in ("w8a8/model.safetensors", "tests/test_docker.py", ".venv/bin/python", "docs/npu.md", "docker/compose.yaml"):

@@ -123,6 +123,7 @@ def _sums_exactly(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> boo
 
 
 PROBE_ROWS = (6, 48)  # a verify block, and a batched serving step of 8 sequences
+ONNXRUNTIME = "onnxruntime"  # ONNX Runtime's int8 linear in the probe's timings (not a kernel of the torch backend)
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,15 @@ class Int8Probe:
 
     @property
     def kernel(self) -> str:
-        """The fastest exact kernel; with none here, the reference."""
-        return min(self.ms, key=self.ms.__getitem__) if self.ms else "reference"
+        """The fastest exact kernel of the torch backend; with none here, the reference."""
+        ours = {name: ms for name, ms in self.ms.items() if name != ONNXRUNTIME}
+        return min(ours, key=ours.__getitem__) if ours else "reference"
+
+    @property
+    def cpu_beats_onnxruntime(self) -> bool:
+        """Whether the torch backend's kernel timed faster than ONNX Runtime's int8 linear (true where ORT was not timed:
+        not installed, or not exact)."""
+        return ONNXRUNTIME not in self.ms or self.ms[self.kernel] <= self.ms[ONNXRUNTIME]
 
     @property
     def reason(self) -> str:
@@ -146,7 +154,8 @@ class Int8Probe:
             return "the only exact int8 kernel here"
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
         when = f"; timed {self.timed}, kept: {probe_store.REPROBE_ENV}=1 times again" if self.timed else ""
-        return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times}{when})"
+        ort = "" if self.cpu_beats_onnxruntime else "; ONNX Runtime's int8 linear timed faster still: W8A8 artifacts run there"
+        return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times}{when}){ort}"
 
 
 PROBE_SHAPE = (4096, 2048)  # (out, in) of the probe's weight: 8 MB, a 1.7B model's attention projection
@@ -176,14 +185,31 @@ def int8_probe() -> Int8Probe:
 def int8_kernels_to_time() -> list[str]:
     """The int8 kernels ``int8_probe`` times here: ``fbgemm-vnni`` and ``onednn-vnni`` where they sum in 32 bits, our
     ``quasar`` where a build of it runs, and FBGEMM's split kernel where its own does not sum in 32 bits (an AVX2 CPU:
-    exact there at twice the rows, and so possibly still faster than our AVX2 build)."""
+    exact there at twice the rows, and so possibly still faster than our AVX2 build); and beside them, where ONNX
+    Runtime is installed and exact, its ``MatMulInteger`` (``ONNXRUNTIME``: what the backend choice weighs, never a
+    kernel of the torch backend)."""
     offered = (
         ("fbgemm-vnni", vnni_available()),
         ("onednn-vnni", onednn_int8_exact()),
         ("quasar", quasar_int8_available()),
         ("fbgemm", fbgemm_available() and not vnni_available()),
     )
-    return [name for name, here in offered if here]
+    kernels = [name for name, here in offered if here]
+    return [*kernels, ONNXRUNTIME] if kernels and onnxruntime_int8_exact() else kernels
+
+
+@functools.cache
+def onnxruntime_int8_exact() -> bool:
+    """Whether ONNX Runtime is installed and its CPU ``MatMulInteger`` sums exactly here (with or without options)."""
+    from .backends.onnxruntime import exact_int8_entries, unavailable
+
+    if unavailable() is not None:
+        return False
+    try:
+        exact_int8_entries()
+    except QuasarError:
+        return False
+    return True
 
 
 def _int8_probe_key(kernels: list[str]) -> dict:
@@ -201,8 +227,15 @@ def _int8_probe_key(kernels: list[str]) -> dict:
         "quasar_deploy": __version__,
         "kernel_source": hashlib.sha256(cpu_int8.SOURCE.read_bytes()).hexdigest()[:16],
         "kernel_build": cpu_int8.build(),  # the AMX build or the vector one: they time apart
+        "onnxruntime": _onnxruntime_version() if ONNXRUNTIME in kernels else None,
         "shape": [*PROBE_SHAPE, PROBE_COPIES, *PROBE_ROWS],
     }
+
+
+def _onnxruntime_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
 
 
 def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
@@ -211,12 +244,16 @@ def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
     wq = torch.randint(-127, 128, PROBE_SHAPE, generator=generator, dtype=torch.int8)
     w_scale = torch.full((PROBE_SHAPE[0], 1), 0.01)
     x = torch.randn(max(PROBE_ROWS), PROBE_SHAPE[1], generator=generator)
-    chains = {name: [int8_linear(wq, w_scale, None, None, name) for _ in range(PROBE_COPIES)] for name in kernels}
+    chains = {name: [_probe_linear(wq, w_scale, name) for _ in range(PROBE_COPIES)] for name in kernels}
     best = {(name, rows): float("inf") for name in kernels for rows in PROBE_ROWS}
     for _ in range(4):  # the first round warms up; the fastest of the rounds counts
         for (name, rows), ms in best.items():
             best[name, rows] = min(ms, _chain_ms(chains[name], x[:rows]))
     return {name: sum(best[name, rows] for rows in PROBE_ROWS) for name in kernels}
+
+
+def _probe_linear(wq: torch.Tensor, w_scale: torch.Tensor, name: str) -> LinearFn:
+    return _onnxruntime_int8(wq, w_scale) if name == ONNXRUNTIME else int8_linear(wq, w_scale, None, None, name)
 
 
 def _chain_ms(linears: list[LinearFn], rows: torch.Tensor) -> float:
@@ -490,6 +527,29 @@ def _onednn_int8(wq, w_scale, bias, input_scale) -> LinearFn:
     return run
 
 
+def _onnxruntime_int8(wq, w_scale) -> LinearFn:
+    """The scheme's W8A8 linear as ONNX Runtime runs it in the integer graph: the exporter's own nodes for one linear
+    (codes, ``MatMulInteger``, scaling; ``exporters.onnx_graph.w8a8_linear``) in a session with the backend's options.
+    Not a kernel of the torch backend: ``int8_probe`` times it beside them, so that ``auto`` sends an artifact to ONNX
+    Runtime where its int8 linear is the faster one (``Int8Probe.cpu_beats_onnxruntime``)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from .backends.onnxruntime import session_options
+    from .exporters.onnx_graph import GraphBuilder, w8a8_linear
+
+    g = GraphBuilder("integer")
+    y = w8a8_linear(g, "x", wq.numpy(), w_scale.float().numpy(), None, "probe")
+    model = g.model(
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, wq.shape[1]])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [None, wq.shape[0]])],
+    )
+    options = session_options(torch.get_num_threads())
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+
+
 def int8_linear(
     wq: torch.Tensor,
     w_scale: torch.Tensor,
@@ -548,6 +608,7 @@ __all__ = [
     "int8_kernel_label",
     "int8_probe",
     "onednn_int8_exact",
+    "onnxruntime_int8_exact",
     "quasar_int8_available",
     "INT8_KERNELS",
     "QMAX",

@@ -118,13 +118,14 @@ def test_needs_and_options_choose_a_backend_that_provides_them(tiny_artifact, ti
 
 
 def test_our_int8_kernel_keeps_artifacts_on_the_cpu_backend(tiny_artifact, tiny_qwen3, monkeypatch):
-    """Where the probe picks ``quasar`` the cpu backend runs W8A8 steps faster than ONNX Runtime's graphs (alone and
-    batched: docs/architecture.md), so auto keeps artifacts there, for generation and serving; float checkpoints are
-    not its business."""
+    """Where the probe picks ``quasar`` and times it faster than ONNX Runtime's int8 linear, the cpu backend runs W8A8
+    steps faster than ONNX Runtime's graphs (alone and batched: docs/architecture.md), so auto keeps artifacts there,
+    for generation and serving; float checkpoints are not its business."""
     from quasar_deploy import kernels
     from quasar_deploy.cli.serve import SERVER_NEEDS
 
     monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "quasar")
+    monkeypatch.setattr(kernels, "int8_probe", lambda: kernels.Int8Probe({"quasar": 1.0, kernels.ONNXRUNTIME: 2.0}))
     assert registry.auto_backend(tiny_artifact.path) == "cpu"
     assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "cpu"
     assert registry.auto_backend(tiny_qwen3) == "onnxruntime"  # float32 here (the suite's float dtype): ORT's float graph
@@ -151,6 +152,7 @@ def test_doctor_names_what_auto_gives_each_kind_of_model(int8_kernel, artifacts,
     from quasar_deploy.cli import main
 
     monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": int8_kernel)
+    monkeypatch.setattr(kernels, "int8_probe", lambda: kernels.Int8Probe({int8_kernel: 1.0, kernels.ONNXRUNTIME: 2.0}))
     output = CliRunner().invoke(main, ["doctor"]).output
     expected = f"backend        {artifacts} for W8A8 artifacts, onnxruntime for float checkpoints (--backend auto"
     assert expected in output and f"--draft layerskip and serve: {artifacts} and cpu)" in output

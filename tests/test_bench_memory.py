@@ -289,6 +289,7 @@ def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape,
     monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
     monkeypatch.setattr(kernels, "float_probe", lambda: kernels.FloatProbe(4.0, 1.5, 256))
     monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": int8_kernel)
+    monkeypatch.setattr(kernels, "int8_probe", lambda: kernels.Int8Probe({int8_kernel: 1.0, kernels.ONNXRUNTIME: 2.0}))
     lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
     assert "float dtype bfloat16" in lines[0] and "against bfloat16 float" in lines[5]
     assert sum("(auto)" in line for line in lines[1:5]) == 1 and any(auto in line and "(auto)" in line for line in lines[1:5])

@@ -255,6 +255,7 @@ def test_fbgemms_split_kernel_is_timed_only_where_its_own_kernel_saturates(monke
     monkeypatch.setattr(kernels, "vnni_available", lambda: fbgemm_32bit)
     monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: False)
     monkeypatch.setattr(kernels, "quasar_int8_available", lambda: True)
+    monkeypatch.setattr(kernels, "onnxruntime_int8_exact", lambda: False)
     assert kernels.int8_kernels_to_time() == (["fbgemm-vnni", "quasar"] if fbgemm_32bit else ["quasar", "fbgemm"])
 
 
@@ -266,3 +267,37 @@ def test_with_no_exact_kernel_but_the_reference_the_reference_runs(monkeypatch):
         assert kernels.int8_probe().reason.startswith("no exact int8 kernel but the reference here")
     finally:
         kernels.int8_probe.cache_clear()
+
+
+def test_onnx_runtimes_int8_linear_in_the_probe_is_the_reference():
+    """What the probe times for ONNX Runtime is the integer graph's linear, bit for bit the scheme's."""
+    pytest.importorskip("onnxruntime")
+    wq, scale, _, x = _layer(300, 200, 7, 3, False)
+    expected = kernels.int8_linear(wq, scale, None, None, "reference")(x)
+    assert torch.equal(kernels._onnxruntime_int8(wq, scale)(x), expected)
+
+
+@pytest.mark.parametrize("ort_ms, backend", [(None, "cpu"), (9.0, "cpu"), (1.0, "onnxruntime")])
+def test_w8a8_artifacts_run_where_the_int8_linear_timed_faster(monkeypatch, ort_ms, backend):
+    """ONNX Runtime's int8 linear is timed beside ours (where it is installed and exact): where it is faster, ``auto``
+    runs artifacts on it, and the torch backend's kernel is still the fastest of its own; doctor says so."""
+    from quasar_deploy.backends import registry
+
+    timed = {"quasar": 2.0, "fbgemm": 3.0, **({kernels.ONNXRUNTIME: ort_ms} if ort_ms else {})}
+    monkeypatch.setattr(kernels, "int8_probe", lambda: kernels.Int8Probe(timed))
+    probe = kernels.int8_probe()
+    assert probe.kernel == "quasar" and kernels.default_int8_kernel("cpu") == "quasar"
+    assert registry.cpu_runs_better(artifact=True) == (backend == "cpu")
+    assert ("W8A8 artifacts run there" in probe.reason) == (backend == "onnxruntime")
+
+
+def test_onnx_runtime_is_timed_beside_the_kernels_where_it_is_exact(monkeypatch):
+    monkeypatch.setattr(kernels, "fbgemm_available", lambda: True)
+    monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+    monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: False)
+    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: True)
+    monkeypatch.setattr(kernels, "onnxruntime_int8_exact", lambda: True)
+    assert kernels.int8_kernels_to_time() == ["quasar", "fbgemm", kernels.ONNXRUNTIME]
+    monkeypatch.setattr(kernels, "fbgemm_available", lambda: False)
+    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: False)
+    assert kernels.int8_kernels_to_time() == []  # nothing of the torch backend's to weigh it against

@@ -216,6 +216,7 @@ def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgem
     monkeypatch.setattr(kernels, "vnni_available", lambda: fbgemm)
     monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: onednn)
     monkeypatch.setattr(kernels, "quasar_int8_available", lambda: ours)
+    monkeypatch.setattr(kernels, "onnxruntime_int8_exact", lambda: False)  # ORT beside them: tests/test_cpu_int8.py
     kernels.int8_probe.cache_clear()
     try:
         probe = kernels.int8_probe()

@@ -22,6 +22,7 @@ def two_exact_kernels(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "vnni_available", lambda: True)
     monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: True)
     monkeypatch.setattr(kernels, "quasar_int8_available", lambda: False)
+    monkeypatch.setattr(kernels, "onnxruntime_int8_exact", lambda: False)
     timings = [{"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, {"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, {"fbgemm-vnni": 3.0, "onednn-vnni": 1.0}]
     monkeypatch.setattr(kernels, "_time_int8_kernels", lambda names: timings.pop(0))
     kernels.int8_probe.cache_clear()

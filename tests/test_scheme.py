@@ -88,12 +88,20 @@ def test_32_bit_kernels_are_exact_past_float32s_integer_range(kernel):
 
 
 def test_the_default_int8_kernel_follows_the_cpu():
-    offered = (("fbgemm-vnni", vnni_available()), ("onednn-vnni", onednn_int8_exact()), ("quasar", quasar_int8_available()))
+    from quasar_deploy.kernels import ONNXRUNTIME, onnxruntime_int8_exact
+
+    offered = (
+        ("fbgemm-vnni", vnni_available()),
+        ("onednn-vnni", onednn_int8_exact()),
+        ("quasar", quasar_int8_available()),
+        ("fbgemm", fbgemm_available() and not vnni_available()),
+    )
     exact = [name for name, ok in offered if ok]
+    exact += [ONNXRUNTIME] if exact and onnxruntime_int8_exact() else []
     probe = int8_probe()
-    assert sorted(probe.ms) == sorted(exact)  # every exact 32-bit kernel timed, and no other
-    expected = "reference" if not fbgemm_available() else probe.kernel if exact else "fbgemm"
-    assert default_int8_kernel("cpu") == expected and default_int8_kernel("cuda") == "reference"
+    assert sorted(probe.ms) == sorted(exact)  # every exact kernel timed (ONNX Runtime's beside them), and no other
+    expected = probe.kernel if exact else "reference"
+    assert expected != ONNXRUNTIME and default_int8_kernel("cpu") == expected and default_int8_kernel("cuda") == "reference"
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")

@@ -113,13 +113,16 @@ def fits_onnxruntime(path: Path) -> bool:
 
 def cpu_runs_better(artifact: bool) -> bool:
     """Whether the cpu backend runs a W8A8 artifact (``artifact``) or a float checkpoint better than ONNX Runtime on this
-    CPU. An artifact: where the int8 probe picks our own kernel (``quasar``), the cpu backend, with it and the C
-    attention, runs the verify step and the batched serving step faster than ONNX Runtime's graphs (``bench onnx step``,
-    ``bench batched-step``; docs/architecture.md). A float checkpoint: where the CPU computes bf16, the cpu backend runs
-    it in bf16 and ORT's CPU kernels only in float32 (twice the bytes per step)."""
-    from ..kernels import cpu_computes_bf16, default_int8_kernel
+    CPU. An artifact: where the int8 probe picks our own kernel (``quasar``) and times it faster than ONNX Runtime's
+    ``MatMulInteger`` at the same shape, the cpu backend, with it and the C attention, runs the verify step and the
+    batched serving step faster than ONNX Runtime's graphs (``bench onnx step``, ``bench batched-step``;
+    docs/architecture.md). A float checkpoint: where the CPU computes bf16, the cpu backend runs it in bf16 and ORT's
+    CPU kernels only in float32 (twice the bytes per step)."""
+    from ..kernels import cpu_computes_bf16, default_int8_kernel, int8_probe
 
-    return default_int8_kernel("cpu") == "quasar" if artifact else cpu_computes_bf16()
+    if not artifact:
+        return cpu_computes_bf16()
+    return default_int8_kernel("cpu") == "quasar" and int8_probe().cpu_beats_onnxruntime
 
 
 def cpu_serves_better(path: Path) -> bool:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from .backends import create_backend, resolve_backend
+from .chat.renderer import RENDER_CHARS_PER_TOKEN, ChatRenderer
 from .errors import QuasarError
 from .integrity import listed_files, read_listed
 from .speculative.acceptance import Sampler, SamplingParams
@@ -57,7 +57,6 @@ class Counter:
 '''
 
 MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
-CHAT_TEMPLATE_SECONDS = 5.0  # a template is a program from the checkpoint: bound how long it may run
 
 Message = Mapping[str, str]
 Prompt = str | Sequence[Message] | Sequence[int]
@@ -198,32 +197,6 @@ def check_text(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise QuasarError(f"{what} is not valid UTF-8 text (character {exc.start} is a lone surrogate)") from None
-
-
-class TimeLimit(BaseException):
-    """Raised inside a time-limited call; a BaseException so the code it interrupts cannot swallow it."""
-
-
-def within_seconds(seconds: float, call: Callable[[], Any]) -> Any:
-    """``call()``, interrupted with ``TimeLimit`` once it has run ``seconds``.
-
-    A trace function checks the clock at every Python line the call runs, which
-    interrupts pure-Python work (a Jinja template is compiled to Python) in any
-    thread, where a signal-based alarm works only in the main thread.
-    """
-    deadline = time.monotonic() + seconds
-
-    def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise TimeLimit
-        return trace
-
-    previous = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        return call()
-    finally:
-        sys.settrace(previous)
 
 
 class Detokenizer:
@@ -428,10 +401,13 @@ class Engine:
     _skip_orders: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # greedy, by text
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _holder: int | None = field(default=None, repr=False)
+    renderer: ChatRenderer | None = field(default=None, repr=False)  # chat templates (None: the bounds of ``chat.renderer``)
 
     def __post_init__(self) -> None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.stop_ids = frozenset(self.stop_ids) | ({eos} if eos is not None else set())
+        if self.renderer is None:
+            self.renderer = ChatRenderer(self.tokenizer, RENDER_CHARS_PER_TOKEN * self.lm.max_length)
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -477,24 +453,18 @@ class Engine:
         raise QuasarError("a prompt is a string, a list of chat messages ({'role', 'content'}) or a list of token ids")
 
     def _chat(self, messages: Sequence[Message]) -> list[int]:
+        return self.renderer.render(self.chat_messages(messages))
+
+    def chat_messages(self, messages: Sequence[Message]) -> list[dict[str, str]]:
+        """``messages`` checked for the chat template (a string role and content each, text that encodes) as plain dicts:
+        what ``renderer`` renders, in its own process, bounded in time, size and memory (``chat/worker.py``)."""
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise QuasarError("each chat message needs a string 'role' and a string 'content'")
             check_text(m["content"], "a chat message")
         if not getattr(self.tokenizer, "chat_template", None):
             raise QuasarError("this model's tokenizer has no chat template; pass the prompt as plain text")
-        try:
-            text = within_seconds(
-                CHAT_TEMPLATE_SECONDS,
-                lambda: self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True),
-            )
-        except TimeLimit:
-            raise QuasarError(
-                f"the chat template did not finish rendering within {CHAT_TEMPLATE_SECONDS:g} s (an unbounded loop?)"
-            ) from None
-        except Exception as exc:  # jinja2 errors, raise_exception() in templates: all mean the messages do not fit the template
-            raise QuasarError(f"the chat template rejected the messages: {exc}") from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return [dict(m) for m in messages]
 
     def drafter(self, options: GenerationOptions, lm: CausalLM | None = None) -> Drafter:
         """A fresh drafter for one generation (drafters keep per-sequence state) on the engine's sequence or on ``lm``."""

@@ -13,19 +13,27 @@ __all__ = ["CHAT_TEMPLATE", "chat_engine", "free_port", "live_server", "metric",
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
 
 
-def chat_engine(model):
-    """``model`` on the cpu backend with ``CHAT_TEMPLATE`` (the tiny models' tokenizer has none): the server tests' engine."""
+def chat_engine(model, template_seconds: float | None = None):
+    """``model`` on the cpu backend with ``CHAT_TEMPLATE`` (the tiny models' tokenizer has none): the server tests' engine;
+    ``template_seconds``: a render's time bound, shorter than the default so that a test of a looping template is short."""
+    from quasar_deploy.chat.renderer import RENDER_CHARS_PER_TOKEN, ChatRenderer
     from quasar_deploy.engine import load
 
     engine = load(model, backend="cpu")
     engine.tokenizer.chat_template = CHAT_TEMPLATE
+    if template_seconds is not None:
+        engine.renderer = ChatRenderer(engine.tokenizer, RENDER_CHARS_PER_TOKEN * engine.lm.max_length, seconds=template_seconds)
     return engine
 
 
-def metric(base: str, name: str, headers: dict | None = None) -> float:
-    """One sample's value from /metrics (the first line that starts with ``name``)."""
+def metric(base: str, name: str, headers: dict | None = None, default: float | None = None) -> float:
+    """One sample's value from /metrics (the first line that starts with ``name``); ``default`` for a labelled sample
+    not counted yet (none: it must be there)."""
     text = httpx.get(f"{base}/metrics", headers=headers or {}, timeout=5).text
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{")))
+    values = (line.split()[-1] for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+    value = next(values, default)
+    assert value is not None, f"no {name} in /metrics"
+    return float(value)
 
 
 class SlowLM:

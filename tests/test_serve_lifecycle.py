@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -16,9 +17,10 @@ from quasar_deploy.errors import QuasarError
 from quasar_deploy.serve.vllm import exec_vllm, vllm_command
 
 from .helpers import assert_one_line_error
-from .serving import free_port, wait_healthy
+from .serving import CHAT_TEMPLATE, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
+# the server on MODEL at PORT with --drain-timeout SECONDS and the chat template TEMPLATE, a verify step taking 50 ms
 SERVER_SCRIPT = """
 import sys
 from quasar_deploy.engine import load
@@ -26,18 +28,29 @@ from quasar_deploy.serve.app import ServeConfig, create_app
 from quasar_deploy.serve.server import run
 from tests.serving import slow_engine
 
-engine = slow_engine(load(sys.argv[1], backend="cpu"), delay=0.05)
-run(create_app(engine, ServeConfig("tiny")), "127.0.0.1", int(sys.argv[2]), drain_timeout=60)
+model, port, drain_timeout, template = sys.argv[1:]
+engine = slow_engine(load(model, backend="cpu"), delay=0.05)
+engine.tokenizer.chat_template = template
+run(create_app(engine, ServeConfig("tiny")), "127.0.0.1", int(port), drain_timeout=float(drain_timeout))
 """
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+LONG = {"model": "tiny", "prompt": "def f0(x):\n", "temperature": 0, "max_tokens": 400, "draft": "none"}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "def f(x):"}]}
+
+
+def start_server(model: Path, drain_timeout: float, template: str = CHAT_TEMPLATE) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-c", SERVER_SCRIPT, str(model), str(port), str(drain_timeout), template]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, timeout=120, process=process)
+    return process, base
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_qwen3):
     pytest.importorskip("fastapi")
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(tiny_qwen3), str(port)], cwd=ROOT, stderr=subprocess.PIPE)
+    process, base = start_server(tiny_qwen3, drain_timeout=60)
     try:
-        wait_healthy(base, timeout=120, process=process)
         lines: list[str] = []
         first = threading.Event()
 
@@ -63,6 +76,51 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_qwen3):
         assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
         assert data[-1]["choices"][0]["finish_reason"] in ("stop", "length") and "usage" not in data[-1]
         assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_the_drain_timeout_is_honoured_and_the_requests_it_ends_get_an_answer(tiny_qwen3):
+    """``--drain-timeout 2`` with a stream, a plain completion and a chat whose template loops in flight: the process
+    exits 2 s after SIGTERM (not 5 s later, at uvicorn's own grace period), the stream ends with an error event and
+    ``[DONE]``, the others get 503."""
+    pytest.importorskip("fastapi")
+    process, base = start_server(tiny_qwen3, drain_timeout=2, template=LOOP)
+    try:
+        lines: list[str] = []
+        answers: dict[str, httpx.Response] = {}
+        first = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{base}/v1/completions", json={**LONG, "stream": True}, timeout=60) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+                    first.set()
+
+        def post(name: str, path: str, body: dict) -> None:
+            answers[name] = httpx.post(f"{base}{path}", json=body, timeout=60)
+
+        clients = [
+            threading.Thread(target=stream),
+            threading.Thread(target=post, args=("plain", "/v1/completions", LONG)),
+            threading.Thread(target=post, args=("chat", "/v1/chat/completions", CHAT)),
+        ]
+        for client in clients:
+            client.start()
+        assert first.wait(30)
+        time.sleep(0.5)  # the plain completion is generating, the chat's template rendering
+        began = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert 2 <= time.monotonic() - began < 3.5
+        for client in clients:
+            client.join(30)
+        data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["message"] == "the server is shutting down", lines[-3:]
+        for name in ("plain", "chat"):
+            assert answers[name].status_code == 503 and answers[name].json()["error"]["message"] == "the server is shutting down"
     finally:
         if process.poll() is None:
             process.kill()

@@ -1,14 +1,16 @@
 """The HTTP side: OpenAI's routes over the scheduler, API-key and body-size guards, errors always in OpenAI's shape.
 
-Handlers only parse, submit and relay: every model call happens on the scheduler's
-thread, so the event loop stays responsive and the tokenizer is used from one thread.
-A request's events arrive on an asyncio queue; a client that goes away cancels its
-ticket (streams through the response being cancelled, plain requests by polling).
+Handlers only parse, submit and relay: every model call happens on the scheduler's thread, and a chat's template
+renders in the renderer's process (``chat/``), so the event loop stays responsive and neither a model step nor a
+template holds it. A request's events arrive on an asyncio queue; from the moment its body is in, a ``ClientWatch``
+notices its client going, and whatever the request then waits for (its render, its turn, its next step) ends, its
+sequence cancelled. A request whose client went away is counted as status 499 (``CLIENT_CLOSED``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -21,19 +23,21 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
+from ..chat.renderer import RendererError
 from ..engine import Engine
 from ..errors import QuasarError
 from ..files import first_line
+from .disconnect import ClientGone, ClientWatch
 from .metrics import Metrics
 from .protocol import ApiError, RequestLimits, parse_json, parse_request
 from .responses import Shaper, sse
 from .scheduler import PREFILL_TOKENS, Done, Event, Failed, QueueFull, Scheduler, Text, Ticket
 
-DISCONNECT_POLL_S = 0.5
 RETRY_AFTER_S = "1"  # what 429 and 503 tell a client to wait: admission frees up as sequences finish, a drain ends soon
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-CLIENT_CLOSED = 499  # nginx's status for a request whose client went away: only ever seen in the metrics
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (before its response was complete): the metrics' label
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ def error_response(error: ApiError) -> JSONResponse:
 
 class Guard:
     """ASGI middleware: the API key on every route but /health, and the request counter (a plain ASGI layer, not
-    ``BaseHTTPMiddleware``, so streams and their cancellation pass through untouched)."""
+    ``BaseHTTPMiddleware``, so streams and their cancellation pass through untouched). A request whose client
+    disconnected before its response was complete counts as ``CLIENT_CLOSED``, whatever was sent to nobody."""
 
     def __init__(self, app, api_key: str | None, metrics: Metrics):
         self.app, self.api_key, self.metrics = app, api_key, metrics
@@ -83,24 +88,32 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500
+        status, complete, gone = 500, False, False
+
+        async def receive_watching() -> dict:
+            nonlocal gone
+            message = await receive()
+            gone = gone or (message["type"] == "http.disconnect" and not complete)
+            return message
 
         async def send_counting(message: dict) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True  # before sending: once it is sent, receive() says "http.disconnect" for any request
             await send(message)
 
         try:
             if self.api_key and scope["path"] != "/health" and not self._authorized(scope):
                 await error_response(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)"))(
-                    scope, receive, send_counting
+                    scope, receive_watching, send_counting
                 )
             else:
-                await self.app(scope, receive, send_counting)
+                await self.app(scope, receive_watching, send_counting)
         finally:
             endpoint = scope["path"] if scope["path"] in ROUTES else "other"
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            self.metrics.requests.labels(endpoint=endpoint, status=str(CLIENT_CLOSED if gone else status)).inc()
 
 
 async def read_json(request: HttpRequest, limit: int, timeout_s: float) -> Any:
@@ -126,16 +139,6 @@ async def read_json(request: HttpRequest, limit: int, timeout_s: float) -> Any:
     return parse_json(body)
 
 
-async def next_event(request: HttpRequest, events: asyncio.Queue) -> Event | None:
-    """The ticket's next event, or None once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                return None
-
-
 def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     """The server's app; the scheduler's worker runs for the app's lifespan. ``app.state.draining`` refuses new work (503)."""
     metrics = Metrics()
@@ -153,12 +156,26 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loop, app.state.ended = asyncio.get_running_loop(), asyncio.Event()
+        if getattr(engine.tokenizer, "chat_template", None):
+            engine.renderer.start()  # its process starts beside the server, not at the first chat
         scheduler.start()
         yield
         scheduler.stop()
 
+    def in_flight() -> int:
+        """Requests the server still owes an answer: in the scheduler, or rendering their chat template."""
+        return scheduler.busy + engine.renderer.busy
+
+    def end_in_flight() -> None:
+        """A drain's deadline (from another thread): every request in flight ends now with 503, a stream with its error
+        event and ``[DONE]``; a render still running ends with it."""
+        scheduler.end_all(ApiError(503, "the server is shutting down"))
+        app.state.loop.call_soon_threadsafe(app.state.ended.set)
+
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.draining = scheduler, metrics, False
+    app.state.in_flight, app.state.end_in_flight = in_flight, end_in_flight
     app.add_middleware(Guard, api_key=config.api_key, metrics=metrics)
 
     @app.exception_handler(ApiError)
@@ -168,6 +185,11 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
         return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(ClientDisconnect)  # gone while its body arrived
+    @app.exception_handler(ClientGone)  # gone while it waited
+    async def client_gone(request: HttpRequest, exc: Exception) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it: the status is for the metrics
 
     @app.exception_handler(Exception)
     async def internal_error(request: HttpRequest, exc: Exception) -> JSONResponse:
@@ -179,51 +201,71 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         parsed = parse_request(
             await read_json(request, config.max_body_bytes, config.body_timeout), chat, config.model, defaults, config.limits
         )
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        watch = ClientWatch(request.receive, app.state.ended)
+        ticket, streaming = None, False
+        try:
+            if chat:
+                parsed = dataclasses.replace(parsed, prompt=await watch.until_gone(render(parsed.prompt)))
+            loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
-        def deliver(event: Event) -> None:
+            def deliver(event: Event) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, event)
+                except RuntimeError:  # the event loop has closed (server stopped): nobody is waiting for this event
+                    pass
+
+            ticket = Ticket(parsed, deliver)
             try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop has closed (server stopped): nobody is waiting for this event
-                pass
-
-        ticket = Ticket(parsed, deliver)
-        try:
-            scheduler.submit(ticket)
-        except QueueFull:
-            raise ApiError(429, "the server is at capacity; retry later") from None
-        try:
-            if await next_live_event(request, events, ticket) is None:
-                return Response(status_code=CLIENT_CLOSED)
+                scheduler.submit(ticket)
+            except QueueFull:
+                raise ApiError(429, "the server is at capacity; retry later") from None
+            event = await next_event(watch, events)  # Started, or the prompt's failure
             shaper = Shaper(config.model, chat)
             if parsed.stream:
-                return StreamingResponse(stream(ticket, events, shaper, parsed.include_usage), media_type="text/event-stream")
-            while True:
-                event = await next_live_event(request, events, ticket)
-                if event is None:
-                    return Response(status_code=CLIENT_CLOSED)
-                if isinstance(event, Done):
-                    return JSONResponse(shaper.full(event.result))
+                streaming = True
+                return StreamingResponse(stream(ticket, events, shaper, parsed.include_usage, watch), media_type="text/event-stream")
+            while not isinstance(event, Done):
+                event = await next_event(watch, events)
+            return JSONResponse(shaper.full(event.result))
         except BaseException:
-            scheduler.cancel(ticket)
+            if ticket is not None:
+                scheduler.cancel(ticket)
             raise
+        finally:
+            if not streaming:
+                watch.close()
 
-    async def next_live_event(request: HttpRequest, events: asyncio.Queue, ticket: Ticket) -> Event | None:
-        """The ticket's next event; None once the client has gone (its sequence is then cancelled); a failure raises."""
-        event = await next_event(request, events)
-        if event is None:
-            scheduler.cancel(ticket)
-        elif isinstance(event, Failed):
+    async def render(messages: list[dict[str, str]]) -> list[int]:
+        """The chat's prompt ids, rendered in the renderer's process: 400 when the template refuses the messages or
+        passes a bound, 500 when the renderer itself fails."""
+        try:
+            return await engine.renderer.render_async(engine.chat_messages(messages))
+        except RendererError as exc:
+            raise ApiError(500, f"internal error: {exc}") from None
+        except QuasarError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+
+    async def next_event(watch: ClientWatch, events: asyncio.Queue) -> Event:
+        """The ticket's next event; a failure raises, and so does the client going (``ClientGone``)."""
+        event = await watch.until_gone(events.get())
+        if isinstance(event, Failed):
             raise event.error
         return event
 
-    async def stream(ticket: Ticket, events: asyncio.Queue, shaper: Shaper, include_usage: bool) -> AsyncIterator[str]:
-        """SSE chunks until ``[DONE]``; the response being cancelled (client gone) cancels the sequence."""
+    async def stream(ticket: Ticket, events: asyncio.Queue, shaper: Shaper, include_usage: bool, watch: ClientWatch) -> AsyncIterator[str]:
+        """SSE chunks until ``[DONE]``; a failure (the server ending its requests too) is the last event before it, and the
+        client going ends the stream at once. Either way the sequence is cancelled."""
         try:
             if shaper.chat:
                 yield sse(shaper.chunk("", include_usage=include_usage))
             while True:
-                event = await events.get()
+                try:
+                    event = await next_event(watch, events)
+                except ClientGone:
+                    return
+                except ApiError as error:
+                    yield sse(error.body())
+                    break
                 if isinstance(event, Text):
                     yield sse(shaper.chunk(event.text, include_usage=include_usage))
                 elif isinstance(event, Done):
@@ -231,12 +273,10 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
                     if include_usage:
                         yield sse(shaper.usage_chunk(event.result))
                     break
-                elif isinstance(event, Failed):
-                    yield sse(event.error.body())
-                    break
             yield sse("[DONE]")
         finally:
             scheduler.cancel(ticket)
+            watch.close()
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:

@@ -155,6 +155,7 @@ class Scheduler:
         self._running: list[Running] = []
         self._wake = threading.Condition()
         self._stopping = False
+        self._ending: ApiError | None = None  # set by ``end_all``: every request ends with it
         self._thread = threading.Thread(target=self._work, name="quasar-scheduler", daemon=True)
         # this thread loaded the model; the worker thread runs it from here on, at full speed only once this thread's
         # OpenMP pool is gone (openmp.py)
@@ -176,7 +177,10 @@ class Scheduler:
         return len(self._waiting) + len(self._running)
 
     def submit(self, ticket: Ticket) -> None:
+        """Queue ``ticket``; QueueFull at the bounds, and after ``end_all`` its error."""
         with self._wake:
+            if self._ending is not None:
+                raise ApiError(self._ending.status, self._ending.message)
             if self.busy >= self.max_sequences + self.max_queue:
                 raise QueueFull
             self._waiting.append(ticket)
@@ -184,10 +188,31 @@ class Scheduler:
             self._wake.notify()
 
     def cancel(self, ticket: Ticket) -> None:
-        """The client went away: its sequence leaves at the next round (a no-op once it has finished)."""
+        """The client went away: a waiting ticket leaves the queue now, a running sequence at the next round (a no-op
+        once it has finished)."""
         with self._wake:
             ticket.cancelled = True
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+                self.metrics.queue_depth.set(len(self._waiting))
             self._wake.notify()
+
+    def end_all(self, error: ApiError) -> None:
+        """Every request here ends now with ``error`` (a drain's deadline: a stream gets it as its last event), and every
+        one submitted from now on is refused with it; the worker drops their sequences at its next round."""
+        with self._wake:
+            self._ending = error
+            for ticket in [*self._waiting, *(running.ticket for running in self._running)]:
+                self._end(ticket, error)
+            self._waiting.clear()
+            self.metrics.queue_depth.set(0)
+            self._wake.notify()
+
+    @staticmethod
+    def _end(ticket: Ticket, error: ApiError) -> None:
+        if not ticket.cancelled:
+            ticket.cancelled = True
+            ticket.deliver(Failed(error))
 
     def _work(self) -> None:
         while True:
@@ -203,6 +228,9 @@ class Scheduler:
                 for ticket in admitted:
                     if not ticket.cancelled and not self._expired(ticket):
                         self._open(ticket)
+            if self._ending is not None:  # those admitted while ``end_all`` ran
+                for running in self._running:
+                    self._end(running.ticket, self._ending)
             self._drop_cancelled()
             self._end_expired()
             self._step_all()

@@ -18,11 +18,17 @@ from fastapi import FastAPI
 
 log = logging.getLogger("quasar_deploy.serve")
 DRAIN_POLL_S = 0.05
+# once the drain's time is up: for the ended requests' last bytes (a stream's error event and [DONE]) to go out
+DRAIN_FLUSH_S = 1.0
+# SIGINT or a second SIGTERM: what uvicorn gives requests in flight before it cancels them
+GRACEFUL_SHUTDOWN_S = 5
 
 
 class DrainingServer(uvicorn.Server):
-    """First SIGTERM: mark the app draining, exit once its scheduler is idle (or ``drain_timeout`` passed). SIGINT or a
-    second SIGTERM: uvicorn's usual shutdown. The drained exit is a clean one (exit code 0)."""
+    """First SIGTERM: mark the app draining, exit once no request is in flight or ``drain_timeout`` has passed, when
+    those still in flight end with 503 (a stream: an error event, then ``[DONE]``) and the exit follows within
+    ``DRAIN_FLUSH_S``. SIGINT or a second SIGTERM: uvicorn's usual shutdown. The drained exit is a clean one (exit
+    code 0)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float):
         super().__init__(config)
@@ -37,11 +43,15 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._drain, name="quasar-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        scheduler = self.app.state.scheduler
-        log.info("draining: %d request(s) in flight, new ones get 503", scheduler.busy)
+        state = self.app.state
+        log.info("draining: %d request(s) in flight, new ones get 503", state.in_flight())
         deadline = time.monotonic() + self.drain_timeout
-        while scheduler.busy and time.monotonic() < deadline:
+        while state.in_flight() and time.monotonic() < deadline:
             time.sleep(DRAIN_POLL_S)
+        if state.in_flight():
+            log.info("drain timeout: ending %d request(s) with 503", state.in_flight())
+            state.end_in_flight()
+        self.config.timeout_graceful_shutdown = DRAIN_FLUSH_S  # uvicorn's wait for the connections, which now finish
         self.should_exit = True
 
 
@@ -56,5 +66,5 @@ def freeze_loaded_objects() -> None:
 def run(app: FastAPI, host: str, port: int, drain_timeout: float = 300.0) -> None:
     """Serve until SIGINT, or SIGTERM and the drain."""
     freeze_loaded_objects()
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     DrainingServer(config, app, drain_timeout).run()

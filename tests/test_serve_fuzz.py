@@ -1,5 +1,6 @@
-"""Property-based requests against the app in-process: whatever a client sends, the answer is a JSON 2xx or 4xx, never
-a 5xx, and the server still answers the same greedy completion afterwards.
+"""Property-based requests against the app in-process: whatever a client sends, and whatever the model's chat template
+does, the answer is a JSON 2xx or 4xx, never a 5xx, within the template's time bound, and the server still answers the
+same greedy completion afterwards.
 
 Bounded for the suite (``QUASAR_FUZZ_EXAMPLES`` examples per test, 40 by default, a few seconds); a longer run
 raises it: ``QUASAR_FUZZ_EXAMPLES=5000 pytest tests/test_serve_fuzz.py`` (docs/security.md).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -19,12 +21,13 @@ from quasar_deploy.serve.protocol import RequestLimits
 pytest.importorskip("fastapi")
 hypothesis = pytest.importorskip("hypothesis")
 from fastapi.testclient import TestClient  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from .serving import chat_engine  # noqa: E402
+from .serving import CHAT_TEMPLATE, chat_engine  # noqa: E402
 
 EXAMPLES = int(os.environ.get("QUASAR_FUZZ_EXAMPLES", "40"))
+TEMPLATE_SECONDS = 0.5  # the renders' time bound here: a looping template costs an example no more
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 PROMPT = "def add(a, b):\n    return"
 GREEDY = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 8, "draft": "none"}
@@ -75,6 +78,47 @@ FIELDS = {
 }
 
 
+# chat templates, as a model directory from elsewhere could carry them: pieces that render, refuse, loop, recurse, build
+# large strings or reach for what the sandbox keeps out, some sized by a number (@N@)
+TEMPLATE_PIECES = [
+    CHAT_TEMPLATE,
+    "{{ bos_token }}{{ eos_token }}",
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{{ raise_exception('not this conversation') }}",
+    "{{ messages | tojson }}",
+    "{{ undefined_thing.attribute }}",
+    "{{ 1 / 0 }}",
+    "{% for %}",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ strftime_now('%Y') }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+]
+SIZED_PIECES = [
+    "{{ messages[@N@].content }}",
+    "{{ 'ab ' * @N@ }}",
+    "{{ 'x'.ljust(@N@) }}",
+    "{{ range(@N@) | join(',') }}",
+    "{% for i in range(@N@) %}{% for j in range(@N@) %}x{% endfor %}{% endfor %}",
+    "{{ messages[0].content * @N@ }}",
+    "{{ 'z' | center(@N@) }}",
+    "{{ 'w\nv' | indent(@N@) }}",
+]
+sizes = st.sampled_from([-1, 0, 1, 3, 1000, 100_000, 10**9])
+templates = st.lists(
+    st.one_of(
+        st.sampled_from(TEMPLATE_PIECES),
+        st.builds(lambda piece, n: piece.replace("@N@", str(n)), st.sampled_from(SIZED_PIECES), sizes),
+        st.text(max_size=20),
+    ),
+    min_size=1,
+    max_size=4,
+).map("".join)
+USER = {"role": "user", "content": "hi"}
+roles = st.sampled_from(["user", "system", "assistant"])
+conversations = st.lists(st.fixed_dictionaries({"role": roles, "content": st.text(max_size=40)}), min_size=1, max_size=3)
+
+
 def bodies(chat: bool):
     required = {"messages": messages} if chat else {"prompt": prompts}
     return st.fixed_dictionaries(required, optional={**FIELDS, **{k: values for k in ("extra", "best_of", "echo")}})
@@ -82,7 +126,7 @@ def bodies(chat: bool):
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3) -> Engine:
-    return chat_engine(tiny_qwen3)
+    return chat_engine(tiny_qwen3, template_seconds=TEMPLATE_SECONDS)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +182,18 @@ def test_chat_never_5xx(client, body):
 def test_raw_bodies_never_5xx(client, raw):
     for path in ("/v1/completions", "/v1/chat/completions"):
         check(client.post(path, content=raw, headers={"Content-Type": "application/json"}))
+
+
+@FUZZ
+@given(template=templates, messages=conversations)
+@example(template="{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", messages=[USER])  # issue 44
+@example(template="{{ 'ab ' * 5000000 }}{{ messages[0].content }}", messages=[USER])  # issue 44: 20 s and 1.4 GB before
+def test_chat_templates_never_5xx_nor_run_past_their_bound(client, engine, template, messages):
+    engine.tokenizer.chat_template = template
+    try:
+        began = time.monotonic()
+        check(send(client, "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 4}))
+        assert time.monotonic() - began < TEMPLATE_SECONDS + 10  # a render's bound, then the tiny generation at most
+        assert engine.renderer.busy == 0
+    finally:
+        engine.tokenizer.chat_template = CHAT_TEMPLATE

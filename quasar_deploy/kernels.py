@@ -124,6 +124,10 @@ def _sums_exactly(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> boo
 
 PROBE_ROWS = (6, 48)  # a verify block, and a batched serving step of 8 sequences
 ONNXRUNTIME = "onnxruntime"  # ONNX Runtime's int8 linear in the probe's timings (not a kernel of the torch backend)
+# how much faster than ONNX Runtime's int8 linear the torch backend's must time for the cpu backend to run artifacts:
+# a whole step costs ORT's single graph less around its linears than it costs the torch backend (docs/cpu-kinds.md:
+# under the AVX2 view, linears 10% faster on ours, the verify step 31% slower)
+ONNXRUNTIME_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -142,9 +146,9 @@ class Int8Probe:
 
     @property
     def cpu_beats_onnxruntime(self) -> bool:
-        """Whether the torch backend's kernel timed faster than ONNX Runtime's int8 linear (true where ORT was not timed:
-        not installed, or not exact)."""
-        return ONNXRUNTIME not in self.ms or self.ms[self.kernel] <= self.ms[ONNXRUNTIME]
+        """Whether the torch backend's kernel timed faster than ONNX Runtime's int8 linear by ``ONNXRUNTIME_MARGIN``
+        (true where ORT was not timed: not installed, or not exact)."""
+        return ONNXRUNTIME not in self.ms or self.ms[self.kernel] * ONNXRUNTIME_MARGIN <= self.ms[ONNXRUNTIME]
 
     @property
     def reason(self) -> str:
@@ -154,7 +158,7 @@ class Int8Probe:
             return "the only exact int8 kernel here"
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
         when = f"; timed {self.timed}, kept: {probe_store.REPROBE_ENV}=1 times again" if self.timed else ""
-        ort = "" if self.cpu_beats_onnxruntime else "; ONNX Runtime's int8 linear timed faster still: W8A8 artifacts run there"
+        ort = "" if self.cpu_beats_onnxruntime else f"; ours not {ONNXRUNTIME_MARGIN}x faster than ONNX Runtime's: W8A8 artifacts run there"
         return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times}{when}){ort}"
 
 

@@ -277,10 +277,11 @@ def test_onnx_runtimes_int8_linear_in_the_probe_is_the_reference():
     assert torch.equal(kernels._onnxruntime_int8(wq, scale)(x), expected)
 
 
-@pytest.mark.parametrize("ort_ms, backend", [(None, "cpu"), (9.0, "cpu"), (1.0, "onnxruntime")])
+@pytest.mark.parametrize("ort_ms, backend", [(None, "cpu"), (9.0, "cpu"), (2.5, "cpu"), (2.4, "onnxruntime"), (1.0, "onnxruntime")])
 def test_w8a8_artifacts_run_where_the_int8_linear_timed_faster(monkeypatch, ort_ms, backend):
-    """ONNX Runtime's int8 linear is timed beside ours (where it is installed and exact): where it is faster, ``auto``
-    runs artifacts on it, and the torch backend's kernel is still the fastest of its own; doctor says so."""
+    """ONNX Runtime's int8 linear is timed beside ours (where it is installed and exact): where ours is not faster by
+    the margin (1.25x), ``auto`` runs artifacts on it, and the torch backend's kernel is still the fastest of its own;
+    doctor says so."""
     from quasar_deploy.backends import registry
 
     timed = {"quasar": 2.0, "fbgemm": 3.0, **({kernels.ONNXRUNTIME: ort_ms} if ort_ms else {})}

@@ -44,5 +44,6 @@ EOF
 chmod +x "$view/cc.$$"
 mv -f "$view/cc.$$" "$view/cc"  # whole, for a build of another process running the view
 export CC="$view/cc" ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
+export QUASAR_CPU_VIEW=avx2  # bench records made here say so, and the benchmarks page keeps them apart
 export QUASAR_CACHE=${QUASAR_CACHE:-$view/cache}
 "$@"

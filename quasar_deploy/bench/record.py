@@ -19,6 +19,10 @@ from pathlib import Path
 from ..errors import QuasarError
 
 RECORD_VERSION = 1
+# set by tools/avx2_view.sh ("avx2"): a record made under the view is of that view of the CPU, not of the CPU itself,
+# and the page keeps it apart
+VIEW_ENV = "QUASAR_CPU_VIEW"
+VIEW_KEY = "view"
 FIELDS = ("record", "command", "options", "version", "date", "machine", "dtypes", "figures")
 INT8 = "int8 weights, int8 per-token activations"
 
@@ -29,7 +33,8 @@ def machine() -> dict:
 
     info = report()
     keys = ("cpu", "isa", "threads", "omp_wait_policy", "torch", "fbgemm", "onednn", "int8_kernel", "float_kernel", "gpu")
-    return {key: info[key] for key in keys} | {"load_1min": os.getloadavg()[0]}
+    view = {VIEW_KEY: os.environ[VIEW_ENV]} if os.environ.get(VIEW_ENV) else {}
+    return {key: info[key] for key in keys} | {"int8_build": info["probes"]["quasar_int8_build"], "load_1min": os.getloadavg()[0]} | view
 
 
 def make_record(command: str, options: dict, dtypes: dict[str, str], figures: dict) -> dict:
@@ -196,7 +201,8 @@ def current(records: list[dict]) -> dict[str, dict[str, tuple[str, dict]]]:
         if headline is None:
             continue
         gpu = record["command"] == "bench gpu"
-        kind = f"GPU: {record['figures']['gpu']}" if gpu else f"CPU: {record['machine']['cpu']}"
+        view = record["machine"].get(VIEW_KEY)
+        kind = f"GPU: {record['figures']['gpu']}" if gpu else f"CPU: {record['machine']['cpu']}" + (f", {view} view" if view else "")
         for quantity, value in headline(record["figures"]):
             table.setdefault(kind, {})[quantity] = (value, record)
     return table

@@ -125,8 +125,8 @@ def _sums_exactly(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> boo
 PROBE_ROWS = (6, 48)  # a verify block, and a batched serving step of 8 sequences
 ONNXRUNTIME = "onnxruntime"  # ONNX Runtime's int8 linear in the probe's timings (not a kernel of the torch backend)
 # how much faster than ONNX Runtime's int8 linear the torch backend's must time for the cpu backend to run artifacts:
-# a whole step costs ORT's single graph less around its linears than it costs the torch backend (docs/cpu-kinds.md:
-# under the AVX2 view, linears 10% faster on ours, the verify step 31% slower)
+# a whole step costs ORT's single graph less around its linears than it costs the torch backend (the runs that set it:
+# docs/cpu-kinds.md, "Our AVX2 build under the view")
 ONNXRUNTIME_MARGIN = 1.25
 
 

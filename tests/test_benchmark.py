@@ -215,7 +215,7 @@ def test_bench_kernels_names_its_kernels():
     row = {"out_features": 8, "in_features": 4, "m": 6, "float_ms": 2.0, "w8a8_ms": 1.0, "speedup": 2.0}
     row |= {"float_fraction_of_bound": 0.5, "w8a8_fraction_of_bound": 0.4, "other_int8_ms": {"fbgemm-vnni": 1.25}}
     result = {"shape": "s", "float_kernel": "onednn", "float_dtype": "bfloat16", "int8_kernel": "onednn-vnni"}
-    result |= {"other_int8_kernels": ["fbgemm-vnni"]}
+    result |= {"int8_kernel_label": "onednn-vnni", "other_int8_kernels": ["fbgemm-vnni"]}
     text = describe_linear_kernels(result | {"threads": 2, "bandwidth_gb_s": 20.0, "rows": [row]})
     assert "float onednn in bfloat16" in text.splitlines()[0]
     assert "fbgemm-vnni ms" in text.splitlines()[1] and text.splitlines()[2].endswith("1.250")

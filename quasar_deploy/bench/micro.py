@@ -282,7 +282,7 @@ def describe_linear_kernels(result: dict) -> str:
     others = result["other_int8_kernels"]
     lines = [
         f"linear kernels at {result['shape']} sizes; float {result['float_kernel']} in {result['float_dtype']}, "
-        f"int8 {result.get('int8_kernel_label', result['int8_kernel'])}, "
+        f"int8 {result['int8_kernel_label']}, "
         f"{result['threads']} threads; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s",
         f"{'out x in':>13} {'M':>3} {'float ms':>9} {'W8A8 ms':>8} {'speed-up':>8} {'float %bw':>9} {'W8A8 %bw':>8}"
         + "".join(f" {k + ' ms':>15}" for k in others),

@@ -98,12 +98,18 @@ def content_key(model: Path) -> str:
 
 
 def head_outside(model: Path) -> bool:
-    """Whether ``model``'s cached export leaves its float lm_head to the backend: a W8A8 artifact on a CPU whose float
-    dtype is bf16 (its head then runs on torch's bf16 kernel, as on the cpu backend; ORT's CPU kernels have no bf16
-    MatMul, and a float32 head would read twice the bytes)."""
-    from .kernels import cpu_computes_bf16
+    """Whether ``model``'s cached export leaves its float lm_head to the backend: a W8A8 artifact whose head runs better
+    on torch beside the graph (``kernels.head_beside_graph``: in bf16 where the CPU computes it, else read as stored in
+    16 bits by ``quasar-half``; ORT's CPU kernels have no bf16 MatMul, and a float32 head reads twice the bytes)."""
+    from .checkpoint import Checkpoint
+    from .kernels import head_beside_graph
+    from .memory import EMBEDDINGS
+    from .shards import TORCH_DTYPES
 
-    return (model / MANIFEST).is_file() and cpu_computes_bf16()
+    if not (model / MANIFEST).is_file():
+        return False
+    dtypes = Checkpoint(model).dtypes
+    return head_beside_graph(TORCH_DTYPES[dtypes.get("lm_head.weight", dtypes.get(EMBEDDINGS, "F32"))])
 
 
 def onnx_export_path(model: Path) -> Path:

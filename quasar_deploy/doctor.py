@@ -79,6 +79,8 @@ def probes() -> dict:
         "bfloat16_ms": None if probe.bfloat16_ms is None else round(probe.bfloat16_ms, 3),
         "bf16_invariant_rows": probe.bf16_invariant_rows,
         "bf16_rows": probe.rows_text,
+        "half_ms": None if probe.half_ms is None else round(probe.half_ms, 3),
+        "half_weights": probe.half_text,
         "float_dtype": dtype_name(default_float_dtype("cpu")),
         "float_dtype_why": f"set by {FLOAT_DTYPE_ENV}={chosen}" if chosen else probe.reason,
     }

@@ -44,7 +44,10 @@ the choice moves speed, never an output.
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
 once for oneDNN, measured faster than MKL at small M on AMD parts). Only ``onednn`` is
 row-invariant (a row's result does not depend on the other rows of the call), which a
-batched serving step needs; MKL's blocking changes a row's rounding with M.
+batched serving step needs; MKL's blocking changes a row's rounding with M. Under ``onednn``, a weight stored in 16
+bits (bf16, float16: a real model's lm_head or tied table) that computes in float32 (a CPU without native bf16) runs on
+our ``quasar-half`` kernel instead (``backends/cpu_half.c``) where it runs: it reads the weight as stored, half the
+bytes oneDNN's float32 copy takes, widens it exactly and sums in float32, row-invariant too (``half_weights``).
 """
 
 from __future__ import annotations
@@ -300,6 +303,7 @@ class FloatProbe:
     bfloat16_ms: float | None  # None: no bf16 linear here (``bf16_missing`` says why)
     bf16_invariant_rows: int  # the most rows one bf16 call takes with every row's bits those of the row alone
     bf16_missing: str | None = None  # why this CPU has no bf16 linear of oneDNN's (torch's refusal), else None
+    half_ms: float | None = None  # our quasar-half kernel on the weight stored bf16 (None: it does not run here)
 
     @property
     def bf16_speedup(self) -> float:
@@ -314,6 +318,18 @@ class FloatProbe:
         if self.bf16_missing:
             return f"no bf16 linear here: {self.bf16_missing}"
         return f"bf16 {self.bf16_speedup:.1f}x float32 at a verify step's shape (bf16 needs {BF16_MIN_SPEEDUP}x)"
+
+    @property
+    def half_text(self) -> str:
+        """What the probe showed of the quasar-half kernel, for doctor."""
+        if self.half_ms is None:
+            from .backends import cpu_half
+
+            return f"16-bit weights widened to float32 by oneDNN (quasar-half: {cpu_half.why_not()})"
+        return (
+            f"16-bit weights read as stored by quasar-half where float32 computes: {self.half_ms:.3f} ms against oneDNN "
+            f"float32's {self.float32_ms:.3f} at a verify step's shape, half the bytes from memory"
+        )
 
     @property
     def rows_text(self) -> str | None:
@@ -349,12 +365,17 @@ def float_probe() -> FloatProbe:
     try:
         bf16_linear = _onednn_linear(weight.bfloat16(), None)
     except RuntimeError as refusal:  # oneDNN's bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2 CPU has neither
-        return FloatProbe(_fastest_ms(_onednn_linear(weight, None), x[:6]), None, 0, first_line(refusal))
+        return FloatProbe(_fastest_ms(_onednn_linear(weight, None), x[:6]), None, 0, first_line(refusal), _half_ms(weight, x[:6]))
     rows = _bf16_invariant_rows(bf16_linear, x.bfloat16())
     times = {}
     for dtype, most in ((torch.float32, None), (torch.bfloat16, rows)):
         times[dtype] = _fastest_ms(_onednn_linear(weight.to(dtype), None, most), x[:6].to(dtype))
-    return FloatProbe(times[torch.float32], times[torch.bfloat16], rows)
+    return FloatProbe(times[torch.float32], times[torch.bfloat16], rows, None, _half_ms(weight, x[:6]))
+
+
+def _half_ms(weight: torch.Tensor, rows: torch.Tensor) -> float | None:
+    """``quasar-half`` on ``weight`` stored bf16, timed on ``rows``; None where it does not run."""
+    return _fastest_ms(half_linear(weight.bfloat16(), None), rows) if half_weights(torch.bfloat16, torch.float32, "onednn") else None
 
 
 def _bf16_invariant_rows(linear: LinearFn, x: torch.Tensor) -> int:
@@ -397,9 +418,36 @@ def cpu_computes_bf16() -> bool:
     return default_float_dtype("cpu") == torch.bfloat16
 
 
+def head_beside_graph(stored: torch.dtype) -> bool:
+    """Whether a float lm_head stored as ``stored`` runs better on torch beside an ONNX Runtime graph than inside it
+    (ORT's CPU MatMul computes float32 from a float32 copy): where the CPU computes bf16, or where ``quasar-half``
+    computes float32 from the weight as stored (``half_weights``), reading half the bytes either way."""
+    return cpu_computes_bf16() or half_weights(stored, torch.float32, "onednn")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: the name ``default_float_dtype`` takes and reports print."""
     return str(dtype).removeprefix("torch.")
+
+
+def half_weights(stored: torch.dtype, dtype: torch.dtype, float_kernel: str) -> bool:
+    """Whether a float weight stored as ``stored`` and computing in ``dtype`` runs on the ``quasar-half`` kernel: under
+    ``onednn`` (the cpu backend's), a bf16 or float16 weight computing in float32, where the kernel runs
+    (``cpu_half.why_not``). No timing decides it: a real lm_head is read from memory each step, and this kernel reads
+    half the bytes oneDNN's float32 copy would, the same products summed in float32; ``float_probe`` times both at a
+    verify step's shape for doctor."""
+    if float_kernel != "onednn" or dtype != torch.float32 or stored not in (torch.bfloat16, torch.float16):
+        return False
+    from .backends import cpu_half
+
+    return cpu_half.why_not() is None
+
+
+def half_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
+    """The ``quasar-half`` kernel on ``weight`` as stored (bf16 or float16), packed once; float32 in and out."""
+    from .backends.cpu_half import HalfWeightLinear
+
+    return HalfWeightLinear(weight, bias)
 
 
 def _onednn_packs(weight: torch.Tensor) -> bool:
@@ -621,6 +669,9 @@ __all__ = [
     "fbgemm_available",
     "vnni_available",
     "float_linear",
+    "half_linear",
+    "half_weights",
+    "head_beside_graph",
     "int8_linear",
     "onednn_available",
     "onednn_int8_available",

@@ -53,11 +53,17 @@ def estimate(files: ModelFiles, float_dtype: torch.dtype | None = None) -> Memor
     """The cpu backend's resident weights and KV cache for ``files`` (artifact or float checkpoint), with float parts in
     ``float_dtype`` (default: the one ``kernels.default_float_dtype`` gives this CPU), as ``load_cpu`` holds them: a
     float checkpoint wholly in it; an artifact's activations, KV cache and kept-float layers in float32, its head in it."""
-    from .kernels import default_float_dtype
+    from .kernels import default_float_dtype, half_weights
 
     ckpt, spec = files.checkpoint, files.spec
-    head = (float_dtype or default_float_dtype("cpu")).itemsize
-    body = COMPUTE_ITEMSIZE if files.is_artifact else head
+    head_dtype = float_dtype or default_float_dtype("cpu")
+    body = COMPUTE_ITEMSIZE if files.is_artifact else head_dtype.itemsize
+
+    def held(name: str) -> int:
+        """Bytes per value of a head's weight as its kernel holds it: as stored where ``quasar-half`` runs it."""
+        stored = TORCH_DTYPES[ckpt.dtypes[name]]
+        return stored.itemsize if half_weights(stored, head_dtype, "onednn") else head_dtype.itemsize
+
     int8 = floats = embeddings = 0
     quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
     for name, shape in ckpt.shapes.items():
@@ -65,11 +71,11 @@ def estimate(files: ModelFiles, float_dtype: torch.dtype | None = None) -> Memor
         if name == EMBEDDINGS:  # read in place where no wider than the body's dtype (model.embedding_table); a tied head packs its own copy
             embeddings = 0 if TORCH_DTYPES[ckpt.dtypes[name]].itemsize <= body else count * body
             if spec.tie_word_embeddings:
-                floats += count * head
+                floats += count * held(name)
         elif name.rsplit(".", 1)[0] in quantized:
             int8 += count * TORCH_DTYPES[ckpt.dtypes[name]].itemsize
         else:
-            floats += count * (head if name.startswith("lm_head.") else body)
+            floats += count * (held(name) if name == "lm_head.weight" else head_dtype.itemsize if name.startswith("lm_head.") else body)
     return MemoryEstimate(int8, floats, embeddings, kv_cache_bytes(spec, 1000, body))
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from .decoder_spec import DecoderSpec, rope_inv_freq
 from .errors import QuasarError
-from .kernels import float_linear, int8_linear, packs_weight
+from .kernels import dtype_name, float_linear, half_linear, half_weights, int8_linear, packs_weight
 from .memory import EMBEDDINGS, return_freed_memory
 from .shards import TORCH_DTYPES
 
@@ -111,6 +111,14 @@ class Linear(nn.Module):
         return self.weight.dtype == torch.int8
 
     @property
+    def read_itemsize(self) -> int:
+        """Bytes per weight value a call reads: int8's 1; a float weight's in the dtype it computes in, or as stored where
+        its kernel keeps it so (``kernels.half_weights``: released to that kernel with its stored dtype)."""
+        if self.quantized or (self.weight.is_meta and self.weight.dtype != self.dtype):
+            return self.weight.element_size()
+        return self.dtype.itemsize
+
+    @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
@@ -137,6 +145,10 @@ class Linear(nn.Module):
         if self.weight.is_meta:
             raise RuntimeError("this layer's weight was released to its packed kernel; load the model again to change kernels")
         kernels = cpu_kernels(float_kernel, int8_kernel)
+        if self._converts and half_weights(self.weight.dtype, self.dtype, float_kernel):
+            self._fn = half_linear(self.weight.data, None if self.bias is None else self.bias.data.float())
+            self.release_weight(held=self.weight.dtype)
+            return
         if self._converts and packs_weight(torch.empty(0, dtype=self.dtype, device=self.weight.device), float_kernel, int8_kernel):
             self._fn = self._packed_by_blocks(kernels)
             self.release_weight()
@@ -165,10 +177,10 @@ class Linear(nn.Module):
         bias = None if self.bias is None else self.bias.data if self.quantized else self.bias.data.to(self.dtype)
         return weight, self.weight_scale, bias, self.input_scale
 
-    def release_weight(self) -> None:
+    def release_weight(self, held: torch.dtype | None = None) -> None:
         """Drop the weight's data once a kernel holds its own copy; a meta tensor keeps its shape and the dtype the
-        kernel holds it in."""
-        dtype = self.weight.dtype if self.quantized else self.dtype
+        kernel holds it in (``held``, else the weight's where quantized, else ``dtype``)."""
+        dtype = held or (self.weight.dtype if self.quantized else self.dtype)
         self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=dtype, device="meta"), requires_grad=False)
 
     def bind(self, fn: LinearFn) -> None:
@@ -182,6 +194,14 @@ class Linear(nn.Module):
         rows = x.reshape(-1, shape[-1])
         y = self._fn(rows if self.quantized else rows.to(self.dtype))  # a bf16 head in a float32 decoder computes in bf16
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+def held_text(head: Linear) -> str:
+    """For descriptions: where a float lm_head is read as stored in 16 bits (``kernels.half_weights``), saying so
+    (" (lm_head read as stored, bfloat16: quasar-half)"); else empty."""
+    if head.quantized or head.read_itemsize == head.dtype.itemsize:
+        return ""
+    return f" (lm_head read as stored, {dtype_name(head.weight.dtype)}: quasar-half)"
 
 
 def fuse_linears(linears: list[Linear], kernels: KernelFactory) -> LinearFn | None:

@@ -99,7 +99,7 @@ def test_verify_step_reports_its_run_against_the_bytes_ideal(small_shape):
     """The figures are timings (not asserted); what the report derives from them and from the shape is."""
     result = verify_step(small_shape, tokens=3, context=8, repeats=3, progress=False)
     spec = synthetic.synthetic_spec(small_shape)
-    float_model, w8a8 = synthetic.synthetic_decoders(small_shape)
+    float_model, w8a8 = synthetic.synthetic_decoders(small_shape, kernels=(default_float_kernel(), default_int8_kernel()))
     assert list(result.float_ms) == ["float32"] and result.best_float == "float32" and result.head_dtype == "float32"
     assert result.ideal_ratio == weight_bytes(float_model) / weight_bytes(w8a8)  # float linears and head over int8 ones
     assert result.ideal_ratio == synthetic.step_read_bytes(spec, quantized=False) / synthetic.step_read_bytes(spec, quantized=True)
@@ -256,7 +256,8 @@ def test_the_step_bench_streams_the_graphs_an_in_memory_build_would_make(small_s
 @pytest.mark.parametrize("int8_lm_head", [False, True], ids=["float-head", "int8-head"])
 def test_the_ideal_ratio_counts_the_bytes_the_decoders_read(small_shape, int8_lm_head):
     spec = synthetic.synthetic_spec(small_shape)
-    float_model, w8a8 = synthetic.synthetic_decoders(small_shape, int8_lm_head=int8_lm_head)
+    kernels = (default_float_kernel(), default_int8_kernel())  # prepared: a float head read as its kernel keeps it
+    float_model, w8a8 = synthetic.synthetic_decoders(small_shape, kernels=kernels, int8_lm_head=int8_lm_head)
     assert synthetic.step_read_bytes(spec, quantized=False) == weight_bytes(float_model)
     assert synthetic.step_read_bytes(spec, quantized=True, int8_lm_head=int8_lm_head) == weight_bytes(w8a8)
 

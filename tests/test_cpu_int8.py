@@ -123,7 +123,7 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(each_build, mon
     wq, scale, bias, x = _layer(1000, in_features, rows, 0, True)
     linear = kernels.int8_linear(wq, scale, bias, None, "quasar")
     together = linear(x)
-    monkeypatch.setattr(cpu_int8, "MIN_SHARE_BYTES", 1)  # every block a share of its own where threads allow
+    monkeypatch.setattr(native, "MIN_SHARE_BYTES", 1)  # every block a share of its own where threads allow
     monkeypatch.setattr(cpu_int8, "ROWS_PER_SHARE", 1)
     threads, lib = torch.get_num_threads(), cpu_int8.library()[0]
     runtime = openmp.parallel_entry_points()

@@ -74,30 +74,42 @@ def test_engines_hold_one_copy_of_the_weights(tiny_qwen3, tmp_path):
         assert 0.8 * needed < resident <= BUDGET * needed, (path.name, needed, resident)
 
 
-def test_estimate_counts_what_the_cpu_backend_holds(tmp_path):
-    """bf16 source: untied embeddings are read in place from the file (nothing held), lm_head and norms become
-    float32; int8 weights one byte each."""
+@pytest.mark.parametrize("half_runs", [True, False], ids=["quasar-half", "no-quasar-half"])
+def test_estimate_counts_what_the_cpu_backend_holds(tmp_path, monkeypatch, half_runs):
+    """bf16 source computing float32: untied embeddings are read in place from the file (nothing held), norms become
+    float32, the lm_head stays bf16 where quasar-half runs it and becomes float32 where it does not; int8 weights one
+    byte each."""
     import torch
 
+    from quasar_deploy.backends import cpu_half
+
+    if half_runs and cpu_half.why_not() is not None:
+        pytest.skip(cpu_half.why_not())
+    if not half_runs:
+        monkeypatch.setattr(cpu_half, "library", lambda: (None, "no C compiler (cc) on PATH"))
     source = save_tiny(tmp_path / "bf16", dtype=torch.bfloat16)
     files = open_model_files(source)
     spec, shapes = files.spec, files.checkpoint.shapes
-    needed = estimate(files)
+    needed = estimate(files, torch.float32)
+    head = torch.Size(shapes["lm_head.weight"]).numel()
     assert needed.embeddings == 0
-    assert needed.int8_weights == 0 and needed.float_weights == 4 * sum(
-        torch.Size(s).numel() for n, s in shapes.items() if n != "model.embed_tokens.weight"
+    assert needed.int8_weights == 0 and needed.float_weights == (2 if half_runs else 4) * head + 4 * sum(
+        torch.Size(s).numel() for n, s in shapes.items() if n not in ("model.embed_tokens.weight", "lm_head.weight")
     )
     assert needed.kv_cache_per_1k_tokens == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * 1000
 
 
 def test_a_tied_bf16_table_stays_bf16_and_its_head_packs_block_by_block(tmp_path, monkeypatch):
-    """The tied head widens the bf16 table to float32 only as its kernel packs it, some rows at a time (never a whole
-    float32 copy beside the packed one): the table stays bf16 and the logits are the float32 model's."""
+    """Where quasar-half does not run, the tied head widens the bf16 table to float32 only as oneDNN packs it, some rows
+    at a time (never a whole float32 copy beside the packed one): the table stays bf16 and the logits are the float32
+    model's."""
     import torch
 
     from quasar_deploy import model
+    from quasar_deploy.backends import cpu_half
     from quasar_deploy.kernels import default_float_kernel, packs_weight
 
+    monkeypatch.setattr(cpu_half, "library", lambda: (None, "no C compiler (cc) on PATH"))
     source = save_tiny(tmp_path / "tied", dtype=torch.bfloat16, tie_word_embeddings=True)
     files = open_model_files(source)
     decoder = model.Decoder(files.spec, files.checkpoint)
@@ -116,10 +128,35 @@ def test_a_tied_bf16_table_stays_bf16_and_its_head_packs_block_by_block(tmp_path
     assert decoder.lm_head.weight.is_meta and decoder.lm_head.weight.dtype == torch.float32
     assert decoder.model.embed_tokens.weight.dtype == torch.bfloat16
     torch.testing.assert_close(decoder(ids, decoder.new_cache()), expected, atol=1e-5, rtol=1e-5)
-    needed = estimate(files)
+    needed = estimate(files, torch.float32)
     rows = files.spec.vocab_size * files.spec.hidden_size
     assert needed.embeddings == 0  # read in place, and the packed head counted with the float weights
     assert needed.float_weights == 4 * rows + 4 * sum(
+        torch.Size(s).numel() for n, s in files.checkpoint.shapes.items() if n != "model.embed_tokens.weight"
+    )
+
+
+def test_a_tied_bf16_head_on_quasar_half_is_read_as_stored(tmp_path):
+    """Where quasar-half runs, a tied bf16 head computing float32 holds the table once more as stored (bf16, packed),
+    never widened; its logits are the float32 model's (the same products, summed in another order)."""
+    import torch
+
+    from quasar_deploy import model
+    from quasar_deploy.backends import cpu_half
+
+    if cpu_half.why_not() is not None:
+        pytest.skip(cpu_half.why_not())
+    source = save_tiny(tmp_path / "tied", dtype=torch.bfloat16, tie_word_embeddings=True)
+    files = open_model_files(source)
+    decoder = model.Decoder(files.spec, files.checkpoint)
+    ids = torch.arange(5, 17)
+    expected = decoder(ids, decoder.new_cache())  # the torch kernel, on the head widened whole
+    decoder.prepare("onednn", "reference")
+    assert decoder.lm_head.weight.is_meta and decoder.lm_head.weight.dtype == torch.bfloat16
+    assert decoder.lm_head.read_itemsize == 2 and decoder.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(decoder(ids, decoder.new_cache()), expected, atol=1e-4, rtol=1e-4)
+    needed = estimate(files, torch.float32)
+    assert needed.float_weights == 2 * files.spec.vocab_size * files.spec.hidden_size + 4 * sum(
         torch.Size(s).numel() for n, s in files.checkpoint.shapes.items() if n != "model.embed_tokens.weight"
     )
 

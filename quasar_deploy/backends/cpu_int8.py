@@ -49,9 +49,6 @@ SUMS = {  # how each build sums, for doctor
 BUILD_ENV = "QUASAR_INT8_BUILD"  # one name of BUILDS: the only build tried
 BLOCK = 64  # output columns per packed block, the unit of a thread's share
 INTERFACE = 2  # the arguments this module passes the entry points (quasar_int8_interface)
-# a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about
-# what reading this much takes (a few tens of microseconds)
-MIN_SHARE_BYTES = 1 << 19
 # and, on threads of our own (a process without OpenMP), at least this many rows: up to 8 rows a linear is bound by
 # memory, which one core streams about as fast as two, so a second thread of ours only adds its hand-off; torch's
 # OpenMP workers, already running, gain at any row count
@@ -124,8 +121,9 @@ class PackedInt8Linear:
     """One W8A8 linear on the kernel: the weights packed once (the original can then be released), each call's output
     columns shared between up to ``torch.get_num_threads()`` threads of torch's OpenMP pool (``quasar_int8_linear_shared``;
     where the process has no OpenMP runtime, Python threads of ours), in shares of whole blocks of at least
-    ``MIN_SHARE_BYTES`` (and, on threads of ours, ``ROWS_PER_SHARE`` rows). A row's result is the same bits whatever the rows beside it and
-    whichever thread computed it: its sums are exact integers, its epilogue runs per element."""
+    ``native.MIN_SHARE_BYTES`` (and, on threads of ours, ``ROWS_PER_SHARE`` rows). A row's result is the same bits
+    whatever the rows beside it and whichever thread computed it: its sums are exact integers, its epilogue runs per
+    element."""
 
     def __init__(self, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None):
         lib, reason = library()
@@ -140,21 +138,13 @@ class PackedInt8Linear:
         self.w_scale = w_scale.detach().float().reshape(-1).contiguous()
         self.bias = None if bias is None else bias.detach().float().reshape(-1).contiguous()
         self.input_scale = None if input_scale is None else input_scale.detach().float().reshape(1).contiguous()
-        self.blocks = -(-self.out_features // BLOCK)
-        self.max_shares = max(1, min(self.blocks, wq.numel() // MIN_SHARE_BYTES))
-        self._edges: dict[int, torch.Tensor] = {}  # share count -> the blocks' bounds, as the C call takes them
-
-    def edges(self, shares: int) -> torch.Tensor:
-        """The bounds of ``shares`` shares of about equal blocks, [shares + 1] int32 (made once per share count)."""
-        if shares not in self._edges:
-            self._edges[shares] = torch.tensor([self.blocks * t // shares for t in range(shares + 1)], dtype=torch.int32)
-        return self._edges[shares]
+        self.shares = native.BlockShares(-(-self.out_features // BLOCK), wq.numel())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach().float().contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, self.out_features)
-        shares = min(torch.get_num_threads(), self.max_shares)
+        shares = min(torch.get_num_threads(), self.shares.most)
         scratch_bytes = self.lib.quasar_int8_scratch_bytes(rows, self.in_features)
         args = (
             x.data_ptr(),
@@ -168,7 +158,7 @@ class PackedInt8Linear:
             self.out_features,
         )
         if shares > 1:
-            bounds = self.edges(shares).data_ptr()
+            bounds = self.shares.edges(shares).data_ptr()
             codes = torch.empty(scratch_bytes, dtype=torch.uint8)  # the rows quantized once, read by every share
             if self.lib.quasar_int8_linear_shared(*args, bounds, shares, out.data_ptr(), codes.data_ptr()) == 0:
                 return out
@@ -176,7 +166,7 @@ class PackedInt8Linear:
         # each quantizing the rows into a scratch of its own
         shares = min(shares, -(-rows // ROWS_PER_SHARE))
         scratch = torch.empty(shares, scratch_bytes, dtype=torch.uint8)
-        edges = self.edges(shares).tolist()
+        edges = self.shares.edges(shares).tolist()
         run = self.lib.quasar_int8_linear
         pending = [
             _pool(shares - 1).submit(run, *args, edges[t], edges[t + 1], out.data_ptr(), scratch[t].data_ptr()) for t in range(1, shares)

@@ -17,10 +17,32 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from ..files import first_line
 
 PREBUILT_ENV = "QUASAR_KERNELS"  # a directory of prebuilt <name>.so, used before compiling
 COMMON_FLAGS = ["-O3", "-shared", "-fPIC"]
+# a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about what
+# reading this much takes (a few tens of microseconds)
+MIN_SHARE_BYTES = 1 << 19
+
+
+class BlockShares:
+    """How a linear kernel's calls share its packed blocks of output columns among threads: up to ``most`` shares of
+    about equal whole blocks, each at least ``MIN_SHARE_BYTES`` of weights; ``edges(n)`` their bounds as the C calls
+    take them (int32, made once per share count)."""
+
+    def __init__(self, blocks: int, weight_bytes: int):
+        self.blocks = blocks
+        self.most = max(1, min(blocks, weight_bytes // MIN_SHARE_BYTES))
+        self._edges: dict[int, torch.Tensor] = {}
+
+    def edges(self, shares: int) -> torch.Tensor:
+        """The bounds of ``shares`` shares, [shares + 1]."""
+        if shares not in self._edges:
+            self._edges[shares] = torch.tensor([self.blocks * t // shares for t in range(shares + 1)], dtype=torch.int32)
+        return self._edges[shares]
 
 
 def compile_command(compiler: str, source: Path | str, output: Path | str, flags: list[str]) -> list[str]:

@@ -34,7 +34,7 @@ from ..errors import QuasarError
 from ..exporters import onnx_layers
 from ..kernels import dtype_name
 from ..memory import EMBEDDINGS, kv_cache_bytes, return_freed_memory
-from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, as_stored, load_linear, rotary, round_up, tensor_loader
+from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, as_stored, held_text, load_linear, rotary, round_up, tensor_loader
 from ..speculative.causal_lm import PREFILL_CHUNK, split_batch
 from . import cpu_attention
 from .onnxruntime import head_beside, session_options
@@ -120,7 +120,7 @@ class LayeredModel:
         else:
             weight = self.table if spec.tie_word_embeddings else as_stored(source, f"{HEAD}.weight", torch.float32)
             self.int8_head, self.float_head = None, head_beside(weight, load(f"{HEAD}.bias", False))
-            head = f"{dtype_name(self.float_head.dtype)} lm_head on torch"
+            head = f"{dtype_name(self.float_head.dtype)} lm_head on torch{held_text(self.float_head)}"
         self.rotary = RotaryTable(rope_inv_freq(spec).float())
         attention = kernel.description if kernel else "ORT GroupQueryAttention"
         self.description = (

@@ -34,7 +34,7 @@ from ..exporters import ONNX_HIDDEN_OUTPUT as HIDDEN
 from ..files import first_line, inside_file, model_directory, read_inside, verified_sha256
 from ..integrity import EXPORT_MANIFEST, MANIFEST, read_export_manifest
 from ..memory import return_freed_memory
-from ..model import Linear
+from ..model import Linear, held_text
 
 if TYPE_CHECKING:
     import onnx  # imported where a probe is built: loading this module needs neither onnx nor onnxruntime
@@ -284,7 +284,7 @@ class OnnxCausalLM:
         self.linear_format = linear_format
         threads = session.get_session_options().intra_op_num_threads
         graph = f"W8A8 {linear_format}" if linear_format else "float"
-        beside = f", {head_dtype} lm_head on torch" if self._head is not None else ""
+        beside = f", {head_dtype} lm_head on torch{held_text(self._head)}" if self._head is not None else ""
         self.description = f"onnxruntime {provider} ({graph} graph{beside}), {threads} threads"
         self._cache: list = []
         self.truncate(0)

@@ -12,7 +12,7 @@ from ..cpuinfo import default_threads
 from ..errors import QuasarError
 from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name, int8_kernel_label
 from ..memory import kv_cache_bytes
-from ..model import KEY_CHUNK, Decoder, KVCache, round_up
+from ..model import KEY_CHUNK, Decoder, KVCache, held_text, round_up
 from ..speculative.causal_lm import split_batch
 from . import cpu_attention
 
@@ -165,8 +165,9 @@ def cpu_causal_lm(
     lm_class = BatchingTorchCausalLM if float_kernel == "onednn" else TorchCausalLM
     return lm_class(
         decoder,
-        description=f"cpu {kind}, {torch.get_num_threads()} threads (float dtype {dtype_name(decoder.lm_head.dtype)}, "
-        f"float kernel {float_kernel}, int8 kernel {int8_kernel_label(int8_kernel)}, attention {attends})",
+        description=f"cpu {kind}, {torch.get_num_threads()} threads "
+        f"(float dtype {dtype_name(decoder.lm_head.dtype)}{held_text(decoder.lm_head)}, float kernel {float_kernel}, "
+        f"int8 kernel {int8_kernel_label(int8_kernel)}, attention {attends})",
     )
 
 

@@ -25,11 +25,11 @@ from .synthetic import LIBRARIES_BYTES, RandomTensors, engines_peak_bytes, step_
 
 
 def weight_bytes(decoder: Decoder) -> int:
-    """Bytes of weights one forward step reads (linears and lm_head, a float one in the dtype it computes in; the
-    embedding lookup is negligible)."""
+    """Bytes of weights one forward step reads (linears and lm_head, a float one in the dtype it computes in or as its
+    kernel keeps it, ``Linear.read_itemsize``; the embedding lookup is negligible)."""
     total = 0
     for module in [m for _, m in decoder.linears()] + [decoder.lm_head]:
-        total += module.weight.numel() * (module.weight.element_size() if module.quantized else module.dtype.itemsize)
+        total += module.weight.numel() * module.read_itemsize
         if module.weight_scale is not None:
             total += module.weight_scale.numel() * 4
     return total

@@ -167,13 +167,23 @@ def _linear_bytes(spec: DecoderSpec) -> tuple[int, int]:
 
 def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
     """Bytes of weights one step of the float (or the W8A8) twin reads: its linears and lm_head, as
-    ``micro.weight_bytes`` counts them on a decoder, from the shape alone (no decoder built); float weights (the float
-    twin's, a float head) of ``float_itemsize`` bytes (4: float32, 2: bf16)."""
+    ``micro.weight_bytes`` counts them on a prepared decoder, from the shape alone (no decoder built); float weights (the
+    float twin's, a float head) of ``float_itemsize`` bytes (4: float32, 2: bf16), a float head read as drawn (bf16)
+    where ``quasar-half`` runs it (``head_read_itemsize``)."""
     float_linears, int8_linears = _linear_bytes(spec)
-    head = spec.vocab_size * spec.hidden_size
+    head = spec.vocab_size * spec.hidden_size * head_read_itemsize(float_itemsize)
     if not quantized:
-        return (float_linears + 4 * head) * float_itemsize // 4
-    return int8_linears + (head + 4 * spec.vocab_size if int8_lm_head else float_itemsize * head)
+        return float_linears * float_itemsize // 4 + head
+    return int8_linears + (spec.vocab_size * (spec.hidden_size + 4) if int8_lm_head else head)
+
+
+def head_read_itemsize(float_itemsize: int) -> int:
+    """Bytes per value a prepared synthetic twin's float head reads (drawn ``STORED_DTYPE``, computing in the float
+    dtype of ``float_itemsize`` bytes): as drawn where ``kernels.half_weights`` sends it to ``quasar-half``."""
+    from ..kernels import half_weights
+
+    dtype = torch.float32 if float_itemsize == 4 else torch.bfloat16
+    return STORED_DTYPE.itemsize if half_weights(STORED_DTYPE, dtype, "onednn") else float_itemsize
 
 
 def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:

@@ -36,6 +36,8 @@ def doctor(path, as_json, exact, exact_source):
     probes = info["probes"]
     float_why = "; ".join(filter(None, ("float models wholly, W8A8 models' lm_head", probes["float_dtype_why"], probes["bf16_rows"])))
     click.echo(f"float dtype    {probes['float_dtype']} ({float_why})")
+    if probes["float_dtype"] == "float32":
+        click.echo(f"16-bit floats  {probes['half_weights']}")
     int8 = "32-bit sums" if probes["fbgemm_int8_sums_32bit"] else "16-bit saturating sums: split kernel"
     ort = probes["onnxruntime_int8_options"]
     ort_text = "not installed" if ort is None else ", ".join(ort) or "exact without options"

@@ -1,0 +1,106 @@
+"""The ``quasar-half`` float kernel: ``cpu_half.c``, a float32 linear over weights kept in 16 bits (bf16 or float16),
+widened exactly in registers; compiled here on first use and probed by running it (``native``).
+
+Where a CPU has no native bf16, float parts compute in float32, and a library kernel needs its weights in float32: a
+real model's lm_head (stored bf16) would be read at twice its stored bytes every step. This kernel reads it as stored.
+``kernels.float_probe`` times it against oneDNN's float32 kernel; where it wins, float linears stored narrower than
+float32 run on it (``kernels.float_linear``). One build (AVX2, FMA, F16C: every x86 CPU of the last decade); where it
+does not build or pass its self-check (no compiler, not x86) it is not offered, and ``why_not`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from ..openmp import parallel_entry_points
+from . import native
+
+SOURCE = Path(__file__).with_name("cpu_half.c")
+NAME = "cpu_half-avx2"
+FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
+COLS = 16  # output columns per packed block, the unit of a thread's share
+INTERFACE = 1  # the arguments this module passes the entry points (quasar_half_interface)
+FORMATS = {torch.bfloat16: 1, torch.float16: 0}  # the stored dtypes it widens, as the C calls name them
+
+
+@functools.cache
+def library() -> tuple[ctypes.CDLL | None, str | None]:
+    """The build, built and probed (in a child process), its entry points typed and handed torch's OpenMP runtime where
+    the process has one; or None and why. Once per process."""
+    path, reason = native.built_and_probed(SOURCE, NAME, FLAGS)
+    if path is None:
+        return None, f"{NAME}: {reason}"
+    lib = ctypes.CDLL(str(path))
+    interface = lib.quasar_half_interface() if hasattr(lib, "quasar_half_interface") else None
+    if interface != INTERFACE:
+        return None, f"{path} was built from another version's source (interface {interface}, this version calls {INTERFACE}); rebuild it"
+    pointer, integer, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    lib.quasar_half_packed_bytes.argtypes, lib.quasar_half_packed_bytes.restype = [integer, integer], size
+    lib.quasar_half_pack.argtypes, lib.quasar_half_pack.restype = [pointer, integer, integer, pointer], None
+    lib.quasar_half_scratch_bytes.argtypes, lib.quasar_half_scratch_bytes.restype = [integer, integer], size
+    lib.quasar_half_linear.argtypes = [pointer, integer, integer, pointer, pointer, integer, integer, integer, integer, pointer, pointer]
+    lib.quasar_half_linear.restype = None
+    lib.quasar_half_linear_shared.argtypes = [
+        pointer,
+        integer,
+        integer,
+        pointer,
+        pointer,
+        integer,
+        integer,
+        pointer,
+        integer,
+        pointer,
+        pointer,
+    ]
+    lib.quasar_half_linear_shared.restype = integer
+    runtime = parallel_entry_points()
+    if runtime is not None:
+        lib.quasar_half_use_openmp.argtypes, lib.quasar_half_use_openmp.restype = [pointer] * 3, None
+        lib.quasar_half_use_openmp(*runtime)
+    return lib, None
+
+
+def why_not() -> str | None:
+    """Why the kernel is not offered here; None where it runs."""
+    return library()[1]
+
+
+class HalfWeightLinear:
+    """One float32 linear whose weight (bf16 or float16) is packed once as stored (the original can then be released),
+    each call's output columns shared between up to ``torch.get_num_threads()`` threads of torch's OpenMP pool (where
+    the process has no OpenMP runtime, Python threads of ours) in shares of whole blocks of at least
+    ``native.MIN_SHARE_BYTES``. A row's result is the same bits whatever the rows beside it and whichever thread computed it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        lib, reason = library()
+        if lib is None:
+            raise RuntimeError(f"the quasar-half kernel does not run here: {reason}")
+        if weight.dtype not in FORMATS:
+            raise ValueError(f"quasar-half widens bf16 or float16 weights, not {weight.dtype}")
+        self.lib, self.format = lib, FORMATS[weight.dtype]
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach().cpu().contiguous()
+        self.packed = torch.empty(lib.quasar_half_packed_bytes(*weight.shape) // 2, dtype=torch.int16)
+        lib.quasar_half_pack(weight.data_ptr(), *weight.shape, self.packed.data_ptr())
+        self.bias = None if bias is None else bias.detach().float().reshape(-1).contiguous()
+        self.shares = native.BlockShares(-(-self.out_features // COLS), weight.numel() * weight.element_size())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().float().contiguous()
+        rows = x.shape[0]
+        out = torch.empty(rows, self.out_features)
+        shares = min(torch.get_num_threads(), self.shares.most)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        args = (x.data_ptr(), rows, self.in_features, self.packed.data_ptr(), bias, self.out_features, self.format)
+        # each thread's block widened to float32 where the rows take several passes (quasar_half_scratch_bytes)
+        scratch = torch.empty(shares, self.lib.quasar_half_scratch_bytes(rows, self.in_features) // 4)
+        outputs = (out.data_ptr(), scratch.data_ptr())
+        if shares > 1 and self.lib.quasar_half_linear_shared(*args, self.shares.edges(shares).data_ptr(), shares, *outputs) == 0:
+            return out
+        self.lib.quasar_half_linear(*args, 0, self.shares.blocks, *outputs)  # one share, or no OpenMP runtime here
+        return out

@@ -6,12 +6,14 @@ import os
 from unittest import mock
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from quasar_deploy._version import __version__
 from quasar_deploy.bench.record import FIELDS, VIEW_ENV, current, render
 from quasar_deploy.cli import main
 from quasar_deploy.cpuinfo import cpu_model
+from quasar_deploy.kernels import half_weights
 
 from .helpers import assert_one_line_error
 
@@ -112,7 +114,8 @@ def test_verify_step_and_gpu_records_render(monkeypatch):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     record = json.loads(result.output) | {"file": "verify.json"}
-    assert record["dtypes"] == {"float": "float32", "w8a8": "int8 weights, int8 per-token activations, float32 lm_head"}
+    head = " over 16-bit weights (quasar-half)" if half_weights(torch.bfloat16, torch.float32, "onednn") else ""  # drawn bf16
+    assert record["dtypes"] == {"float": "float32", "w8a8": f"int8 weights, int8 per-token activations, float32 lm_head{head}"}
     gpu = dict(record, command="bench gpu", figures=RECORDED, file="gpu.json")  # a recorded bench gpu result
     table = current([record, gpu])
     f = record["figures"]

@@ -120,7 +120,8 @@ def e2e(
         with_ort = Path(work) if set(ORT_MODES) & set(settings.modes) else None
         contenders = synthetic_contenders(synthetic, with_hf) if synthetic else trained_contenders(reference, artifact, with_hf, with_ort)
         result = benchmark(settings, contenders, progress=not as_json)
-    _show(result, report_writer.write(result, output), report_writer.markdown, as_json, _float_vs_int8())
+    dtypes = _float_vs_int8(head_stored=_head_stored(None if synthetic else artifact))
+    _show(result, report_writer.write(result, output), report_writer.markdown, as_json, dtypes)
 
 
 def _engine_paths(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -157,20 +158,38 @@ def _emit(figures: dict, text: Callable[[], str], as_json: bool, dtypes: dict[st
 W8A8 = "int8 weights, int8 per-token activations"
 
 
-def _float_vs_int8(int8_lm_head: bool = False) -> dict[str, str]:
+def _float_vs_int8(int8_lm_head: bool = False, head_stored: str = "BF16", head_dtype: str | None = None) -> dict[str, str]:
     """What the float and W8A8 contenders compute in here: the CPU's float dtype (``kernels.default_float_dtype``), which
-    is also the W8A8 model's float lm_head's (unless ``int8_lm_head``)."""
-    from ..kernels import default_float_dtype, dtype_name
+    is also the W8A8 model's float lm_head's (``head_dtype`` where another was asked for; unless ``int8_lm_head``), read
+    as stored where its weights are 16-bit (``head_stored``, a safetensors dtype name: the synthetic shapes' BF16 by
+    default) and ``quasar-half`` runs it."""
+    from ..kernels import FLOAT_DTYPES, default_float_dtype, dtype_name, half_weights
+    from ..shards import TORCH_DTYPES
 
     dtype = dtype_name(default_float_dtype("cpu"))
-    return {"float": dtype, "w8a8": f"{W8A8}, {'int8' if int8_lm_head else dtype} lm_head"}
+    head_dtype = head_dtype or dtype
+    half = half_weights(TORCH_DTYPES[head_stored], FLOAT_DTYPES[head_dtype], "onednn")
+    head = f"{head_dtype} lm_head{' over 16-bit weights (quasar-half)' if half else ''}"
+    return {"float": dtype, "w8a8": f"{W8A8}, {'int8 lm_head' if int8_lm_head else head}"}
+
+
+def _head_stored(path: str | None) -> str:
+    """The safetensors dtype name of the lm_head (or the table it is tied to) of the model at ``path``; None: a
+    synthetic shape's (drawn BF16) or the default demo artifact's (F16), 16-bit either way."""
+    if path is None:
+        return "BF16"
+    from ..artifact import open_model_files
+    from ..memory import EMBEDDINGS
+
+    stored = open_model_files(path).checkpoint.dtypes
+    return stored.get("lm_head.weight", stored.get(EMBEDDINGS, "F32"))
 
 
 def _dtypes_of(path: str) -> dict[str, str]:
     """What a run of the model at ``path`` computes in: an artifact's W8A8, or a float checkpoint's float dtype."""
     from ..artifact import open_model_files
 
-    dtypes = _float_vs_int8()
+    dtypes = _float_vs_int8(head_stored=_head_stored(path))
     return {"w8a8": dtypes["w8a8"]} if open_model_files(path).is_artifact else {"float": dtypes["float"]}
 
 
@@ -262,7 +281,8 @@ def serve(
         prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens
     )
     report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
-    _show(report, serving.write(report, output), serving.markdown, as_json, {"w8a8": _float_vs_int8()["w8a8"]})
+    w8a8 = _float_vs_int8(head_stored=_head_stored(None if synthetic else artifact))["w8a8"]
+    _show(report, serving.write(report, output), serving.markdown, as_json, {"w8a8": w8a8})
 
 
 @bench.command("batched-step")
@@ -328,8 +348,8 @@ def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, floa
     result = micro.verify_step(
         shape, tokens, context, repeats, int8_kernel=int8_kernel, progress=not as_json, int8_lm_head=int8_lm_head, float_dtypes=dtypes
     )
-    head = "int8" if int8_lm_head else result.head_dtype
-    dtypes = {"float": ", ".join(result.float_ms), "w8a8": f"{W8A8}, {head} lm_head"}
+    w8a8 = _float_vs_int8(int8_lm_head, head_dtype=result.head_dtype)["w8a8"]
+    dtypes = {"float": ", ".join(result.float_ms), "w8a8": w8a8}
     _emit(result.to_dict(), lambda: micro.describe_verify_step(result), as_json, dtypes)
 
 

@@ -95,8 +95,9 @@ def build_args(target: str) -> dict[str, str]:
 
 
 def base_image(target: str) -> tuple[str, str]:
-    """The first FROM's image and tag, its ``${ARG}``s at their defaults."""
-    image = next(args for name, args in instructions(DOCKERFILES[target]) if name == "FROM").split()[0]
+    """The image's base: the last FROM's image and tag, its ``${ARG}``s at their defaults (stages before it build parts
+    or, as ``wheels``, hold what a build may mount)."""
+    image = [args for name, args in instructions(DOCKERFILES[target]) if name == "FROM"][-1].split()[0]
     image = re.sub(r"\$\{(\w+)\}", lambda m: build_args(target)[m.group(1)], image)
     return tuple(image.rsplit(":", 1))
 

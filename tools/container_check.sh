@@ -12,10 +12,10 @@
 #
 #   tools/container_check.sh [--keep-cache]
 #
-# Runs as root (it starts dockerd if none runs, installing Debian's docker.io if needed). It removes the containers,
-# volume and images it made; --keep-cache keeps the stand-in base images and the build cache for the next run (minutes
-# faster), without it they are removed too (the daemon's whole build cache: BuildKit's cache cannot be pruned per
-# build). The client needs the openai package: run it in the project's venv (pip install -e '.[test]'), or set PYTHON.
+# Runs as root (it starts dockerd if none runs, installing Debian's docker.io if needed, and stops the one it started).
+# It removes the containers, volume and images it made; --keep-cache keeps the stand-in base images
+# (quasar-deploy-standin/*) and the build cache for the next run (minutes faster); without it they are removed too
+# (the daemon's whole build cache: BuildKit's cache cannot be pruned per build). The client needs the openai package: run it in the project's venv (pip install -e '.[test]'), or set PYTHON.
 # Exit status: 0 passed, 1 failed, 2 usage, 77 not run because no Docker daemon can run here (the reason is printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +45,6 @@ DOCKER=(docker)
 dockerd_pid=
 containers=()
 images=()
-standins=()
 
 log() { printf '[container-check %4ds] %s\n' $((SECONDS - started)) "$*" >&2; }
 die() {
@@ -66,8 +65,9 @@ cleanup() {
         dk volume rm -f "$volume" >/dev/null 2>&1
         for image in "${images[@]}"; do dk rmi -f "$image" >/dev/null 2>&1; done
         if [ "$keep_cache" = 0 ]; then
-            # the last made first: each stand-in is built on the one before it
-            for ((i = ${#standins[@]} - 1; i >= 0; i--)); do dk rmi -f "${standins[i]}" >/dev/null 2>&1; done
+            # every stand-in, this run's or an earlier one's, the Debian root last (the others are built on it)
+            dk images --format '{{.Repository}}:{{.Tag}}' --filter 'reference=quasar-deploy-standin/*' |
+                sort -t/ -k2,2 -r | xargs -r "${DOCKER[@]}" rmi -f >/dev/null 2>&1
             dk builder prune --all --force >/dev/null 2>&1
         fi
     fi
@@ -95,6 +95,11 @@ start_daemon() {
     [ "$(id -u)" = 0 ] || not_run "no Docker daemon runs and starting one needs root"
     if ! command -v dockerd >/dev/null; then
         apt_install docker.io || not_run "dockerd is not installed and docker.io cannot be: $(tail -n 1 "$work/apt.log")"
+    fi
+    # a pid file left by a dockerd that was killed may name a pid that another process has now: dockerd refuses it
+    local pidfile=/var/run/docker.pid
+    if [ -f "$pidfile" ] && ! grep -qx dockerd "/proc/$(cat "$pidfile")/comm" 2>/dev/null; then
+        rm -f "$pidfile"
     fi
     log "starting dockerd (no bridge network: the check's builds and containers use the host's)"
     dockerd --bridge=none --iptables=false >"$work/dockerd.log" 2>&1 &
@@ -157,7 +162,6 @@ debian_standin() {
     echo localhost >"$rootfs/etc/hostname"
     tar --numeric-owner -C "$rootfs" -c . | dk import --change 'ENV LANG=C.UTF-8' - "$tag" >/dev/null
     rm -rf "$rootfs"
-    standins+=("$tag")
 }
 
 # What each stand-in adds to Debian to give our Dockerfiles what they use of the real base (names, paths, tools).
@@ -206,7 +210,6 @@ base_for() {
         tail -n 20 "$work/standin.log" >&2
         die "building the stand-in $base failed"
     }
-    standins+=("$base")
 }
 
 # --- package sources for the builds

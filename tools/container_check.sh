@@ -79,6 +79,9 @@ cleanup() {
     exit "$status"
 }
 trap cleanup EXIT
+# a signal ends the run through the EXIT trap too, so that a stopped check leaves nothing behind
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 apt_install() {
     log "installing Debian's $* (apt-get)"

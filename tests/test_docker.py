@@ -95,8 +95,9 @@ def build_args(target: str) -> dict[str, str]:
 
 
 def base_image(target: str) -> tuple[str, str]:
-    """The first FROM's image and tag, its ``${ARG}``s at their defaults."""
-    image = next(args for name, args in instructions(DOCKERFILES[target]) if name == "FROM").split()[0]
+    """The image's base: the last FROM's image and tag, its ``${ARG}``s at their defaults (stages before it build parts
+    or, as ``wheels``, hold what a build may mount)."""
+    image = [args for name, args in instructions(DOCKERFILES[target]) if name == "FROM"][-1].split()[0]
     image = re.sub(r"\$\{(\w+)\}", lambda m: build_args(target)[m.group(1)], image)
     return tuple(image.rsplit(":", 1))
 
@@ -140,7 +141,9 @@ def seconds(duration: str) -> float:
 def test_every_target_has_a_dockerfile_and_constraints():
     assert sorted(p.parent.name for p in DOCKER.glob("*/Dockerfile")) == sorted(TARGETS)
     assert all((DOCKER / t / "constraints.txt").is_file() for t in TARGETS)
-    assert "none of these images was built or run" in (DOCKER / "README.md").read_text()
+    # which images were built and run here, and by what: the container check, which CI runs
+    assert "tools/container_check.sh" in (DOCKER / "README.md").read_text()
+    assert "tools/container_check.sh" in (ROOT / ".ci" / "run").read_text()
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -191,6 +194,18 @@ def test_user(target):
         assert not users and ROOT_IMAGES[target] in DOCKERFILES[target].read_text()
     else:
         assert users and users[-1] not in ("0", "root"), f"{target} runs as root"
+
+
+@pytest.mark.parametrize("target", ["cpu", "onnxruntime-gpu"])
+def test_offline_build_arguments_default_to_the_real_sources(target):
+    """tools/container_check.sh builds these on a stand-in base with local wheels; by default a build takes the real
+    base, no wheels (the empty scratch image) and PyTorch's CPU index, and the wheels are only mounted, never copied."""
+    args = build_args(target)
+    assert args["WHEELS_IMAGE"] == "scratch" and args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    steps = instructions(DOCKERFILES[target])
+    assert ("FROM", "${WHEELS_IMAGE} AS wheels") in steps
+    assert all("wheels" not in args.split()[0] for name, args in steps if name == "COPY" and "--from=" in args)
+    assert all(args.startswith("${BASE_IMAGE}") for name, args in steps if name == "FROM" and "WHEELS" not in args)
 
 
 def test_npu_takes_its_base_by_chip():

@@ -15,7 +15,7 @@ from ..bench.gpu_settings import DEFAULT_ROWS, DEFAULT_SHAPES, GpuSettings
 from ..bench.modes import ALL_MODES, ORT_MODES
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
-from .options import INT_LIST
+from .options import INT_LIST, suffix_min_prob_option
 
 # option decorators the subcommands share (each use makes its own click.Option)
 shape_option = click.option(
@@ -52,6 +52,7 @@ def bench() -> None:
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-min", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1))
+@suffix_min_prob_option
 @click.option("--modes", help="Comma-separated subset of: " + ", ".join(ALL_MODES) + " (default: all).")
 @click.option("--sweep-k", type=INT_LIST, help="Comma-separated draft lengths: also measure ngram-w8a8 vs ngram-float per k.")
 @click.option(
@@ -76,6 +77,7 @@ def e2e(
     num_draft,
     ngram_min,
     ngram_max,
+    suffix_min_prob,
     modes,
     sweep_k,
     anchor_pythons,
@@ -111,6 +113,7 @@ def e2e(
         num_draft=num_draft,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
+        suffix_min_prob=suffix_min_prob,
         modes=tuple(m.strip() for m in modes.split(",")) if modes else ALL_MODES,
         sweep_k=sweep_k or (),
         anchor_pythons=_engine_paths(anchor_pythons),

@@ -112,6 +112,8 @@ def _serve(f: dict) -> list[Quantity]:
     what = f"server, {Path(s['model']).name}, {drafting}, {s['max_tokens']} tokens per request"
     ours = f"ours on {f['backend'].split()[0]}"  # the backend the server's startup line named: cpu, onnxruntime, ...
     rows = [_serve_level(f"{what}: {ours}", level) for level in f["levels"]]
+    for variant, levels in f.get("compared", {}).items():
+        rows += [_serve_level(f"{what}: {ours}, requests drafting {variant}", level) for level in levels]
     if "generate" in f:
         alone = f["generate"]
         label = f"{what}: generate alone on {alone['backend'].split()[0]}, same prompts, in the run of {ours}: output tokens/s"

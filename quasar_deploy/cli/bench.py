@@ -244,8 +244,14 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
 @click.option("--limit", default=16, show_default=True, type=click.IntRange(min=1), help="Prompts, each sent once per level.")
 @click.option("--concurrency", default="1,4,8", show_default=True, type=INT_LIST, help="Comma-separated numbers of clients.")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--draft", default="ngram", show_default=True, type=click.Choice(["none", "ngram", "layerskip"]))
+@click.option("--draft", default="ngram", show_default=True, type=click.Choice(["none", "ngram", "suffix", "layerskip"]))
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--compare",
+    default="",
+    help="Comma-separated drafting variants run through the same server after --draft, its requests asking for them: a "
+    "drafter, or a drafter with -adaptive for a k per sequence (e.g. suffix,ngram-adaptive,suffix-adaptive).",
+)
 @click.option(
     "--backend",
     default="auto",
@@ -263,7 +269,20 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
 )
 @json_option
 def serve(
-    artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, backend, prefill_tokens, output, vllm_python, as_json
+    artifact,
+    synthetic,
+    prompts,
+    limit,
+    concurrency,
+    max_tokens,
+    draft,
+    num_draft,
+    compare,
+    backend,
+    prefill_tokens,
+    output,
+    vllm_python,
+    as_json,
 ):
     """Our server on 127.0.0.1 under streaming clients at each concurrency: tokens/s, TTFT, inter-token latency, acceptance;
     with --vllm-python, vLLM's OpenAI server on the same artifact after it.
@@ -281,7 +300,17 @@ def serve(
     if synthetic and backend != "auto":
         raise QuasarError("--backend applies to an ARTIFACT (a synthetic model is served on the cpu backend)")
     settings = serving.ServeBenchSettings(
-        prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens
+        prompts,
+        limit,
+        concurrency,
+        max_tokens,
+        draft,
+        num_draft,
+        artifact,
+        synthetic,
+        backend,
+        prefill_tokens,
+        tuple(v.strip() for v in compare.split(",") if v.strip()),
     )
     report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
     w8a8 = _float_vs_int8(head_stored=_head_stored(None if synthetic else artifact))["w8a8"]

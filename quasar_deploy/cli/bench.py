@@ -299,18 +299,9 @@ def serve(
     prompts = str(prompts or BUILTIN["prompts"])
     if synthetic and backend != "auto":
         raise QuasarError("--backend applies to an ARTIFACT (a synthetic model is served on the cpu backend)")
+    variants = tuple(v.strip() for v in compare.split(",") if v.strip())
     settings = serving.ServeBenchSettings(
-        prompts,
-        limit,
-        concurrency,
-        max_tokens,
-        draft,
-        num_draft,
-        artifact,
-        synthetic,
-        backend,
-        prefill_tokens,
-        tuple(v.strip() for v in compare.split(",") if v.strip()),
+        prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens, variants
     )
     report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
     w8a8 = _float_vs_int8(head_stored=_head_stored(None if synthetic else artifact))["w8a8"]

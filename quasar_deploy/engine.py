@@ -67,8 +67,9 @@ class GenerationOptions:
     """Everything ``generate`` and ``stream`` accept besides the prompt.
 
     ``draft`` picks the drafter (a name in ``speculative.registry.DRAFTERS``) and ``num_draft``
-    its k (>= 1; plain decoding is ``draft="none"``). ``ngram_min``/``ngram_max`` configure
-    ngram, ``skip_layers`` (explicit) or ``skip_fraction`` (chosen by measuring top-1
+    its k (>= 1; plain decoding is ``draft="none"``); ``adaptive_k`` makes k the cap of a draft length that follows the
+    sequence's own acceptance (``speculative.draft_length``). ``ngram_min``/``ngram_max`` configure
+    ngram, ``suffix_min_prob`` suffix, ``skip_layers`` (explicit) or ``skip_fraction`` (chosen by measuring top-1
     agreement, default 0.5) layerskip, ``draft_model`` (the draft model's path) model; the
     registry says which drafter reads which, and setting another drafter's option is an error.
     ``seed`` None draws a fresh seed; the same seed and options reproduce a sampled output.
@@ -83,8 +84,10 @@ class GenerationOptions:
     seed: int | None = None
     draft: str = "ngram"
     num_draft: int = 5
+    adaptive_k: bool = False
     ngram_min: int = 1
     ngram_max: int = 3
+    suffix_min_prob: float = 0.1
     stop: Sequence[str] = ()
     skip_layers: Sequence[int] | None = None
     skip_fraction: float | None = None
@@ -103,6 +106,10 @@ class GenerationOptions:
             raise QuasarError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
         if self.draft != "none" and (isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or self.num_draft < 1):
             raise QuasarError(f"num_draft must be an integer >= 1 (for plain decoding use draft='none'), got {self.num_draft!r}")
+        if not isinstance(self.adaptive_k, bool):
+            raise QuasarError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
+        if self.adaptive_k and self.draft == "none":
+            raise QuasarError("adaptive_k needs a drafter; draft='none' drafts nothing")
         check_drafter_options(self.draft, [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default])
 
     @classmethod
@@ -475,7 +482,9 @@ class Engine:
         """The decoding loop of one generation of ``prompt`` on ``lm`` (the engine's sequence or one opened over its weights)."""
         sampler = Sampler(options.sampling, options.seed)
         drafter = self.drafter(options, lm)
-        return Speculation(lm, drafter, prompt, sampler, options.num_draft, options.max_new_tokens, self.stop_ids, LoopStats())
+        return Speculation(
+            lm, drafter, prompt, sampler, options.num_draft, options.max_new_tokens, self.stop_ids, LoopStats(), options.adaptive_k
+        )
 
     def open(self, prompt: Sequence[int], options: GenerationOptions) -> Generation:
         """A generation of encoded ``prompt`` on a new sequence over the engine's weights, outside the engine's lock:

@@ -71,6 +71,8 @@ class ExactEngine(Engine):
         if options.verify == "model":  # the W8A8 model's own output: plain speculative decoding on it
             return super().speculation(lm, prompt, options)
         check_rounds(self.rounds)
+        if options.adaptive_k:  # the cascade sizes its drafts itself (``cascade.RoundPolicy``)
+            raise QuasarError("adaptive_k applies to verify='model' here; verify='exact' sizes its drafts by its round policy")
         inner = self.drafter(options, lm)
         if not isinstance(inner, RewindableDrafter):
             raise QuasarError(f"draft={options.draft!r} cannot draft for verify='exact' (it cannot take back a rejected draft)")

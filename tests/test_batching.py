@@ -103,11 +103,15 @@ def request(prompt: str, max_tokens: int = 24, **options) -> Request:
     return Request(prompt, chat=False, stream=True, max_tokens=max_tokens, options=options)
 
 
-@pytest.mark.parametrize("draft", ["ngram", "layerskip", "none"])
-def test_eight_greedy_requests_served_together_equal_each_alone(engine, draft, monkeypatch):
-    alone = [engine.generate(p, max_new_tokens=24, draft=draft).tokens for p in PROMPTS]
+@pytest.mark.parametrize(
+    "options",
+    [{"draft": "ngram"}, {"draft": "suffix"}, {"draft": "suffix", "adaptive_k": True}, {"draft": "layerskip"}, {"draft": "none"}],
+    ids=["ngram", "suffix", "suffix-adaptive-k", "layerskip", "none"],
+)
+def test_eight_greedy_requests_served_together_equal_each_alone(engine, options, monkeypatch):
+    alone = [engine.generate(p, max_new_tokens=24, **options).tokens for p in PROMPTS]
     forwards = count_forwards(engine, monkeypatch)
-    finals = serve(engine, [request(p, draft=draft) for p in PROMPTS])
+    finals = serve(engine, [request(p, **options) for p in PROMPTS])
     assert [f.result.tokens for f in finals] == alone
     assert forwards[0] == [True] * len(PROMPTS)  # the eight prompts prefilled in one forward
     assert max(len(f) for f in forwards[1:]) == len(PROMPTS)  # the steps really ran all eight in one forward

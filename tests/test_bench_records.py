@@ -153,3 +153,17 @@ def test_onnx_step_lines_render_one_quantity_per_contender_and_paths_by_name():
     ]
     assert _last_parts("/home/me/models/q06") == "q06" and _last_parts(["llamacpp=/opt/v/bin/python"]) == ["llamacpp=python"]
     assert _last_parts("../data/x.jsonl") == "../data/x.jsonl" and _last_parts(8) == 8
+
+
+def test_an_e2e_record_comparing_drafters_renders_their_acceptance_lengths():
+    def mode(acceptance):
+        return {"tokens_per_s": 10.0, "acceptance_length": acceptance}
+
+    settings = {"artifact": "a", "prompt_count": 2, "prompts": "p.jsonl", "max_new_tokens": 8}
+    figures = {"settings": settings, "modes": {"ar-w8a8": mode(1.0), "ngram-w8a8": mode(2.5), "suffix-w8a8": mode(2.75)}}
+    record = {"command": "bench e2e", "machine": {"cpu": "CPU"}, "figures": figures, "date": "2026-12-03T00:00:00+00:00"}
+    rows = current([record | {"file": "e.json"}])["CPU: CPU"]
+    accepted = {q.split(": ")[-1]: v for q, (v, _) in rows.items() if q.endswith("acceptance length")}
+    assert accepted == {"ngram-w8a8 acceptance length": "2.50", "suffix-w8a8 acceptance length": "2.75"}
+    plain = current([record | {"file": "e.json", "figures": figures | {"modes": {"ngram-w8a8": mode(2.5)}}}])["CPU: CPU"]
+    assert not any(q.endswith("acceptance length") for q in plain)  # n-gram alone: its speeds, as before

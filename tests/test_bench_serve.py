@@ -22,7 +22,7 @@ def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
     prompts.write_text("".join(json.dumps({"turns": [f"def f{i}(x):\n    return x + {i}\n\n\ndef f{i}("]}) + "\n" for i in range(2)))
     out = tmp_path / "report"
     args = ["bench", "serve", str(tiny_artifact.path), "--prompts", str(prompts), "--concurrency", "1,2", "--max-tokens", "8"]
-    result = CliRunner().invoke(main, [*args, "-o", str(out)])
+    result = CliRunner().invoke(main, [*args, "-o", str(out), "--compare", "suffix-adaptive"])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["prompt_count"] == 2 and report["settings"]["concurrency"] == [1, 2]
@@ -46,8 +46,22 @@ def test_bench_serve_reports_every_concurrency(tiny_artifact, tmp_path):
     assert backend.startswith("cpu W8A8, ") == ("int8 kernel quasar" in backend)
     assert len(report["environment"]["load_average_at_start"]) == 3
     assert "| 2 | 2 |" in (out / "report.md").read_text() and "| 2 | 2 |" in result.output
+    # the variant through the same server: its own levels, each against the --draft one
+    compared = report["compared"]["suffix-adaptive"]
+    assert [level["concurrency"] for level in compared] == [1, 2]
+    for ours, level in zip(report["levels"], compared):
+        assert level["requests"] == 2 and level["vs_draft"] == pytest.approx(level["tokens_per_s"] / ours["tokens_per_s"])
+    assert "Drafting suffix-adaptive" in (out / "report.md").read_text()
     again = CliRunner().invoke(main, [*args, "-o", str(out)])  # the report directory is never overwritten
     assert_one_line_error(again, "already exists")
+
+
+@pytest.mark.parametrize("variant", ["medusa", "none-adaptive", "ngram-fast"])
+def test_bench_serve_refuses_an_unknown_variant_before_any_work(tmp_path, variant):
+    result = CliRunner().invoke(main, ["bench", "serve", "--synthetic", "qwen3-0.6b", "--compare", variant, "-o", str(tmp_path / "r")])
+    assert_one_line_error(
+        result, f"--compare takes drafters (ngram, suffix, layerskip, none), each optionally with -adaptive; got '{variant}'"
+    )
 
 
 def test_bench_serve_refuses_an_artifact_and_a_shape(tmp_path):

@@ -588,6 +588,11 @@ def test_exact_mode_refuses_what_it_cannot_run(tiny_artifact, tiny_qwen3, call, 
 def test_exact_mode_refuses_a_drafter_that_cannot_take_back_a_draft(exact_engine):
     with pytest.raises(QuasarError, match="draft='layerskip' cannot draft for verify='exact'"):
         exact_engine.generate(PROMPTS[0], max_new_tokens=4, draft="layerskip", skip_layers=[1])
+    with pytest.raises(QuasarError, match="draft='suffix' cannot draft for verify='exact'"):
+        exact_engine.generate(PROMPTS[0], max_new_tokens=4, draft="suffix")
+    with pytest.raises(QuasarError, match="adaptive_k applies to verify='model' here"):
+        exact_engine.generate(PROMPTS[0], max_new_tokens=4, adaptive_k=True)
+    assert exact_engine.generate(PROMPTS[0], max_new_tokens=4, adaptive_k=True, verify="model").tokens
     with pytest.raises(QuasarError, match="rounds must be an integer"):
         ExactEngine(exact_engine.lm, exact_engine.tokenizer, middle=exact_engine.middle, rounds=-1).generate(PROMPTS[0])
 

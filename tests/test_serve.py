@@ -99,6 +99,8 @@ def test_max_tokens_is_capped_at_the_context_window(client, engine):
         ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "num_draft": 0}, 400, "num_draft"),
         ({"model": "tiny", "prompt": "x", "draft": "model"}, 400, "draft"),
+        ({"model": "tiny", "prompt": "x", "adaptive_k": "yes"}, 400, "adaptive_k"),
+        ({"model": "tiny", "prompt": "x", "draft": "none", "adaptive_k": True}, 400, "adaptive_k"),
         ({"model": "tiny", "prompt": list(range(600))}, 400, "prompt"),
         ({"model": "tiny", "prompt": ""}, 400, "prompt"),
     ],

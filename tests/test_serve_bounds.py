@@ -100,6 +100,16 @@ def test_chat_without_max_tokens_stops_at_the_default():
     assert parse_request({"prompt": "x"}, False, "m", defaults).max_tokens == 16  # OpenAI's completions default
 
 
+def test_a_request_drafts_with_the_servers_k_policy_unless_it_picks_one():
+    adaptive = {"draft": "suffix", "num_draft": 5, "adaptive_k": True, "verify": ("model",)}
+    options = parse_request({"prompt": "x"}, False, "m", adaptive).options
+    assert options["draft"] == "suffix" and options["adaptive_k"] is True
+    assert parse_request({"prompt": "x", "adaptive_k": False}, False, "m", adaptive).options["adaptive_k"] is False
+    assert "adaptive_k" not in parse_request({"prompt": "x", "draft": "none"}, False, "m", adaptive).options
+    with pytest.raises(ApiError, match="adaptive_k needs a drafter"):
+        parse_request({"prompt": "x", "draft": "none", "adaptive_k": True}, False, "m", adaptive)
+
+
 def test_a_request_picks_a_verify_mode_the_server_offers():
     plain, exact = {"draft": "none", "num_draft": 5, "verify": ("model",)}, {"draft": "none", "num_draft": 5, "verify": ("exact", "model")}
     assert parse_request({"prompt": "x"}, False, "m", plain).options["verify"] == "model"
@@ -317,6 +327,7 @@ VLLM_REFUSED = [
     ["--body-timeout", "5"],
     ["--kv-cache-mib", "100"],
     ["--prefill-tokens", "512"],
+    ["--adaptive-k"],
 ]
 
 

@@ -20,6 +20,8 @@ from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, Verdic
 from quasar_deploy.speculative.drafters import Draft
 from quasar_deploy.speculative.layerskip import LayerSkipDrafter
 from quasar_deploy.speculative.loop import speculate
+from quasar_deploy.speculative.ngram import NgramDrafter
+from quasar_deploy.speculative.suffix import SuffixDrafter
 
 from .helpers import MarkovLM, chi_square_p_value
 
@@ -82,31 +84,44 @@ def markov_joint(params: SamplingParams, length: int) -> dict:
     return joint
 
 
-def markov_samples(drafter, params: SamplingParams, trials: int, length: int = 4, k: int = 3) -> Counter:
+def markov_samples(make_drafter, params: SamplingParams, trials: int, length: int = 4, k: int = 3, adaptive_k=False) -> Counter:
+    """``trials`` generations, each with a fresh drafter from ``make_drafter`` (text-indexing drafters keep state)."""
     sampler = Sampler(params, seed=1234)
     lm = MarkovLM(TABLES[0])
     counts: Counter = Counter()
     for _ in range(trials):
-        counts[tuple(t for step in speculate(lm, drafter, [0], sampler, k, length) for t in step)] += 1
+        steps = speculate(lm, make_drafter(), [0], sampler, k, length, adaptive_k=adaptive_k)
+        counts[tuple(t for step in steps for t in step)] += 1
     return counts
 
 
-DRAFTERS = {"shift": ShiftDrafter, "markov": lambda: MarkovDrafter(TABLES[1])}
+# the prompt is [0] and the vocabulary 4 tokens, so the text-indexing drafters find matches from the second step on;
+# 5 new tokens give them room to draft (the joint has 4**5 outcomes: more trials)
+DRAFTERS = {
+    "shift": (ShiftDrafter, 4, 1000),
+    "markov": (lambda: MarkovDrafter(TABLES[1]), 4, 1000),
+    "ngram": (NgramDrafter, 5, 2500),
+    "suffix": (lambda: SuffixDrafter(min_prob=0.0), 5, 2500),
+}
 
 
+@pytest.mark.parametrize("adaptive_k", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("params", PARAMS)
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_sampled_sequences_follow_the_verifier(drafter, params):
-    counts = markov_samples(DRAFTERS[drafter](), PARAMS[params], trials=1000)
-    assert chi_square_p_value(counts, markov_joint(PARAMS[params], 4)) > 1e-3
+def test_sampled_sequences_follow_the_verifier(drafter, params, adaptive_k):
+    make, length, trials = DRAFTERS[drafter]
+    counts = markov_samples(make, PARAMS[params], trials, length, adaptive_k=adaptive_k)
+    assert chi_square_p_value(counts, markov_joint(PARAMS[params], length)) > 1e-3
 
 
+@pytest.mark.parametrize("adaptive_k", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("wrong", [blind_accept, resample_from_p])
-@pytest.mark.parametrize("drafter", ["shift", "markov"])
-def test_the_statistical_test_catches_wrong_acceptance(monkeypatch, wrong, drafter):
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_the_statistical_test_catches_wrong_acceptance(monkeypatch, wrong, drafter, adaptive_k):
     monkeypatch.setattr(loop, "accept", wrong)
-    counts = markov_samples(DRAFTERS[drafter](), PARAMS["plain"], trials=1000)
-    assert chi_square_p_value(counts, markov_joint(PARAMS["plain"], 4)) < 1e-6
+    make, length, trials = DRAFTERS[drafter]
+    counts = markov_samples(make, PARAMS["plain"], trials, length, adaptive_k=adaptive_k)
+    assert chi_square_p_value(counts, markov_joint(PARAMS["plain"], length)) < 1e-6
 
 
 # --- the real tiny model -------------------------------------------------------------

@@ -21,6 +21,7 @@ from quasar_deploy.speculative.drafters import Draft, NoDrafter
 from quasar_deploy.speculative.layerskip import LayerSkipDrafter, skip_order
 from quasar_deploy.speculative.loop import LoopStats, speculate
 from quasar_deploy.speculative.ngram import NgramDrafter
+from quasar_deploy.speculative.suffix import SuffixDrafter
 
 from .helpers import greedy as greedy_reference
 from .tiny import naive_w8a8_decoder
@@ -28,9 +29,9 @@ from .tiny import naive_w8a8_decoder
 GREEDY = SamplingParams()
 
 
-def run(lm, drafter, prompt, k=5, n=40, stop_ids=(), sampler=None):
+def run(lm, drafter, prompt, k=5, n=40, stop_ids=(), sampler=None, adaptive_k=False):
     stats = LoopStats()
-    steps = list(speculate(lm, drafter, prompt, sampler or Sampler(GREEDY), k, n, stop_ids, stats))
+    steps = list(speculate(lm, drafter, prompt, sampler or Sampler(GREEDY), k, n, stop_ids, stats, adaptive_k))
     return [t for step in steps for t in step], stats, steps
 
 
@@ -76,6 +77,8 @@ def make_drafter(name, lm, draft_lm, full):
         "none": lambda: NoDrafter(),
         "ngram": lambda: NgramDrafter(),
         "ngram2": lambda: NgramDrafter(2, 2),
+        "suffix": lambda: SuffixDrafter(),
+        "suffix0": lambda: SuffixDrafter(min_prob=0.0),
         "layerskip": lambda: LayerSkipDrafter(lm, [1]),
         "model": lambda: ModelDrafter(draft_lm, lm.vocab_size),
         "oracle": lambda: OracleDrafter(full),
@@ -84,15 +87,20 @@ def make_drafter(name, lm, draft_lm, full):
 
 
 @pytest.mark.parametrize("kind", ["float", "w8a8"])
-@pytest.mark.parametrize("name", ["none", "ngram", "ngram2", "layerskip", "model", "oracle", "wrong"])
-def test_greedy_matches_the_verifier(verifiers, draft_lm, kind, name):
+# adaptive k on the model-free drafters and the two extremes (all accepted, none)
+@pytest.mark.parametrize(
+    "name,adaptive_k",
+    [(name, False) for name in ("none", "ngram", "ngram2", "suffix", "suffix0", "layerskip", "model", "oracle", "wrong")]
+    + [(name, True) for name in ("ngram", "suffix", "oracle", "wrong")],
+)
+def test_greedy_matches_the_verifier(verifiers, draft_lm, kind, name, adaptive_k):
     lm = verifiers[kind]
     for i, prompt in enumerate(prompts(seed=sum(map(ord, kind + name)))):
         n = (6, 30, 20)[i]
         expected = greedy_reference(lm, prompt, n)
         for k in (1,) if name == "none" else (1, 4):
             drafter = make_drafter(name, lm, draft_lm, prompt + expected)
-            got, stats, steps = run(lm, drafter, prompt, k=k, n=n)
+            got, stats, steps = run(lm, drafter, prompt, k=k, n=n, adaptive_k=adaptive_k)
             assert got == expected, (name, kind, k, prompt)
             assert stats.verify_steps == len(steps) - 1 and sum(map(len, steps)) == n  # the prefill emits the first token
             assert lm.length == len(prompt) + n - 1  # the last token stays pending
@@ -109,11 +117,12 @@ def test_drafters_actually_draft(verifiers, draft_lm):
     """On a repetitive prompt every real drafter gets tokens accepted (else the tests above prove little)."""
     lm = verifiers["float"]
     prompt = list(range(100, 112)) * 3
-    for drafter in (NgramDrafter(), LayerSkipDrafter(lm, [1]), ModelDrafter(draft_lm, lm.vocab_size)):
+    for drafter in (NgramDrafter(), SuffixDrafter(), LayerSkipDrafter(lm, [1]), ModelDrafter(draft_lm, lm.vocab_size)):
         _, stats, _ = run(lm, drafter, prompt, k=4, n=40)
         assert stats.drafted > 0
-    _, stats, _ = run(lm, NgramDrafter(), prompt, k=4, n=40)
-    assert stats.accepted > 10
+    for drafter in (NgramDrafter(), SuffixDrafter()):
+        _, stats, _ = run(lm, drafter, prompt, k=4, n=40)
+        assert stats.accepted > 10
 
 
 def test_layerskip_drafts_from_the_accepted_prefix(verifiers, tiny_qwen3):

@@ -30,7 +30,7 @@ from ..memory import return_freed_memory
 from ..speculative.cascade import CascadeStats, RoundPolicy
 from . import anchors
 from .contenders import Contenders
-from .modes import ALL_MODES, EXACT_MODES, LOSSLESS_PAIRS, ORT_MODES, drafter_and_precision, ort_precisions
+from .modes import ADAPTIVE_MODES, ALL_MODES, EXACT_MODES, LOSSLESS_PAIRS, ORT_MODES, drafter_and_precision, ort_precisions
 
 
 @dataclass
@@ -46,6 +46,7 @@ class BenchSettings:
     num_draft: int = 5
     ngram_min: int = 1
     ngram_max: int = 3
+    suffix_min_prob: float = 0.1
     skip_fraction: float = 0.5
     prune_fraction: float = 0.25
     seed: int = 0
@@ -111,8 +112,11 @@ def _engine_run(engine, ids: list[int], settings: BenchSettings, draft: str, **e
     options = dict(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=settings.seed, draft=draft)
     if draft != "none":
         options["num_draft"] = extra.pop("num_draft", settings.num_draft)
+        options["adaptive_k"] = extra.pop("adaptive_k", False)
     if draft == "ngram":
         options.update(ngram_min=settings.ngram_min, ngram_max=settings.ngram_max)
+    if draft == "suffix":
+        options["suffix_min_prob"] = settings.suffix_min_prob
     if draft == "layerskip":
         options["skip_fraction"] = settings.skip_fraction
     result = engine.generate(ids, **options)
@@ -162,7 +166,7 @@ def run_mode(mode: str, contenders: Contenders, ids: list[int], settings: BenchS
         return _engine_run(pruned, ids, settings, "ngram")
     drafter, precision = drafter_and_precision(mode)
     engine = contenders.float_engine if precision == "float" else contenders.w8a8_engine
-    return _engine_run(engine, ids, settings, drafter)
+    return _engine_run(engine, ids, settings, drafter, adaptive_k=mode in ADAPTIVE_MODES)
 
 
 def median_run(attempts: list[Run]) -> Run:

@@ -1,7 +1,8 @@
 """The end-to-end benchmark's mode names, read off the drafter table so that ``--modes`` help lists them without torch.
 
 A mode is ``<drafter>-<precision>`` on the cpu backend (drafter "none" reads "ar", for
-autoregressive), the same with ``-ort`` on exported ONNX graphs, exact mode (``exact-ngram``: the
+autoregressive), the same with ``-adaptive`` for a draft length that follows acceptance (``ADAPTIVE_MODES``), the same
+with ``-ort`` on exported ONNX graphs, exact mode (``exact-ngram``: the
 float model's output, n-gram drafts through W8A8 rounds; both engines' weights, shared), or one of the
 two comparisons that are not a drafter on our engine (transformers' prompt lookup, a pruned verifier).
 ``ANCHOR_MODES`` are other engines in their own environments (``anchors``): llama.cpp and vLLM's CPU build.
@@ -21,8 +22,11 @@ ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort", "exact-ngram-o
 # exact mode's float verifier and W8A8 drafter: both on the cpu backend, both on ONNX Runtime, or the cpu backend's float
 # verifier (bf16 where the CPU computes it) with ONNX Runtime's W8A8 drafting, the pair "auto" loads on a bf16 CPU
 EXACT_MODES = {"exact-ngram": "cpu", "exact-ngram-ort": "ort", "exact-ngram-ort-draft": "ort-draft"}
+# the model-free drafters with k per sequence (``speculative.draft_length``), on the W8A8 verifier Quasar deploys
+ADAPTIVE_MODES = ("ngram-w8a8-adaptive", "suffix-w8a8-adaptive")
 MODES = (
     *(f"{_AR if drafter == 'none' else drafter}-{precision}" for drafter in _DRAFTERS for precision in PRECISIONS),
+    *ADAPTIVE_MODES,
     "hf-prompt-lookup",
     "pruned-verify",
     "exact-ngram",
@@ -33,6 +37,10 @@ LOSSLESS_PAIRS = (
     ("ngram-float", "ar-float"),
     ("layerskip-float", "ar-float"),
     ("ngram-w8a8", "ar-w8a8"),
+    ("suffix-float", "ar-float"),
+    ("suffix-w8a8", "ar-w8a8"),
+    ("ngram-w8a8-adaptive", "ar-w8a8"),
+    ("suffix-w8a8-adaptive", "ar-w8a8"),
     ("layerskip-w8a8", "ar-w8a8"),
     ("ngram-float-ort", "ar-float-ort"),
     ("exact-ngram", "ar-float"),  # exact mode's output is the float model's own

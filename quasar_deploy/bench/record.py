@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..errors import QuasarError
+from .modes import ADAPTIVE_MODES
 
 RECORD_VERSION = 1
 # set by tools/avx2_view.sh ("avx2"): a record made under the view is of that view of the CPU, not of the CPU itself,
@@ -95,8 +96,12 @@ def _e2e(f: dict) -> list[Quantity]:
     subject = f"synthetic {s['synthetic']}" if s.get("synthetic") else Path(s["artifact"]).name
     what = f"end to end, {subject}, {s['prompt_count']} prompts of {Path(s['prompts']).name}, {s['max_new_tokens']} new tokens"
     rows = []
+    # a run that compares drafters (suffix, a k per sequence) is read by its acceptance lengths as much as by its speeds
+    drafters_compared = any(mode.startswith("suffix-") or mode in ADAPTIVE_MODES for mode in f["modes"])
     for mode, m in f["modes"].items():
         rows.append((f"{what}: {mode} tokens/s", f"{m['tokens_per_s']:.1f}"))
+        if drafters_compared and not mode.startswith("ar-") and m.get("acceptance_length") is not None:
+            rows.append((f"{what}: {mode} acceptance length", f"{m['acceptance_length']:.2f}"))
         ours = "w8a8" in mode or mode.startswith("exact-")  # the W8A8 verifier's modes, and exact mode's W8A8 drafting
         if m.get("speedup_vs_best-float") is not None and ours:
             rows.append((f"{what}: {mode} vs the best float mode", f"{m['speedup_vs_best-float']:.2f}x"))
@@ -112,6 +117,8 @@ def _serve(f: dict) -> list[Quantity]:
     what = f"server, {Path(s['model']).name}, {drafting}, {s['max_tokens']} tokens per request"
     ours = f"ours on {f['backend'].split()[0]}"  # the backend the server's startup line named: cpu, onnxruntime, ...
     rows = [_serve_level(f"{what}: {ours}", level) for level in f["levels"]]
+    for variant, levels in f.get("compared", {}).items():
+        rows += [_serve_level(f"{what}: {ours}, requests drafting {variant}", level) for level in levels]
     if "generate" in f:
         alone = f["generate"]
         label = f"{what}: generate alone on {alone['backend'].split()[0]}, same prompts, in the run of {ours}: output tokens/s"

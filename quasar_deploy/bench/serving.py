@@ -55,6 +55,19 @@ class ServeBenchSettings:
     synthetic: str | None = None
     backend: str = "auto"
     prefill_tokens: int = PREFILL_TOKENS
+    compare: Sequence[str] = ()  # more drafting variants (``variant_options``), each through the same server after ``draft``
+
+
+def variant_options(variant: str) -> dict[str, Any]:
+    """The request fields of a drafting variant: ``"suffix"`` -> draft suffix with a fixed k, ``"ngram-adaptive"`` ->
+    draft ngram with a k per sequence (``adaptive_k``); one line for a name that is neither."""
+    from ..serve.protocol import REQUEST_DRAFTERS
+
+    draft, _, kind = variant.partition("-")
+    if draft not in REQUEST_DRAFTERS or kind not in ("", "adaptive") or (draft == "none" and kind):
+        drafters = ", ".join(d for d in REQUEST_DRAFTERS if d != "none")
+        raise QuasarError(f"--compare takes drafters ({drafters}, none), each optionally with -adaptive; got {variant!r}")
+    return {"draft": draft, "adaptive_k": kind == "adaptive"} if draft != "none" else {"draft": "none"}
 
 
 @dataclass(frozen=True)
@@ -107,8 +120,9 @@ def synthetic_engine(shape: str) -> tuple[Engine, str]:
     return Engine(lm, WideVocabulary(load_tokenizer(demo_model_path())), frozenset(), "cpu"), f"synthetic {shape} W8A8 (random weights)"
 
 
-def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> RequestTiming:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: int, options: dict[str, Any]) -> RequestTiming:
+    """One streamed greedy completion; ``options``: further request fields (a drafting variant's)."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **options}
     body["stream_options"] = {"include_usage": True}  # the last chunk: usage alone, with empty choices
     sent = time.perf_counter()
     arrivals: list[float] = []
@@ -148,8 +162,10 @@ def percentile(values: Sequence[float], p: float) -> float | None:
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
-def run_level(client: httpx.Client, base: str, prompts: Sequence[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
-    """Every prompt once, from ``concurrency`` closed-loop clients."""
+def run_level(
+    client: httpx.Client, base: str, prompts: Sequence[str], concurrency: int, max_tokens: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Every prompt once, from ``concurrency`` closed-loop clients, each request with the fields ``options``."""
     pending: queue.SimpleQueue[str] = queue.SimpleQueue()
     for prompt in prompts:
         pending.put(prompt)
@@ -161,7 +177,7 @@ def run_level(client: httpx.Client, base: str, prompts: Sequence[str], concurren
                 prompt = pending.get_nowait()
             except queue.Empty:
                 return timings
-            timings.append(stream_completion(client, base, prompt, max_tokens))
+            timings.append(stream_completion(client, base, prompt, max_tokens, options))
 
     accepted_before, steps_before = acceptance_totals(client, base)
     began = time.perf_counter()
@@ -188,14 +204,18 @@ def run_level(client: httpx.Client, base: str, prompts: Sequence[str], concurren
     }
 
 
-def run_levels(base: str, prompts: Sequence[str], settings: ServeBenchSettings, name: str, progress: bool) -> list[dict[str, Any]]:
-    """A warm-up round at the widest concurrency (every batch size's kernels built before timing), then each level."""
+def run_levels(
+    base: str, prompts: Sequence[str], settings: ServeBenchSettings, name: str, progress: bool, options: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """A warm-up round at the widest concurrency (every batch size's kernels built before timing), then each level;
+    ``options``: request fields for all of them (none: the server's defaults)."""
     widest = max(settings.concurrency)
     levels = []
+    options = options or {}
     with httpx.Client(timeout=None) as client:
-        run_level(client, base, prompts[:widest], widest, WARM_UP_TOKENS)
+        run_level(client, base, prompts[:widest], widest, WARM_UP_TOKENS, options)
         for concurrency in settings.concurrency:
-            levels.append(run_level(client, base, prompts, concurrency, settings.max_tokens))
+            levels.append(run_level(client, base, prompts, concurrency, settings.max_tokens, options))
             if progress:
                 print(f"{name}, concurrency {concurrency}: {levels[-1]['tokens_per_s']:.1f} output tokens/s", flush=True)
     single = next((level["tokens_per_s"] for level in levels if level["concurrency"] == 1), None)
@@ -219,18 +239,25 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
     if vllm_python is not None and not settings.artifact:
         raise QuasarError("vLLM serves an artifact directory: give ARTIFACT, not --synthetic or the default")
     prompts = read_prompts(settings.prompts, settings.limit)
+    variants = {variant: variant_options(variant) for variant in settings.compare}  # refused before any work
     widest = max(settings.concurrency)
     load_average = os.getloadavg()
     alone = None if settings.synthetic else generate_alone(settings, prompts, progress)
     server = synthetic_server(settings, widest) if settings.synthetic else quasar_server(settings, widest)
     with server as (base, label, backend):
         levels = run_levels(base, prompts, settings, "quasar-deploy", progress)
+        compared = {v: run_levels(base, prompts, settings, f"quasar-deploy {v}", progress, o) for v, o in variants.items()}
     report = {
         "settings": {**asdict(settings), "concurrency": list(settings.concurrency), "model": label, "prompt_count": len(prompts)},
         "environment": {**environment(), "load_average_at_start": list(load_average)},
         "backend": backend,
         "levels": levels,
     }
+    if compared:  # the same server, prompts and levels, after ``levels``: per variant, its levels and each level vs ours
+        for variant_levels in compared.values():
+            for ours, level in zip(levels, variant_levels):
+                level["vs_draft"] = level["tokens_per_s"] / ours["tokens_per_s"] if ours["tokens_per_s"] else None
+        report["compared"] = compared
     if alone is not None:
         report["generate"] = alone
         for level in levels:
@@ -425,6 +452,16 @@ def markdown(report: dict[str, Any]) -> str:
         versus = f"; the server at 1 client: {first['vs_generate']:.2f}x that" if first.get("vs_generate") else ""
         lines += ["", f"`generate` alone, the same prompts one at a time ({alone['backend']}): {alone['tokens_per_s']:.1f} tokens/s"]
         lines[-1] += f"{versus}."
+    for variant, variant_levels in report.get("compared", {}).items():
+        lines += ["", f"Drafting {variant} (k at most {s['num_draft']}), the same server and prompts, after the levels above:", ""]
+        lines += ["| concurrency | output tokens/s | TTFT p50 ms | acceptance length | vs draft " + s["draft"] + " |"]
+        lines += ["| --- | --- | --- | --- | --- |"]
+        for level in variant_levels:
+            accept, ratio = level["acceptance_length"], level["vs_draft"]
+            lines.append(
+                f"| {level['concurrency']} | {level['tokens_per_s']:.1f} | {_ms(level['ttft_ms_p50'])} | "
+                f"{'-' if accept is None else f'{accept:.2f}'} | {'-' if ratio is None else f'{ratio:.2f}x'} |"
+            )
     if "vllm" in report:
         lines += ["", f"vLLM {report['vllm']['version']} (CPU build), the same artifact, prompts and settings, bf16:", ""]
         lines += ["| concurrency | output tokens/s | TTFT p50 ms | inter-token p50 ms | ours vs vLLM |", "| --- | --- | --- | --- | --- |"]

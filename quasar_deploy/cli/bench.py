@@ -15,7 +15,7 @@ from ..bench.gpu_settings import DEFAULT_ROWS, DEFAULT_SHAPES, GpuSettings
 from ..bench.modes import ALL_MODES, ORT_MODES
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
-from .options import INT_LIST
+from .options import INT_LIST, suffix_min_prob_option
 
 # option decorators the subcommands share (each use makes its own click.Option)
 shape_option = click.option(
@@ -52,6 +52,7 @@ def bench() -> None:
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-min", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1))
+@suffix_min_prob_option
 @click.option("--modes", help="Comma-separated subset of: " + ", ".join(ALL_MODES) + " (default: all).")
 @click.option("--sweep-k", type=INT_LIST, help="Comma-separated draft lengths: also measure ngram-w8a8 vs ngram-float per k.")
 @click.option(
@@ -76,6 +77,7 @@ def e2e(
     num_draft,
     ngram_min,
     ngram_max,
+    suffix_min_prob,
     modes,
     sweep_k,
     anchor_pythons,
@@ -111,6 +113,7 @@ def e2e(
         num_draft=num_draft,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
+        suffix_min_prob=suffix_min_prob,
         modes=tuple(m.strip() for m in modes.split(",")) if modes else ALL_MODES,
         sweep_k=sweep_k or (),
         anchor_pythons=_engine_paths(anchor_pythons),
@@ -241,8 +244,14 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
 @click.option("--limit", default=16, show_default=True, type=click.IntRange(min=1), help="Prompts, each sent once per level.")
 @click.option("--concurrency", default="1,4,8", show_default=True, type=INT_LIST, help="Comma-separated numbers of clients.")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--draft", default="ngram", show_default=True, type=click.Choice(["none", "ngram", "layerskip"]))
+@click.option("--draft", default="ngram", show_default=True, type=click.Choice(["none", "ngram", "suffix", "layerskip"]))
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--compare",
+    default="",
+    help="Comma-separated drafting variants run through the same server after --draft, its requests asking for them: a "
+    "drafter, or a drafter with -adaptive for a k per sequence (e.g. suffix,ngram-adaptive,suffix-adaptive).",
+)
 @click.option(
     "--backend",
     default="auto",
@@ -260,7 +269,20 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
 )
 @json_option
 def serve(
-    artifact, synthetic, prompts, limit, concurrency, max_tokens, draft, num_draft, backend, prefill_tokens, output, vllm_python, as_json
+    artifact,
+    synthetic,
+    prompts,
+    limit,
+    concurrency,
+    max_tokens,
+    draft,
+    num_draft,
+    compare,
+    backend,
+    prefill_tokens,
+    output,
+    vllm_python,
+    as_json,
 ):
     """Our server on 127.0.0.1 under streaming clients at each concurrency: tokens/s, TTFT, inter-token latency, acceptance;
     with --vllm-python, vLLM's OpenAI server on the same artifact after it.
@@ -277,8 +299,9 @@ def serve(
     prompts = str(prompts or BUILTIN["prompts"])
     if synthetic and backend != "auto":
         raise QuasarError("--backend applies to an ARTIFACT (a synthetic model is served on the cpu backend)")
+    variants = tuple(v.strip() for v in compare.split(",") if v.strip())
     settings = serving.ServeBenchSettings(
-        prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens
+        prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens, variants
     )
     report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
     w8a8 = _float_vs_int8(head_stored=_head_stored(None if synthetic else artifact))["w8a8"]

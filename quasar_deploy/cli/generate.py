@@ -15,7 +15,7 @@ import click
 from ..backends.registry import BACKENDS, draft_needs
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
-from .options import engine_descriptions, exact_options, load_engine, provider_option
+from .options import engine_descriptions, exact_options, load_engine, provider_option, suffix_min_prob_option
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -79,10 +79,18 @@ def _memory(paths: list[str], backend: str, result) -> dict:
     default=5,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Tokens drafted per verify step (plain: --draft none).",
+    help="Tokens drafted per verify step (plain: --draft none); with --adaptive-k the most.",
+)
+@click.option(
+    "--adaptive-k/--fixed-k",
+    "adaptive_k",
+    default=False,
+    show_default=True,
+    help="Draft up to a k that follows the acceptance of recent steps (at most --num-draft), or always --num-draft.",
 )
 @click.option("--ngram-min", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1))
+@suffix_min_prob_option
 @click.option("--skip-layers", help="layerskip: comma-separated layers to skip, e.g. 2,3.")
 @click.option(
     "--skip-fraction",

@@ -25,6 +25,14 @@ INT_LIST = IntList()
 # backends/onnxruntime.PROVIDERS with "auto" (named here so that --help imports no torch; a test keeps them equal)
 ONNX_PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")
 
+# the suffix drafter's option, in `generate` and `bench e2e`
+suffix_min_prob_option = click.option(
+    "--suffix-min-prob",
+    default=0.1,
+    show_default=True,
+    type=click.FloatRange(0, 1, max_open=True),
+    help="suffix: end a draft where the estimated chance that all of it is kept falls below this.",
+)
 provider_option = click.option(
     "--provider",
     type=click.Choice(ONNX_PROVIDERS),

@@ -14,7 +14,7 @@ from click.core import ParameterSource
 from ..backends.registry import BACKENDS
 from .options import exact_options, load_engine, options_from_env, provider_option
 
-SERVER_DRAFTERS = ("none", "ngram", "layerskip")
+SERVER_DRAFTERS = ("none", "ngram", "suffix", "layerskip")
 # any request may ask for the layerskip drafter, so "auto" serves on a backend that can skip layers: on a CPU, ONNX
 # Runtime's layer graphs of a W8A8 artifact (``onnx_layered``), else the cpu backend; both verify all requests' blocks
 # in one batched forward
@@ -22,6 +22,7 @@ SERVER_NEEDS = ("layer_skip",)
 # flags our engine honours and `vllm serve` has no counterpart for: refused with --engine vllm (--max-sequences,
 # --chat-template, --tensor-parallel-size, --draft/--num-draft ngram have counterparts and are passed on)
 QUASAR_ONLY = (
+    "adaptive-k",
     "backend",
     "provider",
     "max-queue",
@@ -65,6 +66,14 @@ def seconds_option(name: str, default: float, help: str):
     "--draft", default="ngram", show_default=True, type=click.Choice(SERVER_DRAFTERS), help="Default drafter; a request may pick."
 )
 @click.option("--num-draft", "-k", default=5, show_default=True, type=click.IntRange(min=1), help="Default tokens drafted per step.")
+@click.option(
+    "--adaptive-k/--fixed-k",
+    "adaptive_k",
+    default=False,
+    show_default=True,
+    help="Default: each request drafts up to a k that follows its own acceptance (at most its num_draft), so rows likely "
+    "rejected are not verified; a request may pick (adaptive_k).",
+)
 @click.option("--max-sequences", default=8, show_default=True, type=click.IntRange(min=1), help="Requests generated at once.")
 @click.option("--max-queue", default=32, show_default=True, type=click.IntRange(min=0), help="Requests waiting beyond those; then 429.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1), help="Larger request bodies get 413.")
@@ -110,6 +119,7 @@ def serve(
     provider,
     draft,
     num_draft,
+    adaptive_k,
     chat_template,
     verify,
     exact_source,
@@ -145,6 +155,7 @@ def serve(
         max_queue=limits["max_queue"],
         draft=draft,
         num_draft=num_draft,
+        adaptive_k=adaptive_k,
         request_timeout=limits["request_timeout"],
         body_timeout=limits["body_timeout"],
         kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,

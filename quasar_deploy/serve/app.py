@@ -56,6 +56,7 @@ class ServeConfig:
     max_queue: int = 32
     draft: str = "ngram"
     num_draft: int = 5
+    adaptive_k: bool = False
     request_timeout: float = 600.0
     body_timeout: float = 30.0
     kv_cache_bytes: int | None = None
@@ -152,7 +153,7 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         kv_cache_bytes=config.kv_cache_bytes,
     )
     started_at = int(time.time())
-    defaults = {"draft": config.draft, "num_draft": config.num_draft, "verify": engine.verify_modes}
+    defaults = {"draft": config.draft, "num_draft": config.num_draft, "adaptive_k": config.adaptive_k, "verify": engine.verify_modes}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -18,7 +18,7 @@ from ..speculative.acceptance import MIN_TEMPERATURE
 MAX_SEED = 2**64 - 1
 MAX_JSON_DEPTH = 32  # a request is 5 levels deep (messages, parts); a deeper body is an attack on the parser, not a request
 # drafters a request may pick: "model" would need a server-side path, which a request must not choose
-REQUEST_DRAFTERS = ("none", "ngram", "layerskip")
+REQUEST_DRAFTERS = ("none", "ngram", "suffix", "layerskip")
 # fields OpenAI defines that would change the output; refused unless falsy (0, false, null, empty)
 UNSUPPORTED = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "tools", "functions", "presence_penalty", "frequency_penalty")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -179,7 +179,7 @@ def _messages(body: dict) -> list[dict[str, str]]:
 
 def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], limits: RequestLimits = RequestLimits()) -> Request:
     """Check a decoded JSON body for /v1/completions (``chat`` False) or /v1/chat/completions; ``defaults``: draft, num_draft,
-    verify (the modes the engine offers, its default first);
+    adaptive_k, verify (the modes the engine offers, its default first);
     ``limits``: the server's bounds on one request."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -201,6 +201,11 @@ def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], l
     draft = body.get("draft", defaults["draft"])
     if draft not in REQUEST_DRAFTERS:
         raise bad("draft", f"draft must be one of {', '.join(REQUEST_DRAFTERS)}, got {draft!r}")
+    adaptive_k = body.get("adaptive_k")
+    if adaptive_k is not None and not isinstance(adaptive_k, bool):
+        raise bad("adaptive_k", f"adaptive_k must be true or false, got {adaptive_k!r}")
+    if adaptive_k and draft == "none":
+        raise bad("adaptive_k", "adaptive_k needs a drafter; draft 'none' drafts nothing")
     verify = body.get("verify", defaults["verify"][0])
     if verify not in defaults["verify"]:
         exact = " (exact mode needs a server started with --verify exact)" if verify == "exact" else ""
@@ -220,6 +225,7 @@ def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], l
     options.setdefault("temperature", 1.0)  # OpenAI's default
     if draft != "none":
         options.setdefault("num_draft", defaults["num_draft"])
+        options["adaptive_k"] = defaults["adaptive_k"] if adaptive_k is None else adaptive_k
     prompt = _messages(body) if chat else _prompt(body)
     include_usage = _include_usage(body)
     return Request(prompt, chat, body.get("stream", False), max_tokens, options, include_usage)

@@ -21,6 +21,7 @@ import torch
 from ..errors import QuasarError
 from .acceptance import Sampler, accept
 from .causal_lm import CausalLM
+from .draft_length import DraftLength
 from .drafters import NO_DRAFT, Drafter
 
 
@@ -58,7 +59,8 @@ class Speculation:
     (``lm.verify`` here in ``step``, or a batched forward over many sequences' blocks), and
     ``settle`` (accept, roll the cache back to the accepted prefix, count). ``finished``
     turns true after the step that reaches ``max_new_tokens``, a stop id or the window.
-    Bad arguments raise here, before any work.
+    ``adaptive_k``: each step drafts up to a k that follows this sequence's acceptance (``draft_length``), at most
+    ``num_draft``; else always up to ``num_draft``. Bad arguments raise here, before any work.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Speculation:
         max_new_tokens: int,
         stop_ids: Collection[int] = (),
         stats: LoopStats | None = None,
+        adaptive_k: bool = False,
     ):
         if not prompt:
             raise QuasarError("the prompt is empty")
@@ -83,6 +86,7 @@ class Speculation:
             raise QuasarError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         self.lm, self.drafter, self.sampler = lm, drafter, sampler
         self.num_draft, self.max_new_tokens, self.stop_ids = num_draft, max_new_tokens, stop_ids
+        self.draft_length = DraftLength(num_draft, adaptive_k)
         self.stats = stats if stats is not None else LoopStats()
         self.tokens = list(prompt)
         self.emitted = 0
@@ -116,7 +120,7 @@ class Speculation:
         """The block the verifier must run next: the pending token and the drafted ones."""
         room = min(self.max_new_tokens - self.emitted, self.lm.max_length - len(self.tokens))
         # A step emits at most k+1 tokens: never draft past the budget or the context window.
-        k = min(self.num_draft, room - 1)
+        k = min(self.draft_length.k, room - 1)
         began = time.perf_counter()
         draft = self.drafter.propose(self.tokens, k, self.sampler) if k > 0 else NO_DRAFT
         self._drafted = draft.tokens[:k]
@@ -135,6 +139,7 @@ class Speculation:
         self.stats.verify_steps += 1
         self.stats.drafted += len(self._drafted)
         self.stats.accepted += verdict.accepted
+        self.draft_length.observe(len(self._drafted), verdict.accepted)
         return self._emit(verdict.tokens)
 
     def step(self) -> list[int]:

@@ -47,6 +47,11 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "ngram": DrafterEntry(
         "quasar_deploy.speculative.ngram:ngram_drafter", ("ngram_min", "ngram_max"), "prompt lookup: continue a repeated n-gram"
     ),
+    "suffix": DrafterEntry(
+        "quasar_deploy.speculative.suffix:suffix_drafter",
+        ("suffix_min_prob",),
+        "suffix tree: the most frequent continuation of the longest matching context, variable length",
+    ),
     "layerskip": DrafterEntry(
         "quasar_deploy.speculative.layerskip:layerskip_drafter",
         ("skip_layers", "skip_fraction"),

@@ -230,6 +230,11 @@ def _disk(root: Path):
     return shutil.disk_usage(root)
 
 
+def disk_free() -> int:
+    """Bytes free on the disk the cache is (or will be) on."""
+    return _disk(cache_dir()).free
+
+
 def size_limit() -> int:
     """$QUASAR_CACHE_MAX, or ``DEFAULT_SHARE`` of the disk the cache is on."""
     text = os.environ.get("QUASAR_CACHE_MAX")

@@ -27,7 +27,8 @@ from .kernels import (
 
 
 def report(path: str | None = None, exact: bool = False, exact_source: str | None = None) -> dict:
-    """Everything ``quasar-deploy doctor`` prints, as data (also recorded in benchmark reports); with ``path``, the
+    """Everything ``quasar-deploy doctor`` prints, as data (also recorded in benchmark reports), what the demo needs
+    among it; with ``path``, the
     memory that model needs on the cpu backend (``memory.estimate``, at ``memory.MEMORY_REPORT_TOKENS`` of KV cache) and the
     backend "auto" picks for it; with ``exact`` too, the memory of exact mode on that artifact (``exact_memory``)."""
     flags = cpu_flags()
@@ -50,6 +51,7 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
         "layer_skip_backend": auto_choice(artifact=True, needs=("layer_skip",)),  # a W8A8 artifact's
         "layer_skip_checkpoint_backend": auto_choice(artifact=False, needs=("layer_skip",)),
         "cache": cache_summary(),
+        "demo": demo_summary(),
         **({"memory": model_memory(path), "auto_backend": auto_backend(path)} if path is not None else {}),
         **({"exact_memory": exact_memory(path, exact_source)} if path is not None and exact else {}),
     }
@@ -98,6 +100,17 @@ def cache_summary() -> dict:
         "orphaned": sum(e.orphaned for e in found),
         "limit": size_limit(),
     }
+
+
+def demo_summary() -> dict:
+    """What ``quasar-deploy demo`` (its default prompts and length) needs here before it starts (``demo.needs``)."""
+    from .backends.registry import unavailable
+    from .calibration.data import BUILTIN, read_texts
+    from .demo import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS
+    from .demo.needs import demo_needs
+
+    needs = demo_needs(read_texts(BUILTIN["prompts"])[:DEFAULT_LIMIT], DEFAULT_MAX_NEW_TOKENS, unavailable("onnxruntime") is None)
+    return {**needs.to_dict(), "summary": needs.describe()}
 
 
 def model_memory(path: str) -> dict:

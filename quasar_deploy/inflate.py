@@ -35,7 +35,7 @@ from __future__ import annotations
 import datetime
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -97,6 +97,14 @@ def inflated_spec(spec: DecoderSpec, target: InflationTarget) -> DecoderSpec:
     return replace(spec, **target.to_dict())
 
 
+def inflated_dtype(dtypes: Mapping[str, str], name: str) -> str:
+    """The stored dtype (safetensors name) of the inflated tensor at ``name``: the source's, or for a new layer's tensor
+    that of layer 0's counterpart."""
+    if name not in dtypes:
+        name = ".".join(["model", "layers", "0", *name.split(".")[3:]])
+    return dtypes[name]
+
+
 class _Inflater:
     """The inflated tensors of one source (float checkpoint or W8A8 artifact), produced one at a time."""
 
@@ -116,10 +124,7 @@ class _Inflater:
             raise QuasarError(f"{files.path}: inflation supports dynamic-activation artifacts (new layers would need static input scales)")
 
     def _dtype(self, name: str) -> torch.dtype:
-        """The stored dtype of the tensor at ``name``, or for a new layer's tensor that of layer 0's counterpart."""
-        if name not in self.source.dtypes:
-            name = ".".join(["model", "layers", "0", *name.split(".")[3:]])
-        return TORCH_DTYPES[self.source.dtypes[name]]
+        return TORCH_DTYPES[inflated_dtype(self.source.dtypes, name)]
 
     def _random(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """normal(0, INIT_STD) from a generator seeded by the tensor's name: a float model and its artifact get the same values."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,30 +54,49 @@ def estimate(files: ModelFiles, float_dtype: torch.dtype | None = None) -> Memor
     """The cpu backend's resident weights and KV cache for ``files`` (artifact or float checkpoint), with float parts in
     ``float_dtype`` (default: the one ``kernels.default_float_dtype`` gives this CPU), as ``load_cpu`` holds them: a
     float checkpoint wholly in it; an artifact's activations, KV cache and kept-float layers in float32, its head in it."""
+    ckpt = files.checkpoint
+    quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
+    return estimate_headers(files.spec, ckpt.shapes, ckpt.dtypes, quantized, files.is_artifact, float_dtype)
+
+
+def estimate_headers(
+    spec: DecoderSpec,
+    shapes: Mapping[str, Sequence[int]],
+    dtypes: Mapping[str, str],
+    quantized: Collection[str],
+    is_artifact: bool,
+    float_dtype: torch.dtype | None = None,
+) -> MemoryEstimate:
+    """``estimate`` from tensor headers (name -> shape, safetensors dtype name): also of a model not written yet, such as
+    the demo's inflation before its first run (``demo.needs``)."""
     from .kernels import default_float_dtype, half_weights
 
-    ckpt, spec = files.checkpoint, files.spec
     head_dtype = float_dtype or default_float_dtype("cpu")
-    body = COMPUTE_ITEMSIZE if files.is_artifact else head_dtype.itemsize
+    body = COMPUTE_ITEMSIZE if is_artifact else head_dtype.itemsize
 
     def held(name: str) -> int:
         """Bytes per value of a head's weight as its kernel holds it: as stored where ``quasar-half`` runs it."""
-        stored = TORCH_DTYPES[ckpt.dtypes[name]]
+        stored = TORCH_DTYPES[dtypes[name]]
         return stored.itemsize if half_weights(stored, head_dtype, "onednn") else head_dtype.itemsize
 
     int8 = floats = embeddings = 0
-    quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
-    for name, shape in ckpt.shapes.items():
+    for name, shape in shapes.items():
         count = math.prod(shape)
         if name == EMBEDDINGS:  # read in place where no wider than the body's dtype (model.embedding_table); a tied head packs its own copy
-            embeddings = 0 if TORCH_DTYPES[ckpt.dtypes[name]].itemsize <= body else count * body
+            embeddings = 0 if TORCH_DTYPES[dtypes[name]].itemsize <= body else count * body
             if spec.tie_word_embeddings:
                 floats += count * held(name)
         elif name.rsplit(".", 1)[0] in quantized:
-            int8 += count * TORCH_DTYPES[ckpt.dtypes[name]].itemsize
+            int8 += count * TORCH_DTYPES[dtypes[name]].itemsize
         else:
             floats += count * (held(name) if name == "lm_head.weight" else head_dtype.itemsize if name.startswith("lm_head.") else body)
     return MemoryEstimate(int8, floats, embeddings, kv_cache_bytes(spec, 1000, body))
+
+
+def graph_bytes(shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, str]) -> int:
+    """What an ONNX export's initializers weigh, from tensor headers: int8 weights as uint8, every float tensor as
+    float32 (the graph computes in it); about what ONNX Runtime then holds of them."""
+    return sum(math.prod(shape) * (1 if dtypes[name] == "I8" else 4) for name, shape in shapes.items())
 
 
 def report_tokens(spec: DecoderSpec) -> int:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import click
 
+from ..demo import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS
+
 
 @click.command()
-@click.option("--limit", default=4, show_default=True, type=click.IntRange(min=1), help="Built-in prompts to measure.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--limit", default=DEFAULT_LIMIT, show_default=True, type=click.IntRange(min=1), help="Built-in prompts to measure.")
+@click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1))
 def demo(limit, max_new_tokens):
     """The demo model inflated to the Qwen3-0.6B body (same outputs, a 0.6B body's bytes per step) and the demo model itself:
     calibrate and inflate (cached), stream a W8A8 generation, measure n-gram on float vs W8A8 verifiers end to end."""

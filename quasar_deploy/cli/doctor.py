@@ -64,6 +64,7 @@ def doctor(path, as_json, exact, exact_source):
         f"cache          {c['bytes'] / 1e9:.2f} GB in {c['entries']} entries ({c['orphaned']} orphaned), limit {c['limit'] / 1e9:.1f} GB, "
         f"at {c['path']} (quasar-deploy cache list)"
     )
+    click.echo(f"demo           needs {info['demo']['summary']} (quasar-deploy demo)")
     click.echo("targets:")
     for name, reason in info["targets"].items():
         click.echo(f"  {name:<12} {'ready' if reason is None else 'unavailable: ' + reason}")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 VARIANTS = ("plain", "outlier")
 INFLATED_SHAPE = "qwen3-0.6b"  # the published body the demo model is inflated to (shapes.SHAPES)
 INFLATION_SEED = 0
+DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS = 4, 64  # built-in prompts measured, new tokens per prompt (``quasar-deploy demo``'s)
 
 
 def demo_model_path(variant: str = "plain") -> Path:

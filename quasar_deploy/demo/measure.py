@@ -3,6 +3,10 @@
 Machines drift (thermal, neighbours), so the modes take turns on each prompt, and a speed-up is the
 median of per-prompt ratios measured seconds apart. ``quasar-deploy bench e2e`` does the same with
 more modes and the anchors; the demo keeps its own few lines so that the product never imports the benchmarks.
+
+The modes of one backend take turns (``timed_runs``); backends run one after another (``run.py``), so that one
+0.6B-shape float model is in memory at a time, and ``figures`` then compares every mode with the fastest float
+mode of either backend on the same prompt.
 """
 
 from __future__ import annotations
@@ -20,22 +24,27 @@ def _run(engine: Engine, ids: list[int], max_new_tokens: int) -> GenerationStats
     return engine.generate(ids, **options).stats
 
 
-def measure(engines: Mapping[str, Engine], prompts: Sequence[str], max_new_tokens: int, float_modes: Sequence[str]) -> dict[str, dict]:
-    """Per mode: tokens/s (median and range), acceptance length (mean, and per prompt), verify-step ms, and
-    ``vs_best_float``, the median over prompts of its tokens/s over the fastest of ``float_modes`` on the same prompt."""
+def timed_runs(engines: Mapping[str, Engine], encoded: Sequence[list[int]], max_new_tokens: int) -> dict[str, list[GenerationStats]]:
+    """Each mode's generation of every prompt, the modes taking turns prompt by prompt (a different one first each time)."""
     modes = list(engines)
-    encoded = [engines[modes[0]].encode(p) for p in prompts]
     for engine in engines.values():  # first calls pay one-time costs (weight packing, allocator): kept out of the figures
         _run(engine, encoded[0], 4)
     runs: dict[str, list[GenerationStats]] = {m: [] for m in modes}
     for i, ids in enumerate(encoded):
         for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
             runs[mode].append(_run(engines[mode], ids, max_new_tokens))
-    best = [max(runs[m][i].tokens_per_s for m in float_modes) for i in range(len(encoded))]
-    figures = {}
+    return runs
+
+
+def figures(runs: Mapping[str, Sequence[GenerationStats]], float_modes: Sequence[str]) -> dict[str, dict]:
+    """Per mode: tokens/s (median and range), acceptance length (mean, and per prompt), verify-step ms, and
+    ``vs_best_float``, the median over prompts of its tokens/s over the fastest of ``float_modes`` on the same prompt."""
+    count = len(next(iter(runs.values())))
+    best = [max(runs[m][i].tokens_per_s for m in float_modes) for i in range(count)]
+    result = {}
     for mode, stats in runs.items():
         speeds = [s.tokens_per_s for s in stats]
-        figures[mode] = {
+        result[mode] = {
             "tokens_per_s": statistics.median(speeds),
             "tokens_per_s_min": min(speeds),
             "tokens_per_s_max": max(speeds),
@@ -44,4 +53,4 @@ def measure(engines: Mapping[str, Engine], prompts: Sequence[str], max_new_token
             "verify_step_ms": 1000 * sum(s.verify_s for s in stats) / max(1, sum(s.verify_steps for s in stats)),
             "vs_best_float": statistics.median(speed / b for speed, b in zip(speeds, best)),
         }
-    return figures
+    return result

@@ -21,8 +21,11 @@ from ..calibration.data import BUILTIN, read_texts
 from ..decoder_spec import expected_shapes
 from ..engine import Engine, load
 from ..fidelity import Fidelity, evaluate
+from ..memory import return_freed_memory
 from ..shapes import SHAPES
 from . import (
+    DEFAULT_LIMIT,
+    DEFAULT_MAX_NEW_TOKENS,
     INFLATED_SHAPE,
     demo_artifact,
     demo_artifact_path,
@@ -30,11 +33,12 @@ from . import (
     inflated_demo,
     inflated_demo_paths,
 )
-from .measure import NGRAM, NUM_DRAFT, measure
+from .measure import NGRAM, NUM_DRAFT, figures, timed_runs
+from .needs import check_needs, demo_needs
 
 STREAMED_PROMPT = "import os\n\n\ndef list_python_files(root):\n"
-CPU_MODES = ("ngram-float", "ngram-w8a8")
-ORT_MODES = ("ngram-float-ort", "ngram-w8a8-ort")
+# backend -> its (float, W8A8) modes, measured in this order
+BACKEND_MODES = {"cpu": ("ngram-float", "ngram-w8a8"), "onnxruntime": ("ngram-float-ort", "ngram-w8a8-ort")}
 
 
 def stream_one(engine: Engine, echo: Callable[[str], None], max_new_tokens: int = 96) -> None:
@@ -54,14 +58,6 @@ def parameters_read_per_step(model: str | Path) -> int:
     return sum(math.prod(shapes[n]) for n in names)
 
 
-def _engines(model: Path, artifact: Path, with_ort: bool) -> dict[str, Engine]:
-    """Float and W8A8 engines on the cpu backend, and on ONNX Runtime (graphs exported once into the cache) when installed."""
-    engines = {"ngram-float": load(model, backend="cpu"), "ngram-w8a8": load(artifact, backend="cpu")}
-    if with_ort:
-        engines |= {"ngram-float-ort": load(model, backend="onnxruntime"), "ngram-w8a8-ort": load(artifact, backend="onnxruntime")}
-    return engines
-
-
 def _measure(
     model: Path,
     artifact: Path,
@@ -70,37 +66,55 @@ def _measure(
     max_new_tokens: int,
     before: Callable[[dict[str, Engine]], None] | None = None,
 ) -> dict:
-    """Every mode on the built-in prompts, taking turns prompt by prompt; ``before(engines)`` runs first (the streamed sample)."""
-    engines = _engines(model, artifact, with_ort)
-    if before is not None:
-        before(engines)
-    float_modes = [mode for mode in engines if "float" in mode]
-    result = {
+    """Every mode on the built-in prompts: one backend's float and W8A8 engines at a time, taking turns prompt by
+    prompt, freed before the next backend's load (the 0.6B body's float engines weigh 1.8 GB each: two at once would
+    put the demo past 3 GB); ``before(engines)`` runs on the first backend's (the streamed sample)."""
+    runs: dict[str, list] = {}
+    backends: dict[str, str] = {}
+    encoded: list[list[int]] = []
+    for backend, (float_mode, w8a8_mode) in BACKEND_MODES.items():
+        if backend == "onnxruntime" and not with_ort:
+            continue
+        engines = {float_mode: load(model, backend=backend), w8a8_mode: load(artifact, backend=backend)}
+        if not encoded:
+            encoded = [engines[float_mode].encode(p) for p in prompts]
+            if before is not None:
+                before(engines)
+        runs |= timed_runs(engines, encoded, max_new_tokens)
+        backends |= {mode: engine.lm.description for mode, engine in engines.items()}
+        del engines
+        gc.collect()  # the next backend's engines load into the memory these held
+        return_freed_memory()
+    return {
         "model": str(model),
         "artifact": str(artifact),
-        "modes": measure(engines, prompts, max_new_tokens, float_modes),
-        "backends": {mode: engine.lm.description for mode, engine in engines.items()},
+        "modes": figures(runs, [mode for mode in runs if "float" in mode]),
+        "backends": backends,
         "spec": asdict(open_model_files(model).spec),
         "parameters_read_per_step": parameters_read_per_step(model),
     }
-    del engines
-    gc.collect()  # the next model's engines load into the memory these held
-    return result
 
 
-def run_demo(echo: Callable[[str], None], progress: bool = True, limit: int = 4, max_new_tokens: int = 64) -> dict:
-    """Calibrate and inflate (cached), stream one W8A8 generation of the inflated model, then measure both models end to end."""
+def run_demo(
+    echo: Callable[[str], None], progress: bool = True, limit: int = DEFAULT_LIMIT, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+) -> dict:
+    """Calibrate and inflate (cached), stream one W8A8 generation of the inflated model, then measure both models end to
+    end; refused first where this machine lacks the memory or the cache's disk it needs (``needs.py``)."""
+    with_ort = unavailable("onnxruntime") is None
+    prompts = read_texts(BUILTIN["prompts"])[:limit]
+    needs = demo_needs(prompts, max_new_tokens, with_ort)
+    check_needs(needs)
+    if needs.disk:
+        echo(f"first run: the demo needs {needs.describe()}\n")
     if not (demo_artifact_path() / MANIFEST).exists():
         echo("first run: calibrating (cached afterwards)\n")
     artifact = demo_artifact(progress)
     if not all((path / name).exists() for path, name in zip(inflated_demo_paths(), ("config.json", MANIFEST))):
         echo(f"first run: inflating the demo model to the {INFLATED_SHAPE} body shape (cached afterwards)\n")
     big_model, big_artifact = inflated_demo(progress)
-    with_ort = unavailable("onnxruntime") is None
     sources = (demo_model_path(), artifact, big_model, big_artifact)
     if with_ort and not all(onnx_export_path(path).exists() for path in sources):
         echo("first run: exporting ONNX Runtime graphs (cached afterwards)\n")
-    prompts = read_texts(BUILTIN["prompts"])[:limit]
 
     def stream(engines: dict[str, Engine]) -> None:
         echo(f"--- inflated model, W8A8 verifier, n-gram drafting (k={NUM_DRAFT}, n {NGRAM[0]}..{NGRAM[1]}), streamed ---\n")
@@ -152,8 +166,9 @@ def describe(result: dict) -> str:
         *_table(demo),
         "",
         f"Each 'vs best float' is the median over {prompts} prompts of the per-prompt ratio of that mode's tokens/s to the "
-        f"fastest float mode's on the same prompt ({float_modes}); tokens/s are medians, modes interleaved prompt by prompt, "
-        f"greedy, {result['max_new_tokens']} new tokens, k={NUM_DRAFT}.",
+        f"fastest float mode's on the same prompt ({float_modes}); tokens/s are medians, a backend's modes interleaved prompt "
+        f"by prompt, backends one after another (one float model in memory at a time), greedy, {result['max_new_tokens']} "
+        f"new tokens, k={NUM_DRAFT}.",
         f"`quasar-deploy generate ARTIFACT` (backend auto) runs W8A8 here on {result['default_backend']} "
         f"(the {'ngram-w8a8-ort' if result['default_backend'] == 'onnxruntime' else 'ngram-w8a8'} rows).",
         f"fidelity of the demo artifact: top-1 agreement with float {fid['top1_agreement']:.4f}, mean KL {fid['mean_kl']:.2e} nats, "

@@ -2,7 +2,7 @@
 
 The output directory is self-contained for ``quasar_deploy.load(DIR, backend="onnxruntime")``
 and for onnxruntime-genai style front ends: ``model.onnx`` (+ ``model.onnx.data`` when the
-weights pass protobuf's 2 GB limit), ``genai_config.json`` describing inputs and outputs,
+weights pass ``EXTERNAL_DATA_THRESHOLD``), ``genai_config.json`` describing inputs and outputs,
 the source's ``config.json``, ``generation_config.json`` and tokenizer files, and
 ``quasar-export.json`` with the sha256 of each, which ``load_onnx`` verifies.
 """
@@ -10,7 +10,6 @@ the source's ``config.json``, ``generation_config.json`` and tokenizer files, an
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from ..artifact import HEAD, MANIFEST, ModelFiles, checked_row_blocks
 from ..decoder_spec import DecoderSpec, rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
 from ..integrity import write_export_manifest
-from ..memory import EMBEDDINGS
+from ..memory import EMBEDDINGS, graph_bytes
 from ..model import BlockSource, DecoderLayer, Linear, RMSNorm, load_linear, tensor_loader
 from .onnx_graph import BFLOAT16, FLOAT32, HEAD_OUTSIDE, HIDDEN, LINEAR_FORMATS, ExternalData, Fill, GraphBuilder, build_graph
 from .onnx_versions import IR_VERSIONS, OPSETS
@@ -39,8 +38,11 @@ MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 CONFIG_FILE = "genai_config.json"
 SIDECAR_FORMAT = 1
-# protobuf refuses messages of 2 GiB; stay clear of it (graph structure adds a little on top of the weights)
-EXTERNAL_DATA_THRESHOLD = 1_900_000_000
+# Weights above this go to ``model.onnx.data`` as the graph is built. Inside ``model.onnx`` (protobuf refuses 2 GiB in
+# any case) the export holds them whole in memory, and ONNX Runtime's session build reads them into a second copy
+# beside its own: the inflated demo's 1.8 GB float graph peaked at 2.2 GB loading, 1.6 GB with the file mapped (ORT maps
+# external data at page-aligned offsets), and its export at 2 GB against 0.3 GB
+EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 LINEAR_DESCRIPTIONS = {
     "integer": "u8xs8 MatMulInteger, exact int32 accumulation",
     "qdq": "int8 QuantizeLinear/DequantizeLinear around MatMul: static per-tensor activations, per-channel weights",
@@ -119,7 +121,7 @@ def _linear_format(files: ModelFiles, precision: str, linear_format: str) -> str
 
 
 def save_graph(model: onnx.ModelProto, directory: Path) -> None:
-    """One file when it fits protobuf, else weights in ``model.onnx.data`` (a graph whose weights are already in
+    """One file up to ``EXTERNAL_DATA_THRESHOLD`` of weights, else weights in ``model.onnx.data`` (a graph whose weights are already in
     ``ExternalData`` is written as it is); the checker reads it back either way."""
     weight_bytes = sum(len(t.raw_data) for t in model.graph.initializer)
     external = weight_bytes > EXTERNAL_DATA_THRESHOLD
@@ -128,9 +130,8 @@ def save_graph(model: onnx.ModelProto, directory: Path) -> None:
 
 
 def graph_weight_bytes(files: ModelFiles) -> int:
-    """What the graph's initializers will weigh: int8 weights as uint8, every float tensor as float32."""
-    ckpt = files.checkpoint
-    return sum(math.prod(shape) * (1 if ckpt.dtypes[name] == "I8" else 4) for name, shape in ckpt.shapes.items())
+    """What the graph's initializers will weigh (``memory.graph_bytes``)."""
+    return graph_bytes(files.checkpoint.shapes, files.checkpoint.dtypes)
 
 
 def source_graph(
@@ -231,7 +232,7 @@ def export(
     ``linear_format``: ``integer`` (exact u8 x s8 ``MatMulInteger``, for CPUs) or ``qdq`` (int8 Q/DQ pairs that
     TensorRT fuses; static-activation artifacts only). The manifest records it, so the loader knows its graph.
     ``external``: weights in ``model.onnx.data`` (written as the graph is built) rather than inside ``model.onnx``;
-    by default when they would pass protobuf's 2 GB limit. ``head_outside``: a W8A8 graph without its float lm_head,
+    by default above ``EXTERNAL_DATA_THRESHOLD``. ``head_outside``: a W8A8 graph without its float lm_head,
     ending in ``hidden_states`` (the onnxruntime backend computes the head beside it, in bf16 where the CPU has it:
     ORT's CPU kernels have no bf16 MatMul); an int8 head stays in the graph.
     """

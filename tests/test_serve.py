@@ -168,3 +168,23 @@ def test_the_server_outlives_concurrent_failures(server):
     with ThreadPoolExecutor(len(bodies)) as pool:
         list(pool.map(post, bodies))
     assert sorted(threads_out) == [200] * 4 + [400] * 4
+
+
+def test_a_completions_text_is_tokenized_off_the_schedulers_thread(engine, monkeypatch):
+    """Encoding a 1 MiB prompt takes seconds: on the scheduler's thread every running sequence waited for it."""
+    threads = []
+    encode = engine.tokenizer.encode
+
+    def recording(text, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", recording)
+    with live_server(create_app(engine, ServeConfig("tiny", api_key=KEY))) as base:
+        for prompt in PROMPTS[:3]:
+            response = httpx.post(f"{base}/v1/completions", headers=AUTH, json={"model": "tiny", "prompt": prompt, **GREEDY}, timeout=60)
+            assert response.status_code == 200 and response.json()["choices"][0]["text"] == engine.generate(prompt, max_new_tokens=12).text
+        lone_surrogate = b'{"model": "tiny", "prompt": "x\\ud800"}'  # JSON's escape: text that cannot be encoded
+        bad = httpx.post(f"{base}/v1/completions", headers={**AUTH, "Content-Type": "application/json"}, content=lone_surrogate, timeout=60)
+    assert len(threads) >= 3 and "quasar-scheduler" not in threads[:3]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"

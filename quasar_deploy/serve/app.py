@@ -1,10 +1,11 @@
 """The HTTP side: OpenAI's routes over the scheduler, API-key and body-size guards, errors always in OpenAI's shape.
 
-Handlers only parse, submit and relay: every model call happens on the scheduler's thread, and a chat's template
-renders in the renderer's process (``chat/``), so the event loop stays responsive and neither a model step nor a
-template holds it. A request's events arrive on an asyncio queue; from the moment its body is in, a ``ClientWatch``
-notices its client going, and whatever the request then waits for (its render, its turn, its next step) ends, its
-sequence cancelled. A request whose client went away is counted as status 499 (``CLIENT_CLOSED``).
+Handlers only parse, submit and relay: every model call happens on the scheduler's thread, a chat's template
+renders in the renderer's process (``chat/``) and a completion's text is tokenized on a worker thread: the event
+loop stays responsive, neither a model step nor a template holds it, and no prompt's tokenizing holds the model steps.
+A request's events arrive on an asyncio queue; from the moment its body is in, a ``ClientWatch`` notices its client
+going, and whatever the request then waits for (its render or tokenizing, its turn, its next step) ends, its sequence
+cancelled. A request whose client went away is counted as status 499 (``CLIENT_CLOSED``).
 """
 
 from __future__ import annotations
@@ -207,6 +208,8 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         try:
             if chat:
                 parsed = dataclasses.replace(parsed, prompt=await watch.until_gone(render(parsed.prompt)))
+            elif isinstance(parsed.prompt, str):
+                parsed = dataclasses.replace(parsed, prompt=await watch.until_gone(tokenize(parsed.prompt)))
             loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
             def deliver(event: Event) -> None:
@@ -235,6 +238,15 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         finally:
             if not streaming:
                 watch.close()
+
+    async def tokenize(text: str) -> list[int]:
+        """A completion's prompt ids, encoded on a worker thread: a 1 MiB prompt takes seconds to encode, which on the
+        scheduler's thread held every running sequence (the tokenizer lets go of the GIL while it works); 400 for a
+        prompt the engine refuses."""
+        try:
+            return await asyncio.to_thread(engine.encode, text)
+        except QuasarError as exc:
+            raise ApiError(400, str(exc), "prompt") from None
 
     async def render(messages: list[dict[str, str]]) -> list[int]:
         """The chat's prompt ids, rendered in the renderer's process: 400 when the template refuses the messages or

@@ -597,7 +597,7 @@ def _onnxruntime_int8(wq, w_scale) -> LinearFn:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, wq.shape[1]])],
         [helper.make_tensor_value_info(y, TensorProto.FLOAT, [None, wq.shape[0]])],
     )
-    options = session_options(torch.get_num_threads())
+    options = session_options(torch.get_num_threads(), fixed_shape=True)
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
 

@@ -196,3 +196,16 @@ def test_int8_probe_agrees_with_this_cpu():
     assert backend._int8_matmul_exact((backend.PRECISE_INT8_OPTION,))
     if "avx512_vnni" in cpu_flags():
         assert backend._int8_matmul_exact(())
+
+
+def test_decoder_sessions_plan_no_memory_per_shape(tiny_onnx, tiny_artifact):
+    """ORT's memory pattern traces every new set of input shapes on its first run: a decoder meets a new past length at
+    every step, so the first generation after load paid a trace per step that later ones of the same lengths did not."""
+    from quasar_deploy.backends.onnx_layered import load_layered
+    from quasar_deploy.backends.onnxruntime import load_onnx, session_options
+
+    assert not load_onnx(tiny_onnx).session.get_session_options().enable_mem_pattern
+    layered = load_layered(tiny_artifact, threads=1, progress=False).model
+    sessions = [*layered.inputs, *layered.outputs, layered.final_norm]
+    assert sessions and not any(s.get_session_options().enable_mem_pattern for s in sessions)
+    assert session_options(1, fixed_shape=True).enable_mem_pattern  # the int8 probe runs one shape: its plan pays

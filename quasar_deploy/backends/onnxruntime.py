@@ -60,16 +60,24 @@ def allow_spinning(environ=os.environ) -> str:
     return "0" if environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else "1"
 
 
-def session_options(threads: int | None = None, head_on_torch: bool = False):
+def session_options(threads: int | None = None, head_on_torch: bool = False, fixed_shape: bool = False):
     """The options every ORT session of ours gets: ``threads`` intra-op threads (default: the CPUs this process may use;
     ORT's own default counts the host's cores), ``exact_int8_entries``, and the spinning policy of ``allow_spinning``.
 
     ``head_on_torch``: the graph's lm_head runs on torch right after each call (``load_head``), so ORT's threads must
-    sleep at once: spinning, they hold the cores torch's head needs (``bench onnx step`` times that arrangement)."""
+    sleep at once: spinning, they hold the cores torch's head needs (``bench onnx step`` times that arrangement).
+
+    ORT's memory pattern is off unless ``fixed_shape`` (a graph run at one shape, such as the int8 probe's): ORT traces
+    the allocations of each new set of input shapes on its first run and plans one block for them on later runs, and a
+    decoder's shapes change at every step (the past grows). The first generation after ``load`` met a new shape at
+    every step and paid a trace at each, while later generations of the same lengths replayed the cached plans, so the
+    first ran at 0.6-0.8x of the next ones (``bench first-call``; docs/architecture.md, "Warm-up"), and the plans
+    piled up, one per shape seen."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or default_threads()
+    options.enable_mem_pattern = fixed_shape
     for entry in exact_int8_entries():
         options.add_session_config_entry(*entry)
     options.add_session_config_entry(SPINNING_OPTION, "0" if head_on_torch else allow_spinning())

@@ -58,9 +58,10 @@ BACKENDS: dict[str, BackendEntry] = {
 # the cpu backend on our own int8 and attention kernels (docs/architecture.md, "Choosing the backend"); the artifact is
 # exported to the cache on first use (``cache.py``).
 AUTO_ORDER = ("cuda", "onnxruntime", "cpu")
-# ONNX Runtime's session build peaks at about twice what it then holds (the graph's copy of the weights beside its own,
-# which ``memory.return_freed_memory`` then hands back): "auto" picks it only where twice the cpu backend's estimate
-# fits in MemAvailable
+# ONNX Runtime's session build of a graph whose weights are inside ``model.onnx`` peaks at about twice what it then holds
+# (the graph's copy of the weights beside its own, which ``memory.return_freed_memory`` then hands back). Exports now put
+# weights above 64 MiB in ``model.onnx.data``, which ORT maps, but exports cached by earlier versions hold them inside up
+# to 1.9 GB: "auto" picks ORT only where twice the cpu backend's estimate fits in MemAvailable
 ONNXRUNTIME_MEMORY_FACTOR = 2
 # export target (``quasar-export.json``) -> the backend that runs it; targets missing here are other runtimes' to serve
 EXPORT_BACKENDS = {"onnx": "onnxruntime"}

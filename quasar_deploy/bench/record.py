@@ -151,7 +151,11 @@ def _roofline(f: dict) -> list[Quantity]:
 
 def _first_call(f: dict) -> list[Quantity]:
     what = f"{Path(f['path']).name} on {f['backend']}, {f['draft']} drafting"
-    return [(f"{what}: load", f"{f['load_s']:.1f} s"), (f"{what}: first call decode tokens/s", f"{f['decode_tokens_per_s'][0]:.1f}")]
+    return [
+        (f"{what}: load", f"{f['load_s']:.1f} s"),
+        (f"{what}: first call decode tokens/s", f"{f['decode_tokens_per_s'][0]:.1f}"),
+        (f"{what}: first call vs the median of the later ones", f"{f['first_vs_rest']:.2f}x"),
+    ]
 
 
 def _gpu(f: dict) -> list[Quantity]:

@@ -13,8 +13,9 @@ import click
 @click.option("--exact", is_flag=True, help="With an artifact PATH: also the memory of --verify exact (both weight sets resident).")
 @click.option("--exact-source", type=click.Path(file_okay=False, path_type=str), help="--exact: the float checkpoint (default: recorded).")
 def doctor(path, as_json, exact, exact_source):
-    """What this machine can run: CPU features, chosen kernels, every target; with PATH (an artifact or float
-    checkpoint), the memory it needs on the cpu backend, from its tensor headers, and the backend auto picks for it."""
+    """What this machine can run: CPU features, chosen kernels, every target, and the memory and disk the demo needs;
+    with PATH (an artifact or float checkpoint), the memory it needs on the cpu backend, from its tensor headers, and
+    the backend auto picks for it."""
     from ..backends.cpu_int8 import SUMS
     from ..doctor import report
     from ..errors import QuasarError

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import demo  # its functions looked up at each call, as the package itself looks up its own
 from ..artifact import MANIFEST, open_model_files
 from ..cache import cache_dir, disk_free, onnx_export_path
 from ..cpuinfo import memory_available
@@ -23,7 +24,6 @@ from ..inflate import inflated_dtype, inflated_spec
 from ..memory import MIB, estimate_headers, graph_bytes
 from ..shards import TORCH_DTYPES
 from ..tokenizer import load_tokenizer
-from . import demo_artifact_path, demo_model_path, inflated_demo_paths, inflation_target
 from .measure import NUM_DRAFT
 
 GB = 10**9
@@ -87,20 +87,20 @@ def _export_missing(source: Path, marker: str) -> bool:
 
 def demo_needs(prompts: list[str], max_new_tokens: int, with_ort: bool) -> DemoNeeds:
     """What ``run_demo`` on ``prompts`` needs here, before it writes or loads anything."""
-    demo = open_model_files(demo_model_path())
-    big = inflated_spec(demo.spec, inflation_target())
-    dtypes = demo.checkpoint.dtypes
-    tokenizer = load_tokenizer(demo_model_path())
+    source = open_model_files(demo.demo_model_path())
+    big = inflated_spec(source.spec, demo.inflation_target())
+    dtypes = source.checkpoint.dtypes
+    tokenizer = load_tokenizer(demo.demo_model_path())
     tokens = max(len(tokenizer.encode(p)) for p in prompts) + max_new_tokens + NUM_DRAFT + 1
-    small = (model_headers(demo.spec, dtypes, False), model_headers(demo.spec, dtypes, True))
+    small = (model_headers(source.spec, dtypes, False), model_headers(source.spec, dtypes, True))
     inflated = (model_headers(big, dtypes, False), model_headers(big, dtypes, True))
-    memory = LIBRARIES + max(_engines_bytes(demo.spec, *small, tokens, with_ort), _engines_bytes(big, *inflated, tokens, with_ort))
-    artifact, (big_model, big_artifact) = demo_artifact_path(), inflated_demo_paths()
+    memory = LIBRARIES + max(_engines_bytes(source.spec, *small, tokens, with_ort), _engines_bytes(big, *inflated, tokens, with_ort))
+    artifact, (big_model, big_artifact) = demo.demo_artifact_path(), demo.inflated_demo_paths()
     entries = [(_missing(artifact, MANIFEST), _file_bytes(small[1])), (_missing(big_model, "config.json"), _file_bytes(inflated[0]))]
     entries.append((_missing(big_artifact, MANIFEST), _file_bytes(inflated[1])))
     if with_ort:
         entries += [
-            (_export_missing(demo_model_path(), "config.json"), graph_bytes(*small[0])),
+            (_export_missing(demo.demo_model_path(), "config.json"), graph_bytes(*small[0])),
             (_export_missing(artifact, MANIFEST), graph_bytes(*small[1])),
             (_export_missing(big_model, "config.json"), graph_bytes(*inflated[0])),
             (_export_missing(big_artifact, MANIFEST), graph_bytes(*inflated[1])),

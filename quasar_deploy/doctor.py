@@ -19,6 +19,7 @@ from .kernels import (
     dtype_name,
     fbgemm_available,
     float_probe,
+    half_probe_ms,
     int8_probe,
     onednn_available,
     onednn_int8_exact,
@@ -57,6 +58,18 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
     }
 
 
+def _half_text(half_ms: float | None, float32_ms: float) -> str:
+    """What timing the quasar-half kernel showed (``kernels.half_probe_ms``), or why it does not run."""
+    if half_ms is None:
+        from .backends import cpu_half
+
+        return f"16-bit weights widened to float32 by oneDNN (quasar-half: {cpu_half.why_not()})"
+    return (
+        f"16-bit weights read as stored by quasar-half where float32 computes: {half_ms:.3f} ms against oneDNN "
+        f"float32's {float32_ms:.3f} at a verify step's shape, half the bytes from memory"
+    )
+
+
 def probes() -> dict:
     """What running the kernels once showed (``kernels``'s probes), and the float dtype chosen from it."""
     from .backends import cpu_attention, cpu_int8
@@ -67,6 +80,7 @@ def probes() -> dict:
     attention = cpu_attention.load()
     chosen = os.environ.get(FLOAT_DTYPE_ENV)
     int8 = int8_probe()
+    half = half_probe_ms()
     return {
         "fbgemm_int8_sums_32bit": vnni_available(),
         "onednn_int8_exact": onednn_int8_exact(),
@@ -81,8 +95,8 @@ def probes() -> dict:
         "bfloat16_ms": None if probe.bfloat16_ms is None else round(probe.bfloat16_ms, 3),
         "bf16_invariant_rows": probe.bf16_invariant_rows,
         "bf16_rows": probe.rows_text,
-        "half_ms": None if probe.half_ms is None else round(probe.half_ms, 3),
-        "half_weights": probe.half_text,
+        "half_ms": None if half is None else round(half, 3),
+        "half_weights": _half_text(half, probe.float32_ms),
         "float_dtype": dtype_name(default_float_dtype("cpu")),
         "float_dtype_why": f"set by {FLOAT_DTYPE_ENV}={chosen}" if chosen else probe.reason,
     }

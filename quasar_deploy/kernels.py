@@ -303,7 +303,6 @@ class FloatProbe:
     bfloat16_ms: float | None  # None: no bf16 linear here (``bf16_missing`` says why)
     bf16_invariant_rows: int  # the most rows one bf16 call takes with every row's bits those of the row alone
     bf16_missing: str | None = None  # why this CPU has no bf16 linear of oneDNN's (torch's refusal), else None
-    half_ms: float | None = None  # our quasar-half kernel on the weight stored bf16 (None: it does not run here)
 
     @property
     def bf16_speedup(self) -> float:
@@ -318,18 +317,6 @@ class FloatProbe:
         if self.bf16_missing:
             return f"no bf16 linear here: {self.bf16_missing}"
         return f"bf16 {self.bf16_speedup:.1f}x float32 at a verify step's shape (bf16 needs {BF16_MIN_SPEEDUP}x)"
-
-    @property
-    def half_text(self) -> str:
-        """What the probe showed of the quasar-half kernel, for doctor."""
-        if self.half_ms is None:
-            from .backends import cpu_half
-
-            return f"16-bit weights widened to float32 by oneDNN (quasar-half: {cpu_half.why_not()})"
-        return (
-            f"16-bit weights read as stored by quasar-half where float32 computes: {self.half_ms:.3f} ms against oneDNN "
-            f"float32's {self.float32_ms:.3f} at a verify step's shape, half the bytes from memory"
-        )
 
     @property
     def rows_text(self) -> str | None:
@@ -365,17 +352,24 @@ def float_probe() -> FloatProbe:
     try:
         bf16_linear = _onednn_linear(weight.bfloat16(), None)
     except RuntimeError as refusal:  # oneDNN's bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2 CPU has neither
-        return FloatProbe(_fastest_ms(_onednn_linear(weight, None), x[:6]), None, 0, first_line(refusal), _half_ms(weight, x[:6]))
+        return FloatProbe(_fastest_ms(_onednn_linear(weight, None), x[:6]), None, 0, first_line(refusal))
     rows = _bf16_invariant_rows(bf16_linear, x.bfloat16())
     times = {}
     for dtype, most in ((torch.float32, None), (torch.bfloat16, rows)):
         times[dtype] = _fastest_ms(_onednn_linear(weight.to(dtype), None, most), x[:6].to(dtype))
-    return FloatProbe(times[torch.float32], times[torch.bfloat16], rows, None, _half_ms(weight, x[:6]))
+    return FloatProbe(times[torch.float32], times[torch.bfloat16], rows)
 
 
-def _half_ms(weight: torch.Tensor, rows: torch.Tensor) -> float | None:
-    """``quasar-half`` on ``weight`` stored bf16, timed on ``rows``; None where it does not run."""
-    return _fastest_ms(half_linear(weight.bfloat16(), None), rows) if half_weights(torch.bfloat16, torch.float32, "onednn") else None
+@functools.cache
+def half_probe_ms() -> float | None:
+    """``quasar-half`` timed once per process at ``float_probe``'s shape (6 rows, 1024 x 4096, the weight stored bf16),
+    for doctor beside the probe's float32 time; None where it does not run. Nothing is chosen by it
+    (``half_weights``), so loading a model never pays for it."""
+    if not half_weights(torch.bfloat16, torch.float32, "onednn"):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(4096, 1024, generator=generator), torch.randn(6, 1024, generator=generator)
+    return _fastest_ms(half_linear(weight.bfloat16(), None), x)
 
 
 def _bf16_invariant_rows(linear: LinearFn, x: torch.Tensor) -> int:
@@ -434,8 +428,8 @@ def half_weights(stored: torch.dtype, dtype: torch.dtype, float_kernel: str) -> 
     """Whether a float weight stored as ``stored`` and computing in ``dtype`` runs on the ``quasar-half`` kernel: under
     ``onednn`` (the cpu backend's), a bf16 or float16 weight computing in float32, where the kernel runs
     (``cpu_half.why_not``). No timing decides it: a real lm_head is read from memory each step, and this kernel reads
-    half the bytes oneDNN's float32 copy would, the same products summed in float32; ``float_probe`` times both at a
-    verify step's shape for doctor."""
+    half the bytes oneDNN's float32 copy would, the same products summed in float32; doctor shows both timed at a
+    verify step's shape (``half_probe_ms``)."""
     if float_kernel != "onednn" or dtype != torch.float32 or stored not in (torch.bfloat16, torch.float16):
         return False
     from .backends import cpu_half
@@ -670,6 +664,7 @@ __all__ = [
     "vnni_available",
     "float_linear",
     "half_linear",
+    "half_probe_ms",
     "half_weights",
     "head_beside_graph",
     "int8_linear",

@@ -3,9 +3,10 @@ widened exactly in registers; compiled here on first use and probed by running i
 
 Where a CPU has no native bf16, float parts compute in float32, and a library kernel needs its weights in float32: a
 real model's lm_head (stored bf16) would be read at twice its stored bytes every step. This kernel reads it as stored.
-``kernels.float_probe`` times it against oneDNN's float32 kernel; where it wins, float linears stored narrower than
-float32 run on it (``kernels.float_linear``). One build (AVX2, FMA, F16C: every x86 CPU of the last decade); where it
-does not build or pass its self-check (no compiler, not x86) it is not offered, and ``why_not`` says why.
+Wherever it runs, float linears stored in 16 bits that compute in float32 run on it (``kernels.half_weights``), since
+it reads half the bytes; ``kernels.half_probe_ms`` times it for doctor. One build (AVX2, FMA, F16C: every x86 CPU of
+the last decade); where it does not build or pass its self-check (no compiler, not x86) it is not offered, and
+``why_not`` says why.
 """
 
 from __future__ import annotations

@@ -103,13 +103,12 @@ def head_outside(model: Path) -> bool:
     16 bits by ``quasar-half``; ORT's CPU kernels have no bf16 MatMul, and a float32 head reads twice the bytes)."""
     from .checkpoint import Checkpoint
     from .kernels import head_beside_graph
-    from .memory import EMBEDDINGS
+    from .memory import head_dtype_name
     from .shards import TORCH_DTYPES
 
     if not (model / MANIFEST).is_file():
         return False
-    dtypes = Checkpoint(model).dtypes
-    return head_beside_graph(TORCH_DTYPES[dtypes.get("lm_head.weight", dtypes.get(EMBEDDINGS, "F32"))])
+    return head_beside_graph(TORCH_DTYPES[head_dtype_name(Checkpoint(model).dtypes)])
 
 
 def onnx_export_path(model: Path) -> Path:

@@ -93,6 +93,11 @@ def estimate_headers(
     return MemoryEstimate(int8, floats, embeddings, kv_cache_bytes(spec, 1000, body))
 
 
+def head_dtype_name(dtypes: Mapping[str, str]) -> str:
+    """The safetensors dtype name the lm_head is stored in, or the embedding table it is tied to, from tensor headers."""
+    return dtypes.get("lm_head.weight", dtypes.get(EMBEDDINGS, "F32"))
+
+
 def graph_bytes(shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, str]) -> int:
     """What an ONNX export's initializers weigh, from tensor headers: int8 weights as uint8, every float tensor as
     float32 (the graph computes in it); about what ONNX Runtime then holds of them."""

@@ -182,18 +182,19 @@ def _head_stored(path: str | None) -> str:
     if path is None:
         return "BF16"
     from ..artifact import open_model_files
-    from ..memory import EMBEDDINGS
+    from ..memory import head_dtype_name
 
-    stored = open_model_files(path).checkpoint.dtypes
-    return stored.get("lm_head.weight", stored.get(EMBEDDINGS, "F32"))
+    return head_dtype_name(open_model_files(path).checkpoint.dtypes)
 
 
 def _dtypes_of(path: str) -> dict[str, str]:
     """What a run of the model at ``path`` computes in: an artifact's W8A8, or a float checkpoint's float dtype."""
     from ..artifact import open_model_files
+    from ..memory import head_dtype_name
 
-    dtypes = _float_vs_int8(head_stored=_head_stored(path))
-    return {"w8a8": dtypes["w8a8"]} if open_model_files(path).is_artifact else {"float": dtypes["float"]}
+    files = open_model_files(path)
+    dtypes = _float_vs_int8(head_stored=head_dtype_name(files.checkpoint.dtypes))
+    return {"w8a8": dtypes["w8a8"]} if files.is_artifact else {"float": dtypes["float"]}
 
 
 @bench.command("roofline")

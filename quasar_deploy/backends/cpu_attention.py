@@ -28,7 +28,6 @@ import torch
 
 from ..decoder_spec import DecoderSpec
 from ..model import KEY_CHUNK, round_up
-from ..openmp import parallel_entry_points
 from ..speculative.causal_lm import PREFILL_CHUNK
 from . import native
 
@@ -103,11 +102,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     library.quasar_attend_shared.restype = integer
     library.quasar_rows.argtypes = [integer, integer, integer, pointer, pointer, real, pointer, integer, integer]
     library.quasar_rows.restype = None
-    runtime = parallel_entry_points()
-    if runtime is not None:
-        library.quasar_attend_use_openmp.argtypes, library.quasar_attend_use_openmp.restype = [pointer] * 3, None
-        library.quasar_attend_use_openmp(*runtime)
-    return library, runtime is not None
+    return library, native.hand_openmp(library, "quasar_attend_use_openmp")
 
 
 class Projection(ctypes.Structure):

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from ..openmp import parallel_entry_points
 from . import native
 
 SOURCE = Path(__file__).with_name("cpu_half.c")
@@ -35,34 +34,18 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     path, reason = native.built_and_probed(SOURCE, NAME, FLAGS)
     if path is None:
         return None, f"{NAME}: {reason}"
-    lib = ctypes.CDLL(str(path))
-    interface = lib.quasar_half_interface() if hasattr(lib, "quasar_half_interface") else None
-    if interface != INTERFACE:
-        return None, f"{path} was built from another version's source (interface {interface}, this version calls {INTERFACE}); rebuild it"
+    lib, reason = native.opened(path, "quasar_half_interface", INTERFACE)
+    if lib is None:
+        return None, reason
     pointer, integer, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     lib.quasar_half_packed_bytes.argtypes, lib.quasar_half_packed_bytes.restype = [integer, integer], size
     lib.quasar_half_pack.argtypes, lib.quasar_half_pack.restype = [pointer, integer, integer, pointer], None
     lib.quasar_half_scratch_bytes.argtypes, lib.quasar_half_scratch_bytes.restype = [integer, integer], size
     lib.quasar_half_linear.argtypes = [pointer, integer, integer, pointer, pointer, integer, integer, integer, integer, pointer, pointer]
     lib.quasar_half_linear.restype = None
-    lib.quasar_half_linear_shared.argtypes = [
-        pointer,
-        integer,
-        integer,
-        pointer,
-        pointer,
-        integer,
-        integer,
-        pointer,
-        integer,
-        pointer,
-        pointer,
-    ]
+    lib.quasar_half_linear_shared.argtypes = [pointer, integer, integer, *[pointer] * 2, *[integer] * 2, pointer, integer, *[pointer] * 2]
     lib.quasar_half_linear_shared.restype = integer
-    runtime = parallel_entry_points()
-    if runtime is not None:
-        lib.quasar_half_use_openmp.argtypes, lib.quasar_half_use_openmp.restype = [pointer] * 3, None
-        lib.quasar_half_use_openmp(*runtime)
+    native.hand_openmp(lib, "quasar_half_use_openmp")
     return lib, None
 
 

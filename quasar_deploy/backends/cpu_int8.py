@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from ..openmp import parallel_entry_points
 from . import native
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
@@ -85,10 +84,9 @@ def open_build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     path, reason = native.built_and_probed(SOURCE, name, BUILDS[name])
     if path is None:
         return None, reason
-    lib = ctypes.CDLL(str(path))
-    interface = lib.quasar_int8_interface() if hasattr(lib, "quasar_int8_interface") else None
-    if interface != INTERFACE:
-        return None, f"{path} was built from another version's source (interface {interface}, this version calls {INTERFACE}); rebuild it"
+    lib, reason = native.opened(path, "quasar_int8_interface", INTERFACE)
+    if lib is None:
+        return None, reason
     if name == AMX_BUILD and lib.quasar_int8_enable_amx() != 0:
         return None, "Linux refused this process the AMX tile state"
     lib.quasar_build = name
@@ -100,10 +98,7 @@ def open_build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     lib.quasar_int8_linear.restype = None
     lib.quasar_int8_linear_shared.argtypes = [pointer, integer, integer, *[pointer] * 5, integer, pointer, integer, pointer, pointer]
     lib.quasar_int8_linear_shared.restype = integer
-    runtime = parallel_entry_points()
-    if runtime is not None:
-        lib.quasar_int8_use_openmp.argtypes, lib.quasar_int8_use_openmp.restype = [pointer] * 3, None
-        lib.quasar_int8_use_openmp(*runtime)
+    native.hand_openmp(lib, "quasar_int8_use_openmp")
     return lib, None
 
 

@@ -9,6 +9,7 @@ it cannot run.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..files import first_line
+from ..openmp import parallel_entry_points
 
 PREBUILT_ENV = "QUASAR_KERNELS"  # a directory of prebuilt <name>.so, used before compiling
 COMMON_FLAGS = ["-O3", "-shared", "-fPIC"]
@@ -94,6 +96,28 @@ def built_and_probed(source: Path, name: str, flags: list[str]) -> tuple[Path | 
     if check.returncode != 0:
         return None, f"failed its self-check (exit {check.returncode})"
     return path, None
+
+
+def opened(path: Path, interface_entry: str, interface: int) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library at ``path``; or None and why where its ``interface_entry`` does not return ``interface``, the
+    arguments this version's module passes (a prebuilt library from another version's source)."""
+    library = ctypes.CDLL(str(path))
+    found = getattr(library, interface_entry)() if hasattr(library, interface_entry) else None
+    if found != interface:
+        return None, f"{path} was built from another version's source (interface {found}, this version calls {interface}); rebuild it"
+    return library, None
+
+
+def hand_openmp(library: ctypes.CDLL, entry: str) -> bool:
+    """Hand ``library``'s ``entry`` (its ``*_use_openmp``) the OpenMP runtime torch runs on, so its calls share their
+    work among torch's own threads; whether the process has one to hand."""
+    runtime = parallel_entry_points()
+    if runtime is None:
+        return False
+    function = getattr(library, entry)
+    function.argtypes, function.restype = [ctypes.c_void_p] * 3, None
+    function(*runtime)
+    return True
 
 
 def _error_line(error: Exception) -> str:

@@ -34,7 +34,8 @@ from .speculative.draft_model import check_same_vocabulary
 from .speculative.drafters import Drafter
 from .speculative.layerskip import check_can_skip, skip_order
 from .speculative.loop import LoopStats, Speculation
-from .speculative.registry import check_drafter_options, create_drafter, drafter_entry
+from .speculative.output_cache import OutputCache
+from .speculative.registry import check_drafter_options, create_drafter, default_num_draft, drafter_entry
 from .tokenizer import load_tokenizer
 
 # Short and mixed (prose and code), so the layers chosen for skipping suit whatever the model writes.
@@ -66,12 +67,12 @@ Prompt = str | Sequence[Message] | Sequence[int]
 class GenerationOptions:
     """Everything ``generate`` and ``stream`` accept besides the prompt.
 
-    ``draft`` picks the drafter (a name in ``speculative.registry.DRAFTERS``) and ``num_draft``
-    its k (>= 1; plain decoding is ``draft="none"``); ``adaptive_k`` makes k the cap of a draft length that follows the
-    sequence's own acceptance (``speculative.draft_length``). ``ngram_min``/``ngram_max`` configure
-    ngram, ``suffix_min_prob`` suffix, ``skip_layers`` (explicit) or ``skip_fraction`` (chosen by measuring top-1
-    agreement, default 0.5) layerskip, ``draft_model`` (the draft model's path) model; the
-    registry says which drafter reads which, and setting another drafter's option is an error.
+    ``draft`` picks the drafter (a name in ``speculative.registry.DRAFTERS``) and ``num_draft`` its k (>= 1; plain
+    decoding is ``draft="none"``; None: the drafter's own, 5 as in the paper, 16 for suffix); ``adaptive_k`` makes k
+    the cap of a draft length that follows the sequence's own acceptance (``speculative.draft_length``).
+    ``ngram_min``/``ngram_max`` configure ngram, ``suffix_min_prob`` suffix, ``skip_layers`` (explicit) or
+    ``skip_fraction`` (chosen by measuring top-1 agreement, default 0.5) layerskip, ``draft_model`` (the draft model's
+    path) model; the registry says which drafter reads which, and setting another drafter's option is an error.
     ``seed`` None draws a fresh seed; the same seed and options reproduce a sampled output.
     ``verify`` picks whose output a generation returns on an engine loaded with ``verify="exact"``: "exact" (the float
     model's, the default there) or "model" (the W8A8 model's own, verified on it); None is the engine's own mode.
@@ -83,7 +84,7 @@ class GenerationOptions:
     top_k: int = 0
     seed: int | None = None
     draft: str = "ngram"
-    num_draft: int = 5
+    num_draft: int | None = None
     adaptive_k: bool = False
     ngram_min: int = 1
     ngram_max: int = 3
@@ -104,6 +105,8 @@ class GenerationOptions:
         object.__setattr__(self, "stop", stop)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
             raise QuasarError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        if self.num_draft is None:
+            object.__setattr__(self, "num_draft", default_num_draft(self.draft))
         if self.draft != "none" and (isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or self.num_draft < 1):
             raise QuasarError(f"num_draft must be an integer >= 1 (for plain decoding use draft='none'), got {self.num_draft!r}")
         if not isinstance(self.adaptive_k, bool):
@@ -348,6 +351,8 @@ class Generation:
         finish = "stop" if stopped or (tokens and tokens[-1] in self._engine.stop_ids) else "length"
         context_full = finish == "length" and len(tokens) < self._max_new_tokens
         self.result = GenerationResult("".join(self._text), tokens, stats, finish, len(self.prompt), context_full)
+        if self._engine.output_cache is not None:
+            self._engine.output_cache.add(tokens)
 
 
 class Stream:
@@ -388,6 +393,10 @@ class SequenceContext:
     def draft_lm(self, path: str | Path) -> CausalLM:
         return check_can_fork(self.engine.draft_lm(path)).new_sequence()
 
+    @property
+    def output_cache(self) -> OutputCache | None:
+        return self.engine.output_cache
+
 
 def check_can_fork(lm: CausalLM) -> ForkingLM:
     """``lm`` once it is known to open more sequences over its weights; a one-line error for a backend that cannot."""
@@ -409,6 +418,8 @@ class Engine:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _holder: int | None = field(default=None, repr=False)
     renderer: ChatRenderer | None = field(default=None, repr=False)  # chat templates (None: the bounds of ``chat.renderer``)
+    # earlier generations' outputs, which suffix drafts may copy across generations (opt-in: speculative.output_cache)
+    output_cache: OutputCache | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -87,7 +87,11 @@ def test_the_caps_are_the_servers_flags(engine):
         chat = post(client, {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0}, "/v1/chat/completions")
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] <= 2  # --default-max-tokens
     with pytest.raises(QuasarError, match="--num-draft 5 is above --max-num-draft 3"):
-        ServeConfig("tiny", limits=limits)
+        ServeConfig("tiny", num_draft=5, limits=limits)
+    # no --num-draft: a request's drafter's own k (suffix: 16), within --max-num-draft
+    with TestClient(create_app(engine, ServeConfig("tiny", limits=limits))) as client:
+        ok = post(client, {"prompt": PROMPT, "draft": "suffix", "temperature": 0, "max_tokens": 3})
+        assert ok.status_code == 200
 
 
 def test_chat_without_max_tokens_stops_at_the_default():
@@ -108,6 +112,15 @@ def test_a_request_drafts_with_the_servers_k_policy_unless_it_picks_one():
     assert "adaptive_k" not in parse_request({"prompt": "x", "draft": "none"}, False, "m", adaptive).options
     with pytest.raises(ApiError, match="adaptive_k needs a drafter"):
         parse_request({"prompt": "x", "draft": "none", "adaptive_k": True}, False, "m", adaptive)
+
+
+def test_without_a_servers_k_a_request_drafts_up_to_its_drafters_own():
+    own = {"draft": "ngram", "num_draft": None, "adaptive_k": False, "verify": ("model",)}
+    assert parse_request({"prompt": "x"}, False, "m", own).options["num_draft"] == 5  # the paper's, for ngram
+    assert parse_request({"prompt": "x", "draft": "suffix"}, False, "m", own).options["num_draft"] == 16
+    capped = RequestLimits(max_num_draft=8)
+    assert parse_request({"prompt": "x", "draft": "suffix"}, False, "m", own, capped).options["num_draft"] == 8
+    assert parse_request({"prompt": "x", "draft": "suffix", "num_draft": 3}, False, "m", own).options["num_draft"] == 3
 
 
 def test_a_request_picks_a_verify_mode_the_server_offers():

@@ -15,7 +15,7 @@ from quasar_deploy.errors import QuasarError
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
 from quasar_deploy.speculative.draft_length import DraftLength
 from quasar_deploy.speculative.loop import LoopStats, speculate
-from quasar_deploy.speculative.suffix import SuffixDrafter
+from quasar_deploy.speculative.suffix import SPEC_FACTOR, SuffixDrafter
 
 from .helpers import MarkovLM
 
@@ -34,7 +34,18 @@ def test_suffix_copies_the_continuation_of_the_longest_context():
 
 def test_suffix_continues_a_repeating_pattern_past_the_text():
     assert propose([1, 2, 3, 1, 2, 3, 1], k=5) == [2, 3, 1, 2, 3]
-    assert propose([4, 4], k=3) == [4, 4, 4]
+    assert propose([4, 4, 4], k=3) == [4, 4, 4]
+
+
+def test_suffix_drafts_at_most_spec_factor_tokens_per_matched_token():
+    # "4" matched once (a match of one token) allows SPEC_FACTOR tokens, however certain its counts; a longer match more
+    assert SPEC_FACTOR == 2
+    assert propose([4, 4], k=16) == [4, 4]
+    assert propose([4, 4, 4], k=16) == [4] * 4
+    assert propose([4] * 10, k=16) == [4] * 16
+    # a text seen once (every count one) repeated from its start: the match grows by one token per token emitted
+    text = list(range(10, 30))
+    assert [len(propose(text + text[:m], k=16)) for m in (1, 2, 3, 8)] == [2, 4, 6, 16]
 
 
 def test_suffix_picks_the_most_frequent_continuation_then_the_latest():
@@ -46,13 +57,16 @@ def test_suffix_stops_where_the_counts_make_the_next_token_unlikely():
     # after "1", 2 of 5 continuations are 7 (0.4), then "1 7" continues with 5 half the time (0.2 in all; 5 as the
     # latest of equals), and "1 7 5" was followed only by "1 2 1" (0.2 still)
     tokens = [1, 7, 9, 1, 7, 5, 1, 2, 1, 3, 1, 4, 1]
+    # (a match of one token: SPEC_FACTOR tokens at most, unless the factor is lifted)
     assert propose(tokens, k=5, min_prob=0.3) == [7]
-    assert propose(tokens, k=5, min_prob=0.1) == [7, 5, 1, 2, 1]
-    assert propose(tokens, k=3, min_prob=0.1) == [7, 5, 1]
+    assert propose(tokens, k=5, min_prob=0.1) == [7, 5]
+    assert propose(tokens, k=5, min_prob=0.1, spec_factor=5) == [7, 5, 1, 2, 1]
+    assert propose(tokens, k=3, min_prob=0.1, spec_factor=5) == [7, 5, 1]
 
 
-def brute_force(tokens, k, min_prob, depth):
-    """The drafter's rule from substring counts over the whole text: for each match length, longest first, the most
+def brute_force(tokens, k, min_prob, depth, spec_factor):
+    """The drafter's rule from substring counts over the whole text: for each match length m, longest first, up to
+    spec_factor * m of the most
     frequent (then latest) follower while the running probability holds, going on from the longest suffix of text and
     draft that has one where the walk runs out; the draft that expects the most kept tokens."""
 
@@ -76,8 +90,8 @@ def brute_force(tokens, k, min_prob, depth):
         window = list(tokens[len(tokens) - m :])
         if not followers(window)[0]:
             continue
-        draft, chance, expected = [], 1.0, 0.0
-        while len(draft) < k:
+        draft, chance, expected, most = [], 1.0, 0.0, min(k, spec_factor * m)
+        while len(draft) < most:
             if len(window) >= depth or not followers(window)[0]:
                 window = anchor(list(tokens) + draft)
                 if window is None:
@@ -92,7 +106,7 @@ def brute_force(tokens, k, min_prob, depth):
             window = window + [token]
         if expected > best_expected:
             best, best_expected = draft, expected
-            if expected >= k:
+            if expected >= most:
                 break
     return best
 
@@ -100,12 +114,12 @@ def brute_force(tokens, k, min_prob, depth):
 def test_suffix_incremental_index_agrees_with_brute_force():
     rng = random.Random(5)
     for _ in range(40):
-        min_prob, depth = rng.choice([0.0, 0.1, 0.4]), rng.randint(3, 8)
-        drafter, tokens = SuffixDrafter(min_prob, depth), []
+        min_prob, depth, factor = rng.choice([0.0, 0.1, 0.4]), rng.randint(3, 8), rng.choice([1, 2, 3])
+        drafter, tokens = SuffixDrafter(min_prob, depth, factor), []
         for _ in range(rng.randint(1, 60)):
             tokens.append(rng.randrange(4))
             k = rng.randint(1, 6)
-            assert drafter.propose(tokens, k, GREEDY).tokens == brute_force(tokens, k, min_prob, depth), (tokens, k)
+            assert drafter.propose(tokens, k, GREEDY).tokens == brute_force(tokens, k, min_prob, depth, factor), (tokens, k)
 
 
 @pytest.mark.parametrize("min_prob", [-0.1, 1.0, "0.5", True])
@@ -147,3 +161,11 @@ def test_adaptive_k_verifies_fewer_rows_where_drafts_are_rejected():
         assert out == [2] * 30
         drafted[adaptive] = stats.drafted
     assert drafted[True] * 2 < drafted[False]
+
+
+def test_a_generation_without_k_drafts_up_to_its_drafters_own():
+    from quasar_deploy.engine import GenerationOptions
+
+    assert GenerationOptions(draft="ngram").num_draft == 5  # the paper's k
+    assert GenerationOptions(draft="suffix").num_draft == 16
+    assert GenerationOptions(draft="suffix", num_draft=3).num_draft == 3

@@ -28,6 +28,7 @@ from ..errors import QuasarError
 from ..kernels import default_float_dtype, dtype_name
 from ..memory import return_freed_memory
 from ..speculative.cascade import CascadeStats, RoundPolicy
+from ..speculative.registry import default_num_draft
 from . import anchors
 from .contenders import Contenders
 from .modes import ADAPTIVE_MODES, ALL_MODES, EXACT_MODES, LOSSLESS_PAIRS, ORT_MODES, drafter_and_precision, ort_precisions
@@ -43,7 +44,7 @@ class BenchSettings:
     repeats: int = 1  # runs of each mode on each prompt; its median run stands for the prompt
     max_new_tokens: int = 128
     temperature: float = 0.0
-    num_draft: int = 5
+    num_draft: int | None = None  # None: each drafter's own (speculative.registry)
     ngram_min: int = 1
     ngram_max: int = 3
     suffix_min_prob: float = 0.1
@@ -111,7 +112,9 @@ class PrunedLM:
 def _engine_run(engine, ids: list[int], settings: BenchSettings, draft: str, **extra) -> Run:
     options = dict(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=settings.seed, draft=draft)
     if draft != "none":
-        options["num_draft"] = extra.pop("num_draft", settings.num_draft)
+        k = extra.pop("num_draft", settings.num_draft)
+        if k is not None:
+            options["num_draft"] = k
         options["adaptive_k"] = extra.pop("adaptive_k", False)
     if draft == "ngram":
         options.update(ngram_min=settings.ngram_min, ngram_max=settings.ngram_max)
@@ -125,9 +128,8 @@ def _engine_run(engine, ids: list[int], settings: BenchSettings, draft: str, **e
 
 def _hf_run(model, ids: list[int], settings: BenchSettings, eos: list[int]) -> Run:
     inputs = torch.tensor([ids])
-    kwargs = dict(
-        max_new_tokens=settings.max_new_tokens, prompt_lookup_num_tokens=settings.num_draft, eos_token_id=eos, pad_token_id=eos[0]
-    )
+    lookup = settings.num_draft or default_num_draft("ngram")
+    kwargs = dict(max_new_tokens=settings.max_new_tokens, prompt_lookup_num_tokens=lookup, eos_token_id=eos, pad_token_id=eos[0])
     if settings.temperature > 0:
         kwargs.update(do_sample=True, temperature=settings.temperature, top_k=0)
         torch.manual_seed(settings.seed)
@@ -369,7 +371,7 @@ def _anchor_phase(
     options = dict(
         max_new_tokens=settings.max_new_tokens,
         threads=torch.get_num_threads(),
-        num_draft=settings.num_draft,
+        num_draft=settings.num_draft or default_num_draft("ngram"),
         ngram=(settings.ngram_min, settings.ngram_max),
     )
     configured = anchors.pythons(settings.anchor_pythons)

@@ -61,3 +61,11 @@ def ort_precisions(mode: str) -> tuple[str, ...]:
     if mode in EXACT_MODES:
         return ("w8a8",) if EXACT_MODES[mode] == "ort-draft" else PRECISIONS
     return (drafter_and_precision(mode)[1],)
+
+
+def k_text(num_draft: int | None) -> str:
+    """A report's words for the draft length asked: one k for every drafter, or None for each drafter's own."""
+    if num_draft is not None:
+        return f"k={num_draft}"
+    own = ", ".join(f"{name} {entry.num_draft}" for name, entry in DRAFTERS.items() if name in ("ngram", "suffix"))
+    return f"k: each drafter's own ({own})"

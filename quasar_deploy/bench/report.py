@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..errors import QuasarError
+from .modes import k_text
 
 
 def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
@@ -19,7 +20,8 @@ def markdown(report: dict) -> str:
         "# quasar-deploy benchmark",
         "",
         f"Model: {source}. Prompts: {s['prompt_count']} from {s['prompts']}. "
-        f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, k={s['num_draft']}, n-gram {s['ngram_min']}..{s['ngram_max']}. "
+        f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, {k_text(s['num_draft'])}, "
+        f"n-gram {s['ngram_min']}..{s['ngram_max']}. "
         f"CPU: {report['environment']['cpu']}, {report['environment']['threads']} threads. "
         f"Float modes on our engine compute in {s.get('float_dtype', 'float32')}; -ort float modes in float32.",
         "",

@@ -38,6 +38,8 @@ from ..errors import QuasarError
 from ..files import atomic_directory, first_line
 from ..serve.local import free_port
 from ..serve.scheduler import PREFILL_TOKENS
+from ..speculative.registry import default_num_draft
+from .modes import k_text
 
 WARM_UP_TOKENS = 8
 MODEL_NAME = "bench"
@@ -50,7 +52,7 @@ class ServeBenchSettings:
     concurrency: Sequence[int] = (1, 4, 8)
     max_tokens: int = 128
     draft: str = "ngram"
-    num_draft: int = 5
+    num_draft: int | None = None  # None: each request's drafter's own (speculative.registry)
     artifact: str | None = None
     synthetic: str | None = None
     backend: str = "auto"
@@ -283,7 +285,7 @@ def generate_alone(settings: ServeBenchSettings, prompts: Sequence[str], progres
     from ..memory import return_freed_memory
 
     engine = load(settings.artifact or _demo_artifact())
-    options = dict(max_new_tokens=settings.max_tokens, draft=settings.draft, num_draft=settings.num_draft)
+    options = dict(max_new_tokens=settings.max_tokens, draft=settings.draft, num_draft=settings.num_draft)  # None: the drafter's
     engine.generate(prompts[0], **{**options, "max_new_tokens": WARM_UP_TOKENS})
     began, tokens = time.perf_counter(), 0
     for prompt in prompts:
@@ -334,7 +336,8 @@ def quasar_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[
     port = free_port()
     argv = [sys.executable, "-c", "from quasar_deploy.cli import main; main()", "serve", artifact, "--backend", settings.backend]
     argv += ["--port", str(port), "--model-name", MODEL_NAME, "--max-sequences", str(max_sequences), "--max-queue", str(max_sequences)]
-    argv += ["--draft", settings.draft, "--num-draft", str(settings.num_draft), "--prefill-tokens", str(settings.prefill_tokens)]
+    argv += ["--draft", settings.draft, "--prefill-tokens", str(settings.prefill_tokens)]
+    argv += ["--num-draft", str(settings.num_draft)] if settings.num_draft else []
     with server_process(argv, os.environ.copy(), port, QUASAR_START_S, "quasar-deploy") as (base, log):
         backend = next((line.removeprefix(STARTED) for line in log() if line.startswith(STARTED)), "?")
         yield base, artifact, backend
@@ -362,7 +365,8 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
     # once per run instead of once per request, which distinct requests do not get and our server does not do
     argv += ["--no-enable-prefix-caching"]
     if settings.draft == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": settings.num_draft, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        k = settings.num_draft or default_num_draft("ngram")
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
         argv += ["--speculative-config", json.dumps(spec)]
     elif settings.draft != "none":
         raise QuasarError(f"vLLM drafts with ngram or none, not {settings.draft!r}")
@@ -432,7 +436,7 @@ def markdown(report: dict[str, Any]) -> str:
         "# quasar-deploy serving benchmark",
         "",
         f"Model: {s['model']}. Prompts: {s['prompt_count']} from {s['prompts']}, each once per level. Streaming, greedy, "
-        f"max_tokens {s['max_tokens']}, draft {s['draft']} k={s['num_draft']}. CPU: {env['cpu']}, {env['threads']} threads; "
+        f"max_tokens {s['max_tokens']}, draft {s['draft']} {k_text(s['num_draft'])}. CPU: {env['cpu']}, {env['threads']} threads; "
         f"load average at start {load}.",
         "",
         "| concurrency | requests | output tokens/s | vs concurrency 1 | TTFT p50 / p99 ms | inter-token p50 / p99 ms "
@@ -453,7 +457,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"`generate` alone, the same prompts one at a time ({alone['backend']}): {alone['tokens_per_s']:.1f} tokens/s"]
         lines[-1] += f"{versus}."
     for variant, variant_levels in report.get("compared", {}).items():
-        lines += ["", f"Drafting {variant} (k at most {s['num_draft']}), the same server and prompts, after the levels above:", ""]
+        lines += ["", f"Drafting {variant} ({k_text(s['num_draft'])}, at most), the same server and prompts, after the levels above:", ""]
         lines += ["| concurrency | output tokens/s | TTFT p50 ms | acceptance length | vs draft " + s["draft"] + " |"]
         lines += ["| --- | --- | --- | --- | --- |"]
         for level in variant_levels:

@@ -49,7 +49,7 @@ def bench() -> None:
 )
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
-@click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-draft", type=click.IntRange(min=1), help="k for every drafter (default: each drafter's own: ngram 5, suffix 16).")
 @click.option("--ngram-min", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(min=1))
 @suffix_min_prob_option
@@ -246,7 +246,7 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
 @click.option("--concurrency", default="1,4,8", show_default=True, type=INT_LIST, help="Comma-separated numbers of clients.")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--draft", default="ngram", show_default=True, type=click.Choice(["none", "ngram", "suffix", "layerskip"]))
-@click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-draft", type=click.IntRange(min=1), help="Our server's --num-draft (default: each request's drafter's own).")
 @click.option(
     "--compare",
     default="",

@@ -76,10 +76,9 @@ def _memory(paths: list[str], backend: str, result) -> dict:
 @click.option(
     "--num-draft",
     "-k",
-    default=5,
-    show_default=True,
     type=click.IntRange(min=1),
-    help="Tokens drafted per verify step (plain: --draft none); with --adaptive-k the most.",
+    help="Tokens drafted per verify step (plain: --draft none); with --adaptive-k the most. Default: the drafter's own, 5 "
+    "(the paper's) for ngram, 16 for suffix, whose drafts stop where its counts say.",
 )
 @click.option(
     "--adaptive-k/--fixed-k",

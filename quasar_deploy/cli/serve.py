@@ -36,6 +36,7 @@ QUASAR_ONLY = (
     "kv-cache-mib",
     "prefill-tokens",
     "drain-timeout",
+    "suffix-cache-tokens",
 )
 VLLM_ONLY = ("tensor-parallel-size", "vllm-arg")
 
@@ -65,7 +66,12 @@ def seconds_option(name: str, default: float, help: str):
 @click.option(
     "--draft", default="ngram", show_default=True, type=click.Choice(SERVER_DRAFTERS), help="Default drafter; a request may pick."
 )
-@click.option("--num-draft", "-k", default=5, show_default=True, type=click.IntRange(min=1), help="Default tokens drafted per step.")
+@click.option(
+    "--num-draft",
+    "-k",
+    type=click.IntRange(min=1),
+    help="Default tokens drafted per step (default: the request's drafter's own, 5 for ngram, 16 for suffix).",
+)
 @click.option(
     "--adaptive-k/--fixed-k",
     "adaptive_k",
@@ -98,6 +104,14 @@ def seconds_option(name: str, default: float, help: str):
     type=click.IntRange(min=1),
     help="Prompt tokens prefilled per round, beside the running requests' steps (at least one prompt or piece): more "
     "shortens a burst's wait for its first tokens and lengthens the rounds the running requests wait through.",
+)
+@click.option(
+    "--suffix-cache-tokens",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Keep up to this many tokens of earlier requests' outputs for suffix drafts to copy across requests (0: off). "
+    "Output stays exact, but a request's speed shows whether similar text was generated for another: docs/security.md.",
 )
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Jinja chat template file.")
 @click.option("--drain-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0), help="SIGTERM: seconds to finish work.")
@@ -160,6 +174,7 @@ def serve(
         body_timeout=limits["body_timeout"],
         kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,
         prefill_tokens=limits["prefill_tokens"],
+        suffix_cache_tokens=limits["suffix_cache_tokens"],
         limits=RequestLimits(limits["max_num_draft"], limits["max_stop"], limits["max_stop_chars"], limits["default_max_tokens"]),
     )
     engine = load_engine(path, backend, provider, SERVER_NEEDS, verify, exact_source, rounds)

@@ -30,6 +30,7 @@ from ..chat.renderer import RendererError
 from ..engine import Engine
 from ..errors import QuasarError
 from ..files import first_line
+from ..speculative.output_cache import OutputCache
 from .disconnect import ClientGone, ClientWatch
 from .metrics import Metrics
 from .protocol import ApiError, RequestLimits, parse_json, parse_request
@@ -48,7 +49,8 @@ class ServeConfig:
     ``request_timeout``: seconds from arrival after which a request is ended (504), queueing included;
     ``body_timeout``: seconds for its body to arrive (408);
     ``kv_cache_bytes``: the KV cache all running requests may hold together (None: no accounting); ``prefill_tokens``:
-    prompt tokens prefilled per round (``scheduler.PREFILL_TOKENS``); ``limits``: what one request may ask for."""
+    prompt tokens prefilled per round (``scheduler.PREFILL_TOKENS``); ``suffix_cache_tokens``: earlier outputs kept for
+    suffix drafts across requests (0: none; ``speculative.output_cache``); ``limits``: what one request may ask for."""
 
     model: str
     api_key: str | None = None
@@ -56,16 +58,17 @@ class ServeConfig:
     max_sequences: int = 8
     max_queue: int = 32
     draft: str = "ngram"
-    num_draft: int = 5
+    num_draft: int | None = None
     adaptive_k: bool = False
     request_timeout: float = 600.0
     body_timeout: float = 30.0
     kv_cache_bytes: int | None = None
     prefill_tokens: int = PREFILL_TOKENS
+    suffix_cache_tokens: int = 0
     limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_draft <= self.limits.max_num_draft:
+        if self.num_draft is not None and not 1 <= self.num_draft <= self.limits.max_num_draft:
             raise QuasarError(f"--num-draft {self.num_draft} is above --max-num-draft {self.limits.max_num_draft}")
 
 
@@ -144,6 +147,8 @@ async def read_json(request: HttpRequest, limit: int, timeout_s: float) -> Any:
 def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     """The server's app; the scheduler's worker runs for the app's lifespan. ``app.state.draining`` refuses new work (503)."""
     metrics = Metrics()
+    if config.suffix_cache_tokens:
+        engine.output_cache = OutputCache(config.suffix_cache_tokens)
     scheduler = Scheduler(
         engine,
         metrics,

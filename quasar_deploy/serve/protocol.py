@@ -14,6 +14,7 @@ from typing import Any
 
 from ..files import first_line
 from ..speculative.acceptance import MIN_TEMPERATURE
+from ..speculative.registry import default_num_draft
 
 MAX_SEED = 2**64 - 1
 MAX_JSON_DEPTH = 32  # a request is 5 levels deep (messages, parts); a deeper body is an attack on the parser, not a request
@@ -224,7 +225,8 @@ def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], l
     options = {name: value for name, value in options.items() if value is not None}
     options.setdefault("temperature", 1.0)  # OpenAI's default
     if draft != "none":
-        options.setdefault("num_draft", defaults["num_draft"])
+        # the server's --num-draft, else the drafter's own k within what a request may ask
+        options.setdefault("num_draft", defaults["num_draft"] or min(default_num_draft(draft), limits.max_num_draft))
         options["adaptive_k"] = defaults["adaptive_k"] if adaptive_k is None else adaptive_k
     prompt = _messages(body) if chat else _prompt(body)
     include_usage = _include_usage(body)

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import QuasarError
+from ..speculative.registry import default_num_draft
 
 NPU_EXPORT_FILE = "quant_model_description.json"  # what `export --target npu` writes (msModelSlim layout)
 VLLM_DRAFTERS = ("ngram", "none")
@@ -52,7 +53,7 @@ def vllm_command(
     api_key: str | None = None,
     model_name: str | None = None,
     draft: str = "ngram",
-    num_draft: int = 5,
+    num_draft: int | None = None,
     tensor_parallel_size: int | None = None,
     max_sequences: int | None = None,
     chat_template: str | Path | None = None,
@@ -67,7 +68,7 @@ def vllm_command(
     if (Path(path) / NPU_EXPORT_FILE).is_file():
         argv += ["--quantization", "ascend"]
     if draft == "ngram":
-        argv += ["--speculative-config", json.dumps(ngram_config(num_draft))]
+        argv += ["--speculative-config", json.dumps(ngram_config(num_draft or default_num_draft("ngram")))]
     if tensor_parallel_size:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if max_sequences:

@@ -19,12 +19,14 @@ from ..lazy import resolve
 if TYPE_CHECKING:
     from .causal_lm import CausalLM
     from .drafters import Drafter
+    from .output_cache import OutputCache
 
 
 class DrafterContext(Protocol):
     """What a drafter factory may use besides its options: the verifier and the engine's cached setup work."""
 
     lm: CausalLM
+    output_cache: OutputCache | None  # earlier generations' outputs, where the engine keeps them (opt-in)
 
     def choose_skip_layers(self, fraction: float) -> frozenset[int]:
         """The verifier's layers to skip for a layer-skipping draft of ``fraction`` of them (measured once, remembered)."""
@@ -35,11 +37,13 @@ class DrafterContext(Protocol):
 
 @dataclass(frozen=True)
 class DrafterEntry:
-    """``factory(context, options)`` builds a fresh drafter for one generation; ``options`` maps each name in ``options`` to its value."""
+    """``factory(context, options)`` builds a fresh drafter for one generation; ``options`` maps each name in ``options`` to its value.
+    ``num_draft`` is the k a generation drafts up to when it names none."""
 
     factory: str
     options: tuple[str, ...]
     help: str
+    num_draft: int = 5  # the Quasar paper's k
 
 
 DRAFTERS: dict[str, DrafterEntry] = {
@@ -51,6 +55,9 @@ DRAFTERS: dict[str, DrafterEntry] = {
         "quasar_deploy.speculative.suffix:suffix_drafter",
         ("suffix_min_prob",),
         "suffix tree: the most frequent continuation of the longest matching context, variable length",
+        # its drafts stop where the counts or the match length say (speculative.suffix), so its cap sits higher than a
+        # fixed k's: vLLM's suffix decoding defaults to its tree depth; 16 is the deepest match this one drafts from
+        num_draft=16,
     ),
     "layerskip": DrafterEntry(
         "quasar_deploy.speculative.layerskip:layerskip_drafter",
@@ -65,6 +72,11 @@ def drafter_entry(name: str) -> DrafterEntry:
     if name not in DRAFTERS:
         raise QuasarError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
     return DRAFTERS[name]
+
+
+def default_num_draft(name: str) -> int:
+    """The k that ``name`` drafts up to where a generation, a server or a benchmark sets none."""
+    return drafter_entry(name).num_draft
 
 
 def check_drafter_options(name: str, given: Iterable[str]) -> None:

@@ -63,9 +63,12 @@ def ort_precisions(mode: str) -> tuple[str, ...]:
     return (drafter_and_precision(mode)[1],)
 
 
-def k_text(num_draft: int | None) -> str:
-    """A report's words for the draft length asked: one k for every drafter, or None for each drafter's own."""
+def k_text(num_draft: int | None, drafter: str | None = None) -> str:
+    """A report's words for the draft length asked: one k for every drafter, or None for each drafter's own
+    (``drafter``'s, where the report is of one)."""
     if num_draft is not None:
         return f"k={num_draft}"
+    if drafter is not None:
+        return f"k={DRAFTERS[drafter].num_draft}"
     own = ", ".join(f"{name} {entry.num_draft}" for name, entry in DRAFTERS.items() if name in ("ngram", "suffix"))
     return f"k: each drafter's own ({own})"

@@ -113,7 +113,7 @@ def _e2e(f: dict) -> list[Quantity]:
 
 def _serve(f: dict) -> list[Quantity]:
     s = f["settings"]
-    drafting = f"{s['draft']} drafting" + (f" {k_text(s.get('num_draft'))}" if s["draft"] != "none" else "")
+    drafting = f"{s['draft']} drafting" + (f" {k_text(s.get('num_draft'), s['draft'])}" if s["draft"] != "none" else "")
     what = f"server, {Path(s['model']).name}, {drafting}, {s['max_tokens']} tokens per request"
     ours = f"ours on {f['backend'].split()[0]}"  # the backend the server's startup line named: cpu, onnxruntime, ...
     rows = [_serve_level(f"{what}: {ours}", level) for level in f["levels"]]

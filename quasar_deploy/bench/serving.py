@@ -436,8 +436,8 @@ def markdown(report: dict[str, Any]) -> str:
         "# quasar-deploy serving benchmark",
         "",
         f"Model: {s['model']}. Prompts: {s['prompt_count']} from {s['prompts']}, each once per level. Streaming, greedy, "
-        f"max_tokens {s['max_tokens']}, draft {s['draft']} {k_text(s['num_draft'])}. CPU: {env['cpu']}, {env['threads']} threads; "
-        f"load average at start {load}.",
+        f"max_tokens {s['max_tokens']}, draft {s['draft']} {k_text(s['num_draft'], s['draft'])}. "
+        f"CPU: {env['cpu']}, {env['threads']} threads; load average at start {load}.",
         "",
         "| concurrency | requests | output tokens/s | vs concurrency 1 | TTFT p50 / p99 ms | inter-token p50 / p99 ms "
         "| acceptance length |",
@@ -457,7 +457,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"`generate` alone, the same prompts one at a time ({alone['backend']}): {alone['tokens_per_s']:.1f} tokens/s"]
         lines[-1] += f"{versus}."
     for variant, variant_levels in report.get("compared", {}).items():
-        lines += ["", f"Drafting {variant} ({k_text(s['num_draft'])}, at most), the same server and prompts, after the levels above:", ""]
+        k = s["num_draft"] or default_num_draft(variant.partition("-")[0])
+        lines += ["", f"Drafting {variant} (k at most {k}), the same server and prompts, after the levels above:", ""]
         lines += ["| concurrency | output tokens/s | TTFT p50 ms | acceptance length | vs draft " + s["draft"] + " |"]
         lines += ["| --- | --- | --- | --- | --- |"]
         for level in variant_levels:

@@ -134,3 +134,21 @@ def test_bench_serve_runs_vllm_after_us_and_compares_level_by_level(tiny_artifac
     assert_one_line_error(broken, "refuses to start")
     synthetic = CliRunner().invoke(main, ["bench", "serve", "--synthetic", "qwen3-0.6b", "-o", str(tmp_path / "r3"), "--vllm-python", "py"])
     assert_one_line_error(synthetic, "vLLM serves an artifact directory")
+
+
+def test_interleaved_rotates_the_order_and_keeps_each_levels_median_run():
+    from quasar_deploy.bench.serving import interleaved
+
+    order, speed = [], {"a": iter([10, 30, 20]), "b": iter([5, 7, 6])}
+
+    def run(name):
+        order.append(name)
+        tokens_per_s = next(speed[name])
+        return [{"concurrency": 1, "tokens_per_s": tokens_per_s}, {"concurrency": 8, "tokens_per_s": 3 * tokens_per_s}]
+
+    picked = interleaved(["a", "b"], 3, run)
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert [level["tokens_per_s"] for level in picked["a"]] == [20, 60]
+    assert picked["a"][0]["tokens_per_s_rounds"] == [10, 30, 20]
+    assert picked["b"][1]["throughput_vs_concurrency_1"] == 3.0
+    assert "tokens_per_s_rounds" not in interleaved(["a"], 1, lambda name: [{"concurrency": 1, "tokens_per_s": 1.0}])["a"][0]

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -58,6 +58,7 @@ class ServeBenchSettings:
     backend: str = "auto"
     prefill_tokens: int = PREFILL_TOKENS
     compare: Sequence[str] = ()  # more drafting variants (``variant_options``), each through the same server after ``draft``
+    rounds: int = 1  # runs of ``draft`` and each variant, interleaved (``interleaved``); each level's figure its median run
 
 
 def variant_options(variant: str) -> dict[str, Any]:
@@ -220,10 +221,37 @@ def run_levels(
             levels.append(run_level(client, base, prompts, concurrency, settings.max_tokens, options))
             if progress:
                 print(f"{name}, concurrency {concurrency}: {levels[-1]['tokens_per_s']:.1f} output tokens/s", flush=True)
+    return against_one_client(levels)
+
+
+def against_one_client(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``levels``, each with its throughput over the 1-client level's (None where there is none)."""
     single = next((level["tokens_per_s"] for level in levels if level["concurrency"] == 1), None)
     for level in levels:
         level["throughput_vs_concurrency_1"] = level["tokens_per_s"] / single if single else None
     return levels
+
+
+def interleaved(names: Sequence[str], rounds: int, run: Callable[[str], list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """``run(name)`` (one run's levels) for each of ``names``, ``rounds`` times, the order rotated each round so that no
+    name always runs first or last (on a shared machine later runs can be slower); per name, at each level, the run of
+    median tokens/s (the slower middle one of an even count), with every run's tokens/s beside it."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
+    for turn in range(rounds):
+        shift = turn % len(names)
+        for name in [*names[shift:], *names[:shift]]:
+            runs[name].append(run(name))
+    picked: dict[str, list[dict[str, Any]]] = {}
+    for name, attempts in runs.items():
+        levels = []
+        for at_level in zip(*attempts):
+            ordered = sorted(at_level, key=lambda level: level["tokens_per_s"])
+            level = dict(ordered[(len(ordered) - 1) // 2])
+            if rounds > 1:
+                level["tokens_per_s_rounds"] = [attempt["tokens_per_s"] for attempt in at_level]
+            levels.append(level)
+        picked[name] = against_one_client(levels)
+    return picked
 
 
 def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_python: Path | None = None) -> dict[str, Any]:
@@ -238,6 +266,8 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
 
     if not settings.concurrency or min(settings.concurrency) < 1:
         raise QuasarError("--concurrency takes integers >= 1, e.g. 1,4,8")
+    if settings.rounds < 1:
+        raise QuasarError(f"--rounds takes an integer >= 1, got {settings.rounds}")
     if vllm_python is not None and not settings.artifact:
         raise QuasarError("vLLM serves an artifact directory: give ARTIFACT, not --synthetic or the default")
     prompts = read_prompts(settings.prompts, settings.limit)
@@ -247,8 +277,13 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
     alone = None if settings.synthetic else generate_alone(settings, prompts, progress)
     server = synthetic_server(settings, widest) if settings.synthetic else quasar_server(settings, widest)
     with server as (base, label, backend):
-        levels = run_levels(base, prompts, settings, "quasar-deploy", progress)
-        compared = {v: run_levels(base, prompts, settings, f"quasar-deploy {v}", progress, o) for v, o in variants.items()}
+        runs = interleaved(
+            ["", *variants],
+            settings.rounds,
+            lambda v: run_levels(base, prompts, settings, f"quasar-deploy {v}".strip(), progress, variants.get(v)),
+        )
+        levels = runs.pop("")
+        compared = runs
     report = {
         "settings": {**asdict(settings), "concurrency": list(settings.concurrency), "model": label, "prompt_count": len(prompts)},
         "environment": {**environment(), "load_average_at_start": list(load_average)},
@@ -437,7 +472,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Model: {s['model']}. Prompts: {s['prompt_count']} from {s['prompts']}, each once per level. Streaming, greedy, "
         f"max_tokens {s['max_tokens']}, draft {s['draft']} {k_text(s['num_draft'], s['draft'])}. "
-        f"CPU: {env['cpu']}, {env['threads']} threads; load average at start {load}.",
+        f"CPU: {env['cpu']}, {env['threads']} threads; load average at start {load}."
+        + (f" Each level: the median of {s['rounds']} runs, interleaved with the variants below." if s.get("rounds", 1) > 1 else ""),
         "",
         "| concurrency | requests | output tokens/s | vs concurrency 1 | TTFT p50 / p99 ms | inter-token p50 / p99 ms "
         "| acceptance length |",
@@ -458,7 +494,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines[-1] += f"{versus}."
     for variant, variant_levels in report.get("compared", {}).items():
         k = s["num_draft"] or default_num_draft(variant.partition("-")[0])
-        lines += ["", f"Drafting {variant} (k at most {k}), the same server and prompts, after the levels above:", ""]
+        when = "in turn with the levels above" if s.get("rounds", 1) > 1 else "after the levels above"
+        lines += ["", f"Drafting {variant} (k at most {k}), the same server and prompts, {when}:", ""]
         lines += ["| concurrency | output tokens/s | TTFT p50 ms | acceptance length | vs draft " + s["draft"] + " |"]
         lines += ["| --- | --- | --- | --- | --- |"]
         for level in variant_levels:

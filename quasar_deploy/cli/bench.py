@@ -254,6 +254,14 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
     "drafter, or a drafter with -adaptive for a k per sequence (e.g. suffix,ngram-adaptive,suffix-adaptive).",
 )
 @click.option(
+    "--rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Runs of --draft and each --compare variant, interleaved in an order rotated each round; a level's figure is "
+    "its median run (steadier comparisons on a noisy machine).",
+)
+@click.option(
     "--backend",
     default="auto",
     show_default=True,
@@ -279,6 +287,7 @@ def serve(
     draft,
     num_draft,
     compare,
+    rounds,
     backend,
     prefill_tokens,
     output,
@@ -302,7 +311,7 @@ def serve(
         raise QuasarError("--backend applies to an ARTIFACT (a synthetic model is served on the cpu backend)")
     variants = tuple(v.strip() for v in compare.split(",") if v.strip())
     settings = serving.ServeBenchSettings(
-        prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens, variants
+        prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens, variants, rounds
     )
     report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
     w8a8 = _float_vs_int8(head_stored=_head_stored(None if synthetic else artifact))["w8a8"]

@@ -21,6 +21,7 @@ from quasar_deploy.speculative.drafters import Draft
 from quasar_deploy.speculative.layerskip import LayerSkipDrafter
 from quasar_deploy.speculative.loop import speculate
 from quasar_deploy.speculative.ngram import NgramDrafter
+from quasar_deploy.speculative.output_cache import OutputCache
 from quasar_deploy.speculative.suffix import SuffixDrafter
 
 from .helpers import MarkovLM, chi_square_p_value
@@ -95,6 +96,11 @@ def markov_samples(make_drafter, params: SamplingParams, trials: int, length: in
     return counts
 
 
+# the opt-in cache of earlier outputs, as a server would hold it: drafts from it from the first step on
+EARLIER_OUTPUTS = OutputCache(64)
+for output in ([0, 1, 2, 3] * 4, [0, 0, 3, 1, 1, 2, 0, 3, 2, 2], [3, 2, 1, 0, 0, 1]):
+    EARLIER_OUTPUTS.add(output)
+
 # the prompt is [0] and the vocabulary 4 tokens, so the text-indexing drafters find matches from the second step on;
 # 5 new tokens give them room to draft (the joint has 4**5 outcomes: more trials)
 DRAFTERS = {
@@ -102,6 +108,7 @@ DRAFTERS = {
     "markov": (lambda: MarkovDrafter(TABLES[1]), 4, 1000),
     "ngram": (NgramDrafter, 5, 2500),
     "suffix": (lambda: SuffixDrafter(min_prob=0.0), 5, 2500),
+    "suffix-cache": (lambda: SuffixDrafter(min_prob=0.0, cache=EARLIER_OUTPUTS), 5, 2500),
 }
 
 

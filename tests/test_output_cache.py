@@ -98,3 +98,5 @@ def test_a_server_keeps_outputs_only_when_asked(tiny_qwen3):
         assert client.post("/v1/completions", json=body).status_code == 200
         assert client.post("/v1/completions", json={**body, "draft": "ngram"}).status_code == 200
     assert engine.output_cache.tokens == 16  # both outputs, whichever drafter made them
+    create_app(engine, ServeConfig("tiny"))
+    assert engine.output_cache is None  # the same engine served again without the flag shares nothing

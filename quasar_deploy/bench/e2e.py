@@ -15,9 +15,11 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
@@ -32,6 +34,8 @@ from ..speculative.registry import default_num_draft
 from . import anchors
 from .contenders import Contenders
 from .modes import ADAPTIVE_MODES, ALL_MODES, EXACT_MODES, LOSSLESS_PAIRS, ORT_MODES, drafter_and_precision, ort_precisions
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -171,10 +175,10 @@ def run_mode(mode: str, contenders: Contenders, ids: list[int], settings: BenchS
     return _engine_run(engine, ids, settings, drafter, adaptive_k=mode in ADAPTIVE_MODES)
 
 
-def median_run(attempts: list[Run]) -> Run:
-    """The run of median speed among a prompt's repeated runs of one mode (the slower middle one of an even count): one
-    whole run, so its tokens, time and loop statistics stay together."""
-    return sorted(attempts, key=lambda run: run.tokens_per_s)[(len(attempts) - 1) // 2]
+def median_run(attempts: Sequence[T], speed: Callable[[T], float] = attrgetter("tokens_per_s")) -> T:
+    """The run of median ``speed`` among repeated runs of one thing (the slower middle one of an even count): one whole
+    run, so its tokens, time and loop statistics stay together."""
+    return sorted(attempts, key=speed)[(len(attempts) - 1) // 2]
 
 
 def _median(values: list[float]) -> float | None:

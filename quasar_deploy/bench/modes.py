@@ -10,7 +10,7 @@ two comparisons that are not a drafter on our engine (transformers' prompt looku
 
 from __future__ import annotations
 
-from ..speculative.registry import DRAFTERS
+from ..speculative.registry import DRAFTERS, default_num_draft
 from .anchors import ANCHOR_MODES
 
 PRECISIONS = ("float", "w8a8")
@@ -69,6 +69,6 @@ def k_text(num_draft: int | None, drafter: str | None = None) -> str:
     if num_draft is not None:
         return f"k={num_draft}"
     if drafter is not None:
-        return f"k={DRAFTERS[drafter].num_draft}"
+        return f"k={default_num_draft(drafter)}"
     own = ", ".join(f"{name} {entry.num_draft}" for name, entry in DRAFTERS.items() if name in ("ngram", "suffix"))
     return f"k: each drafter's own ({own})"

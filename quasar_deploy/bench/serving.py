@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from ..files import atomic_directory, first_line
 from ..serve.local import free_port
 from ..serve.scheduler import PREFILL_TOKENS
 from ..speculative.registry import default_num_draft
+from .e2e import environment, median_run, read_prompts
 from .modes import k_text
 
 WARM_UP_TOKENS = 8
@@ -245,8 +247,7 @@ def interleaved(names: Sequence[str], rounds: int, run: Callable[[str], list[dic
     for name, attempts in runs.items():
         levels = []
         for at_level in zip(*attempts):
-            ordered = sorted(at_level, key=lambda level: level["tokens_per_s"])
-            level = dict(ordered[(len(ordered) - 1) // 2])
+            level = dict(median_run(at_level, itemgetter("tokens_per_s")))
             if rounds > 1:
                 level["tokens_per_s_rounds"] = [attempt["tokens_per_s"] for attempt in at_level]
             levels.append(level)
@@ -262,8 +263,6 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
     model exists only in this process, so its server runs here, in threads beside the clients.
     ``vllm_python``: then vLLM's CPU build serves the same artifact the same way afterwards (``vllm_server``), and the
     report compares the two level by level."""
-    from .e2e import environment, read_prompts
-
     if not settings.concurrency or min(settings.concurrency) < 1:
         raise QuasarError("--concurrency takes integers >= 1, e.g. 1,4,8")
     if settings.rounds < 1:
@@ -493,9 +492,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"`generate` alone, the same prompts one at a time ({alone['backend']}): {alone['tokens_per_s']:.1f} tokens/s"]
         lines[-1] += f"{versus}."
     for variant, variant_levels in report.get("compared", {}).items():
-        k = s["num_draft"] or default_num_draft(variant.partition("-")[0])
+        k = k_text(s["num_draft"], variant.partition("-")[0])
         when = "in turn with the levels above" if s.get("rounds", 1) > 1 else "after the levels above"
-        lines += ["", f"Drafting {variant} (k at most {k}), the same server and prompts, {when}:", ""]
+        lines += ["", f"Drafting {variant} ({k} at most), the same server and prompts, {when}:", ""]
         lines += ["| concurrency | output tokens/s | TTFT p50 ms | acceptance length | vs draft " + s["draft"] + " |"]
         lines += ["| --- | --- | --- | --- | --- |"]
         for level in variant_levels:

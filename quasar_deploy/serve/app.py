@@ -147,8 +147,8 @@ async def read_json(request: HttpRequest, limit: int, timeout_s: float) -> Any:
 def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     """The server's app; the scheduler's worker runs for the app's lifespan. ``app.state.draining`` refuses new work (503)."""
     metrics = Metrics()
-    if config.suffix_cache_tokens:
-        engine.output_cache = OutputCache(config.suffix_cache_tokens)
+    # set either way: an engine served before with a cache does not keep sharing outputs under a config without one
+    engine.output_cache = OutputCache(config.suffix_cache_tokens) if config.suffix_cache_tokens else None
     scheduler = Scheduler(
         engine,
         metrics,

@@ -48,7 +48,10 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def per_token_scale(x: torch.Tensor) -> torch.Tensor:
     """scale = rowmax|x| / 127, shape [rows, 1]; all-zero rows get a harmless tiny scale."""
-    return (x.float().abs().amax(dim=-1, keepdim=True) / QMAX).clamp(min=1e-12)
+    peak = x.float().abs().amax(dim=-1, keepdim=True)
+    # A tensor divisor, not the Python number: CUDA's torch divides by a CPU scalar as a multiply by its reciprocal,
+    # one ulp off IEEE division in some rows (seen on an H200), and every device must give the CPU's scales.
+    return (peak / torch.full_like(peak, QMAX)).clamp(min=1e-12)
 
 
 def quantize_activation(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -351,6 +351,20 @@ def test_gpu_table_from_a_recorded_result():
     assert "copy bandwidth (4000 GB/s)" in "\n".join(lines)
 
 
+def test_the_device_check_writes_a_bench_record(tmp_path, monkeypatch, capsys):
+    """``python -m quasar_deploy.bench.gpu --json-out`` (tools/gpu_check.sh) writes what ``bench gpu --json`` prints: a
+    record the benchmarks page reads, its figures the run's result."""
+    from quasar_deploy.bench import gpu as gpu_bench
+    from quasar_deploy.bench.record import current, read_records
+
+    monkeypatch.setattr(gpu_bench, "run", lambda settings, log: RECORDED)
+    assert gpu_bench.main(["--json-out", str(tmp_path / "gpu-check.json")]) == 0
+    assert capsys.readouterr().out.startswith("GPU: NVIDIA H200")
+    (record,) = read_records([tmp_path])
+    assert (record["command"], record["figures"], record["options"]["quantizer"]) == ("bench gpu", RECORDED, "triton")
+    assert "GPU: NVIDIA H200" in current([record])
+
+
 @pytest.mark.parametrize(
     "options,message",
     [

@@ -23,9 +23,11 @@ import torch.nn.functional as F
 
 from ..errors import QuasarError
 from .gpu_settings import GpuSettings
+from .record import INT8
 
 GEMM_SHAPE = (12288, 4096)  # Qwen3-8B's gate/up: out x in
 STREAM_BYTES = 1 << 30  # weight copies cycled per timing: far beyond any L2
+GPU_DTYPES = {"float": "bfloat16", "w8a8": f"{INT8}, bfloat16 lm_head"}
 
 
 def require_cuda() -> torch.device:
@@ -276,17 +278,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m quasar_deploy.bench.gpu", description=main.__doc__)
     parser.add_argument("--quantizer", choices=("triton", "torch"), default="triton")
-    parser.add_argument("--json-out", help="Also write the result as JSON to this file.")
+    parser.add_argument("--json-out", help="Also write the result as a bench record (JSON, as `bench gpu --json` prints) to this file.")
     args = parser.parse_args(argv)
     try:
-        result = run(GpuSettings(quantizer=args.quantizer), log=lambda line: print(line, file=sys.stderr, flush=True))
+        settings = GpuSettings(quantizer=args.quantizer)
+        result = run(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     except QuasarError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(table(result))
     if args.json_out:
+        from .record import make_record
+
+        record = make_record("bench gpu", asdict(settings), GPU_DTYPES, result)
         with open(args.json_out, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=2)
+            json.dump(record, out, indent=2, default=str)
     return 0
 
 

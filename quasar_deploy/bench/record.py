@@ -255,7 +255,6 @@ def render(records: list[dict]) -> str:
     for record in sorted(records, key=lambda r: r["file"]):
         options = " ".join(f"{k}={v!r}" if isinstance(v, str) and not v.isprintable() else f"{k}={v}" for k, v in _set(record["options"]))
         dtypes = "; ".join(f"{k}: {v}" for k, v in record["dtypes"].items())
-        lines.append(
-            f"| `{record['file']}` | `{record['command']}` | {options.replace('|', '/')} | {record['machine']['threads']} | {dtypes} |"
-        )
+        threads = record["machine"].get("threads") or "not read"  # a GPU run's host CPU may not have been read
+        lines.append(f"| `{record['file']}` | `{record['command']}` | {options.replace('|', '/')} | {threads} | {dtypes} |")
     return "\n".join(lines) + "\n"

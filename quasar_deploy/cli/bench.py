@@ -436,7 +436,7 @@ def gpu(shapes, tokens, context, repeats, rows, e2e_shape, prompts, max_new_toke
         quantizer=quantizer,
     )
     result = gpu_bench.run(settings, log=lambda line: None if as_json else click.echo(line, err=True))
-    _emit(result, lambda: gpu_bench.table(result), as_json, {"float": "bfloat16", "w8a8": W8A8 + ", bfloat16 lm_head"})
+    _emit(result, lambda: gpu_bench.table(result), as_json, gpu_bench.GPU_DTYPES)
 
 
 @bench.command("write-checkpoint")

@@ -112,11 +112,15 @@ def int8_probe() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
     weight = np.random.default_rng(0).integers(-127, 128, (depth, width)).astype(np.int8)
     weight[:, :8], weight[:, 8:16] = 127, -127
     graph = helper.make_graph(
-        [helper.make_node("MatMulInteger", ["x", "w", "zero"], ["y"])],
+        [helper.make_node("MatMulInteger", ["x", "w", "zero", "weight_zero"], ["y"])],  # both zero points, as exported
         "probe",
         [helper.make_tensor_value_info("x", TensorProto.UINT8, [None, depth])],
         [helper.make_tensor_value_info("y", TensorProto.INT32, [None, width])],
-        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.array(128, np.uint8), "zero")],
+        [
+            numpy_helper.from_array(weight, "w"),
+            numpy_helper.from_array(np.array(128, np.uint8), "zero"),
+            numpy_helper.from_array(np.array(0, np.int8), "weight_zero"),
+        ],
     )
     codes = np.random.default_rng(1).integers(0, 256, (6, depth)).astype(np.uint8)
     codes[0], codes[1] = 255, 0

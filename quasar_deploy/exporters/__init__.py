@@ -22,8 +22,9 @@ ONNX_FORMATS = ("integer", "qdq")
 # what the exported graphs hold, for the export cache's key: raised when the same format is encoded anew
 # (2: the integer form's weights became int8, which VNNI CPUs multiply natively, unlike the uint8 of revision 1;
 # `bench onnx layers` times both forms; 3: graphs declare their IR version, the lowest their opset needs, where they had
-# the installed onnx's, which older ONNX Runtime releases refuse: exporters/onnx_versions.py)
-ONNX_GRAPH_REVISION = 3
+# the installed onnx's, which older ONNX Runtime releases refuse: exporters/onnx_versions.py; 4: MatMulInteger states
+# its weight zero point, without which ONNX Runtime 1.20-1.21 abort under session.x64quantprecision on AVX2 CPUs)
+ONNX_GRAPH_REVISION = 4
 # a W8A8 graph may leave its float lm_head outside (the onnxruntime backend computes it in bf16 beside ORT, whose CPU
 # kernels have none): the graph then ends in this output, and the head is stored as it was in this file beside it
 ONNX_HIDDEN_OUTPUT = "hidden_states"

@@ -199,7 +199,11 @@ def w8a8_linear(g: GraphBuilder, x: str, wq: np.ndarray, w_scale: np.ndarray, in
     """``scheme.reference_linear`` on the last axis of ``x``, bit for bit (exact int32 accumulation)."""
     codes, scale = activation_codes(g, x, wq.shape[1], input_scale)
     weight = g.const(np.ascontiguousarray(wq.astype(np.int8).T), f"{prefix}.weight_int8")
-    acc = g.op("Cast", g.op("MatMulInteger", codes, weight, g.scalar(ZERO_POINT, np.uint8)), to=TensorProto.FLOAT)
+    # The weight's zero point (0) is given, not left implicit: with session.x64quantprecision (set on CPUs whose u8 x s8
+    # sums saturate) ONNX Runtime 1.20 and 1.21 read that input unchecked and abort the process when it is absent. One
+    # per linear: that option rewrites each node's weight zero point in place, and 1.32 refuses to rewrite a shared one.
+    zero_points = (g.scalar(ZERO_POINT, np.uint8), g.rank0(0, np.int8, f"{prefix}.weight_zero_point"))
+    acc = g.op("Cast", g.op("MatMulInteger", codes, weight, *zero_points), to=TensorProto.FLOAT)
     return g.op("Mul", g.op("Mul", acc, scale), g.const(w_scale.reshape(-1).astype(np.float32), f"{prefix}.weight_scale"))
 
 

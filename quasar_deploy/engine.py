@@ -321,6 +321,15 @@ class Generation:
         """The token ids ``lm`` must verify next (the pending token and the drafted ones)."""
         return self._speculation.draft()
 
+    def trim_draft(self, keep: int) -> list[int]:
+        """The block ``draft`` returned, with only its first ``keep`` drafted tokens."""
+        return self._speculation.trim(keep)
+
+    @property
+    def draft_acceptance(self) -> float:
+        """The estimated chance a drafted token is kept once the ones before it were (``DraftLength.rate``)."""
+        return self._speculation.draft_length.rate
+
     def settle(self, logits: torch.Tensor, verify_began: float) -> list[str]:
         """The text of the step whose block ``lm`` computed ``logits`` for (starting at ``time.perf_counter()`` ``verify_began``)."""
         return self._take(self._speculation.settle(logits, verify_began))

@@ -16,10 +16,11 @@ import torch
 
 import quasar_deploy.speculative.loop as loop
 from quasar_deploy.backends import create_backend
+from quasar_deploy.serve.row_budget import RowBudget
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, Verdict
 from quasar_deploy.speculative.drafters import Draft
 from quasar_deploy.speculative.layerskip import LayerSkipDrafter
-from quasar_deploy.speculative.loop import speculate
+from quasar_deploy.speculative.loop import Speculation, speculate
 from quasar_deploy.speculative.ngram import NgramDrafter
 from quasar_deploy.speculative.output_cache import OutputCache
 from quasar_deploy.speculative.suffix import SuffixDrafter
@@ -85,15 +86,32 @@ def markov_joint(params: SamplingParams, length: int) -> dict:
     return joint
 
 
-def markov_samples(make_drafter, params: SamplingParams, trials: int, length: int = 4, k: int = 3, adaptive_k=False) -> Counter:
-    """``trials`` generations, each with a fresh drafter from ``make_drafter`` (text-indexing drafters keep state)."""
+def markov_samples(make_drafter, params: SamplingParams, trials: int, length: int = 4, k: int = 3, draft_length="fixed-k") -> Counter:
+    """``trials`` generations, each with a fresh drafter from ``make_drafter`` (text-indexing drafters keep state); with
+    ``draft_length`` "row-budget", each step's draft cut where a server's row budget would cut it."""
     sampler = Sampler(params, seed=1234)
     lm = MarkovLM(TABLES[0])
     counts: Counter = Counter()
     for _ in range(trials):
-        steps = speculate(lm, make_drafter(), [0], sampler, k, length, adaptive_k=adaptive_k)
+        speculation = Speculation(lm, make_drafter(), [0], sampler, k, length, adaptive_k=draft_length == "adaptive-k")
+        steps = [speculation.prefill()]
+        while not speculation.finished:
+            block = speculation.draft()
+            if draft_length == "row-budget":
+                block = speculation.trim(BUDGET.keep(speculation.draft_length.rate, len(block) - 1))
+            steps.append(speculation.settle(lm.verify(block), 0.0))
         counts[tuple(t for step in steps for t in step)] += 1
     return counts
+
+
+# a server's row budget after forwards of one sequence, 1 to 10 rows at 10 ms a row, that emitted 2 tokens each: past
+# the first, it computes a drafted token only where its estimated chance of acceptance is above about 0.36, so it cuts
+# drafts by their past acceptance
+BUDGET = RowBudget()
+for rows in range(1, 11):
+    BUDGET.observe(rows, 1, 0.01 * rows, 2)
+assert 0.3 < BUDGET.threshold < 0.4
+DRAFT_LENGTHS = ["fixed-k", "adaptive-k", "row-budget"]
 
 
 # the opt-in cache of earlier outputs, as a server would hold it: drafts from it from the first step on
@@ -112,22 +130,22 @@ DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("adaptive_k", [False, True], ids=["fixed-k", "adaptive-k"])
+@pytest.mark.parametrize("draft_length", DRAFT_LENGTHS)
 @pytest.mark.parametrize("params", PARAMS)
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_sampled_sequences_follow_the_verifier(drafter, params, adaptive_k):
+def test_sampled_sequences_follow_the_verifier(drafter, params, draft_length):
     make, length, trials = DRAFTERS[drafter]
-    counts = markov_samples(make, PARAMS[params], trials, length, adaptive_k=adaptive_k)
+    counts = markov_samples(make, PARAMS[params], trials, length, draft_length=draft_length)
     assert chi_square_p_value(counts, markov_joint(PARAMS[params], length)) > 1e-3
 
 
-@pytest.mark.parametrize("adaptive_k", [False, True], ids=["fixed-k", "adaptive-k"])
+@pytest.mark.parametrize("draft_length", DRAFT_LENGTHS)
 @pytest.mark.parametrize("wrong", [blind_accept, resample_from_p])
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_the_statistical_test_catches_wrong_acceptance(monkeypatch, wrong, drafter, adaptive_k):
+def test_the_statistical_test_catches_wrong_acceptance(monkeypatch, wrong, drafter, draft_length):
     monkeypatch.setattr(loop, "accept", wrong)
     make, length, trials = DRAFTERS[drafter]
-    counts = markov_samples(make, PARAMS["plain"], trials, length, adaptive_k=adaptive_k)
+    counts = markov_samples(make, PARAMS["plain"], trials, length, draft_length=draft_length)
     assert chi_square_p_value(counts, markov_joint(PARAMS["plain"], length)) < 1e-6
 
 

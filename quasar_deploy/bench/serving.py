@@ -61,6 +61,7 @@ class ServeBenchSettings:
     prefill_tokens: int = PREFILL_TOKENS
     compare: Sequence[str] = ()  # more drafting variants (``variant_options``), each through the same server after ``draft``
     rounds: int = 1  # runs of ``draft`` and each variant, interleaved (``interleaved``); each level's figure its median run
+    row_budget: bool = True  # our server's --row-budget (False: --all-rows)
 
 
 def variant_options(variant: str) -> dict[str, Any]:
@@ -353,6 +354,7 @@ def synthetic_server(settings: ServeBenchSettings, max_sequences: int) -> Iterat
         draft=settings.draft,
         num_draft=settings.num_draft,
         prefill_tokens=settings.prefill_tokens,
+        row_budget=settings.row_budget,
     )
     with serving_in_thread(create_app(engine, config)) as base:
         yield base, label, engine.lm.description
@@ -371,6 +373,7 @@ def quasar_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[
     argv = [sys.executable, "-c", "from quasar_deploy.cli import main; main()", "serve", artifact, "--backend", settings.backend]
     argv += ["--port", str(port), "--model-name", MODEL_NAME, "--max-sequences", str(max_sequences), "--max-queue", str(max_sequences)]
     argv += ["--draft", settings.draft, "--prefill-tokens", str(settings.prefill_tokens)]
+    argv += [] if settings.row_budget else ["--all-rows"]
     argv += ["--num-draft", str(settings.num_draft)] if settings.num_draft else []
     with server_process(argv, os.environ.copy(), port, QUASAR_START_S, "quasar-deploy") as (base, log):
         backend = next((line.removeprefix(STARTED) for line in log() if line.startswith(STARTED)), "?")

@@ -269,6 +269,7 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
     help="What `quasar-deploy serve --backend` gets (an ARTIFACT only; auto: what a deployment gets).",
 )
 @click.option("--prefill-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Our server's `serve --prefill-tokens`.")
+@click.option("--row-budget/--all-rows", default=True, show_default=True, help="Our server's `serve --row-budget/--all-rows`.")
 @click.option("-o", "--output", default="bench-serve", show_default=True, type=click.Path(file_okay=False), help="New report directory.")
 @click.option(
     "--vllm-python",
@@ -277,23 +278,7 @@ def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, p
     help="Then vLLM's CPU build serves ARTIFACT the same way, compared level by level: the python of its venv (docs/anchors.md).",
 )
 @json_option
-def serve(
-    artifact,
-    synthetic,
-    prompts,
-    limit,
-    concurrency,
-    max_tokens,
-    draft,
-    num_draft,
-    compare,
-    rounds,
-    backend,
-    prefill_tokens,
-    output,
-    vllm_python,
-    as_json,
-):
+def serve(artifact, synthetic, prompts, compare, output, vllm_python, as_json, **options):
     """Our server on 127.0.0.1 under streaming clients at each concurrency: tokens/s, TTFT, inter-token latency, acceptance;
     with --vllm-python, vLLM's OpenAI server on the same artifact after it.
 
@@ -307,12 +292,11 @@ def serve(
         raise QuasarError("give ARTIFACT or --synthetic, not both")
     require_new(output)
     prompts = str(prompts or BUILTIN["prompts"])
-    if synthetic and backend != "auto":
+    if synthetic and options["backend"] != "auto":
         raise QuasarError("--backend applies to an ARTIFACT (a synthetic model is served on the cpu backend)")
     variants = tuple(v.strip() for v in compare.split(",") if v.strip())
-    settings = serving.ServeBenchSettings(
-        prompts, limit, concurrency, max_tokens, draft, num_draft, artifact, synthetic, backend, prefill_tokens, variants, rounds
-    )
+    # the other options are the settings' fields by name (limit, concurrency, ..., row_budget)
+    settings = serving.ServeBenchSettings(prompts, artifact=artifact, synthetic=synthetic, compare=variants, **options)
     report = serving.benchmark_serving(settings, progress=not as_json, vllm_python=vllm_python)
     w8a8 = _float_vs_int8(head_stored=_head_stored(None if synthetic else artifact))["w8a8"]
     _show(report, serving.write(report, output), serving.markdown, as_json, {"w8a8": w8a8})

@@ -35,6 +35,7 @@ QUASAR_ONLY = (
     "body-timeout",
     "kv-cache-mib",
     "prefill-tokens",
+    "row-budget",
     "drain-timeout",
     "suffix-cache-tokens",
 )
@@ -106,6 +107,13 @@ def seconds_option(name: str, default: float, help: str):
     "shortens a burst's wait for its first tokens and lengthens the rounds the running requests wait through.",
 )
 @click.option(
+    "--row-budget/--all-rows",
+    default=True,
+    show_default=True,
+    help="Batched steps compute a drafted token only where its chance of acceptance pays for its row at the step "
+    "cost this server measures (docs/serving.md); --all-rows verifies every drafted token.",
+)
+@click.option(
     "--suffix-cache-tokens",
     default=0,
     show_default=True,
@@ -174,6 +182,7 @@ def serve(
         body_timeout=limits["body_timeout"],
         kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,
         prefill_tokens=limits["prefill_tokens"],
+        row_budget=limits["row_budget"],
         suffix_cache_tokens=limits["suffix_cache_tokens"],
         limits=RequestLimits(limits["max_num_draft"], limits["max_stop"], limits["max_stop_chars"], limits["default_max_tokens"]),
     )

@@ -49,7 +49,8 @@ class ServeConfig:
     ``request_timeout``: seconds from arrival after which a request is ended (504), queueing included;
     ``body_timeout``: seconds for its body to arrive (408);
     ``kv_cache_bytes``: the KV cache all running requests may hold together (None: no accounting); ``prefill_tokens``:
-    prompt tokens prefilled per round (``scheduler.PREFILL_TOKENS``); ``suffix_cache_tokens``: earlier outputs kept for
+    prompt tokens prefilled per round (``scheduler.PREFILL_TOKENS``); ``row_budget``: batched steps leave out the drafted
+    rows not worth their time (``serve.row_budget``); ``suffix_cache_tokens``: earlier outputs kept for
     suffix drafts across requests (0: none; ``speculative.output_cache``); ``limits``: what one request may ask for."""
 
     model: str
@@ -64,6 +65,7 @@ class ServeConfig:
     body_timeout: float = 30.0
     kv_cache_bytes: int | None = None
     prefill_tokens: int = PREFILL_TOKENS
+    row_budget: bool = True
     suffix_cache_tokens: int = 0
     limits: RequestLimits = RequestLimits()
 
@@ -157,6 +159,7 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         prefill_tokens=config.prefill_tokens,
         deadline_s=config.request_timeout,
         kv_cache_bytes=config.kv_cache_bytes,
+        row_budget=config.row_budget,
     )
     started_at = int(time.time())
     defaults = {"draft": config.draft, "num_draft": config.num_draft, "adaptive_k": config.adaptive_k, "verify": engine.verify_modes}

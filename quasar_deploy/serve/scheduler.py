@@ -39,6 +39,7 @@ from ..openmp import release_openmp_pool
 from ..speculative.causal_lm import BatchVerifyingLM
 from .metrics import Metrics
 from .protocol import ApiError, Request
+from .row_budget import RowBudget
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,10 @@ class Scheduler:
         prefill_tokens: int = PREFILL_TOKENS,
         deadline_s: float | None = None,
         kv_cache_bytes: int | None = None,
+        row_budget: bool = True,
     ):
         self.engine, self.metrics = engine, metrics
+        self.row_budget = RowBudget() if row_budget else None
         self.max_sequences, self.max_queue, self.prefill_tokens = max_sequences, max_queue, prefill_tokens
         self.deadline_s, self.kv_cache_bytes = deadline_s, kv_cache_bytes
         self._waiting: deque[Ticket] = deque()
@@ -317,6 +320,8 @@ class Scheduler:
         fresh = self._prefill_turn()
         ready = [r for r in self._running if r.first_step_done]
         drafted = [(r, block) for r in ready if (block := self._attempt(r, r.generation.draft)) is not None]
+        if self.row_budget is not None:
+            drafted = [(r, self._within_budget(r, block)) for r, block in drafted]
         batchers = list({id(r.batcher): r.batcher for r, _ in fresh + drafted if r.batcher is not None}.values())
         for batcher in batchers:  # one forward per model that verifies (two on an exact engine serving both outputs)
             self._step_batched(batcher, [m for m in fresh if m[0].batcher is batcher], [m for m in drafted if m[0].batcher is batcher])
@@ -328,6 +333,14 @@ class Scheduler:
                 self._advance(running, lambda g=running.generation, block=block: self._verify_alone(g, block))
         self._running = [r for r in self._running if not r.done]
         self.metrics.running.set(len(self._running))
+
+    def _within_budget(self, running: Running, block: list[int]) -> list[int]:
+        """``block`` without the drafted rows the row budget does not pay for (batched sequences only: a sequence verified
+        alone pays for its own rows)."""
+        if running.batcher is None:
+            return block
+        keep = self.row_budget.keep(running.generation.draft_acceptance, len(block) - 1)
+        return block if keep == len(block) - 1 else running.generation.trim_draft(keep)
 
     def _prefill_turn(self) -> list[tuple[Running, list[int]]]:
         """The prompt pieces that prefill this round, with their sequences: one piece per sequence (its whole prompt, or
@@ -362,6 +375,7 @@ class Scheduler:
         sequences = [running.generation.lm for running, _, _ in members]
         blocks = [block for _, block, _ in members]
         prefills = [prefill for _, _, prefill in members]
+        accepted_before = sum(running.generation.loop_stats.accepted for running, _ in drafted)
         began = time.perf_counter()
         try:
             logits = batcher.verify_batch(sequences, blocks, prefills)
@@ -369,8 +383,9 @@ class Scheduler:
             for running, _, _ in members:
                 self._fail(running, exc)
             return
+        seconds = time.perf_counter() - began
         if drafted:  # one observation per forward, however many sequences it verified
-            self.metrics.verify_step.observe(time.perf_counter() - began)
+            self.metrics.verify_step.observe(seconds)
         for (running, block, prefill), rows in zip(members, logits):
             if not prefill:
                 self._advance(running, lambda g=running.generation, rows=rows: g.settle(rows, began))
@@ -379,6 +394,11 @@ class Scheduler:
             running.prompt_done += len(block)
             if running.prompt_done == len(running.generation.prompt):
                 self._advance(running, lambda r=running, rows=rows: r.generation.settle_prefill(rows, r.prefill_began))
+        # the budget learns from forwards of verify blocks alone: a prompt piece's rows cost more (its attention spans the
+        # piece, its activations outgrow the caches), and those long forwards would steer the fit of a verify row's cost
+        if self.row_budget is not None and drafted and not fresh:  # each sequence emitted its accepted tokens and one more
+            emitted = len(drafted) + sum(running.generation.loop_stats.accepted for running, _ in drafted) - accepted_before
+            self.row_budget.observe(sum(map(len, blocks)), len(drafted), seconds, emitted)
 
     def _attempt(self, running: Running, call: Callable[[], T]) -> T | None:
         """``call()``; if it raises, the sequence fails alone (None) and the others, and the worker, go on."""

@@ -128,6 +128,13 @@ class Speculation:
         self.stats.draft_s += time.perf_counter() - began
         return [self.tokens[-1], *self._drafted]
 
+    def trim(self, keep: int) -> list[int]:
+        """The block of ``draft`` with only its first ``keep`` drafted tokens (a server's row budget): lossless, since how
+        many drafted tokens are verified never changes which tokens are emitted, nor their distribution."""
+        self._drafted = self._drafted[:keep]
+        self._probs = self._probs[:keep] if self._probs is not None else None
+        return [self.tokens[-1], *self._drafted]
+
     def settle(self, logits: torch.Tensor, verify_began: float) -> list[int]:
         """Judge the drafted block against its ``logits``, keep the cache up to the accepted prefix; the emitted tokens.
 

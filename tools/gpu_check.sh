@@ -5,7 +5,7 @@
 # H200: the @pytest.mark.gpu tests (<= 3 min), then `python -m quasar_deploy.bench.gpu` (<= 4.5 min).
 # Missing pure-Python dependencies are installed offline from tools/wheels/ (or $QUASAR_WHEELS)
 # into a temporary directory when wheels are there; otherwise the script says what it lacks and
-# skips only what needs it. Output: stdout, and gpu-check.json in $OUT (or the current directory).
+# skips only what needs it. Output: stdout, and gpu-check.json in $OUT (or the current directory): a bench record, for bench/results/.
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

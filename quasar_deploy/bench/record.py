@@ -114,8 +114,8 @@ def _e2e(f: dict) -> list[Quantity]:
 def _serve(f: dict) -> list[Quantity]:
     s = f["settings"]
     drafting = f"{s['draft']} drafting" + (f" {k_text(s.get('num_draft'), s['draft'])}" if s["draft"] != "none" else "")
-    rows = "" if s.get("row_budget", False) else ", every drafted row"  # records from before the budget verified every row
-    what = f"server, {Path(s['model']).name}, {drafting}{rows}, {s['max_tokens']} tokens per request"
+    every_row = "" if s.get("row_budget", False) else ", every drafted row"  # records from before the budget verified every row
+    what = f"server, {Path(s['model']).name}, {drafting}{every_row}, {s['max_tokens']} tokens per request"
     ours = f"ours on {f['backend'].split()[0]}"  # the backend the server's startup line named: cpu, onnxruntime, ...
     rows = [_serve_level(f"{what}: {ours}", level) for level in f["levels"]]
     for variant, levels in f.get("compared", {}).items():

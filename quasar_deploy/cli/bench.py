@@ -13,6 +13,7 @@ import click
 from ..backends.registry import BACKENDS
 from ..bench.gpu_settings import DEFAULT_ROWS, DEFAULT_SHAPES, GpuSettings
 from ..bench.modes import ALL_MODES, ORT_MODES
+from ..bench.record import INT8
 from ..errors import QuasarError
 from ..speculative.registry import DRAFTERS
 from .options import INT_LIST, suffix_min_prob_option
@@ -158,9 +159,6 @@ def _emit(figures: dict, text: Callable[[], str], as_json: bool, dtypes: dict[st
     click.echo(json.dumps(make_record(command, options, dtypes, figures), indent=2, default=str))
 
 
-W8A8 = "int8 weights, int8 per-token activations"
-
-
 def _float_vs_int8(int8_lm_head: bool = False, head_stored: str = "BF16", head_dtype: str | None = None) -> dict[str, str]:
     """What the float and W8A8 contenders compute in here: the CPU's float dtype (``kernels.default_float_dtype``), which
     is also the W8A8 model's float lm_head's (``head_dtype`` where another was asked for; unless ``int8_lm_head``), read
@@ -173,7 +171,7 @@ def _float_vs_int8(int8_lm_head: bool = False, head_stored: str = "BF16", head_d
     head_dtype = head_dtype or dtype
     half = half_weights(TORCH_DTYPES[head_stored], FLOAT_DTYPES[head_dtype], "onednn")
     head = f"{head_dtype} lm_head{' over 16-bit weights (quasar-half)' if half else ''}"
-    return {"float": dtype, "w8a8": f"{W8A8}, {'int8 lm_head' if int8_lm_head else head}"}
+    return {"float": dtype, "w8a8": f"{INT8}, {'int8 lm_head' if int8_lm_head else head}"}
 
 
 def _head_stored(path: str | None) -> str:

@@ -123,14 +123,14 @@ class Speculation:
         k = min(self.draft_length.k, room - 1)
         began = time.perf_counter()
         draft = self.drafter.propose(self.tokens, k, self.sampler) if k > 0 else NO_DRAFT
-        self._drafted = draft.tokens[:k]
-        self._probs = draft.probs[:k] if draft.probs is not None else None
+        self._drafted, self._probs = draft.tokens, draft.probs
         self.stats.draft_s += time.perf_counter() - began
-        return [self.tokens[-1], *self._drafted]
+        return self.trim(k)
 
     def trim(self, keep: int) -> list[int]:
-        """The block of ``draft`` with only its first ``keep`` drafted tokens (a server's row budget): lossless, since how
-        many drafted tokens are verified never changes which tokens are emitted, nor their distribution."""
+        """The block of ``draft`` with only its first ``keep`` drafted tokens (``draft`` keeps k, a server's row budget
+        fewer): lossless, since how many drafted tokens are verified never changes which tokens are emitted, nor their
+        distribution."""
         self._drafted = self._drafted[:keep]
         self._probs = self._probs[:keep] if self._probs is not None else None
         return [self.tokens[-1], *self._drafted]

@@ -21,7 +21,7 @@ _API = {
     "calibrate": "quasar_deploy.calibration",
     "CalibrationRecipe": "quasar_deploy.calibration",
     "demo_model_path": "quasar_deploy.demo",
-    "load": "quasar_deploy.engine",
+    "load": "quasar_deploy.api",
     "Engine": "quasar_deploy.engine",
     "GenerationResult": "quasar_deploy.engine",
     "evaluate": "quasar_deploy.fidelity",

@@ -135,16 +135,6 @@ def writing_artifact(source: Checkpoint, output: Path, max_shard_size: int = MAX
         yield ArtifactWriter(tmp, source, max_shard_size)
 
 
-def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W8A8Scheme, manifest: dict) -> Path:
-    """Write a decoder held in memory (quantized by the caller) as an artifact; ``calibrate`` streams layer by layer instead."""
-    with writing_artifact(source, output) as writer:
-        for name, tensor in decoder.state_dict().items():
-            if not (name == "lm_head.weight" and decoder.spec.tie_word_embeddings and not decoder.lm_head.quantized):
-                writer.add(name, tensor)
-        writer.finish(scheme, [name for name, linear in decoder.linears() if not linear.quantized], manifest)
-    return Path(output)
-
-
 @dataclass
 class ModelFiles:
     """A directory we can run: a W8A8 artifact (``manifest`` set) or a plain float checkpoint."""

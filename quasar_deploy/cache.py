@@ -1,11 +1,6 @@
-"""What quasar-deploy derives from a model and keeps for the next run: the cache directory, the ONNX export that the
-onnxruntime backend runs when it is handed an artifact or a checkpoint instead of an export, and the cache's upkeep.
-
-An export is keyed by its source's content alone, so a changed model gets a new export, and the same model copied or
-re-created elsewhere (a temporary directory) finds the export it already has. An artifact's ``quasar.json`` lists the
-sha256 of every file it holds, so its bytes name the artifact's content. A float checkpoint has no such record: its
-files are hashed, once per file version (size, modification time, inode; remembered in ``.index/hashes.json``), since
-hashing 16 GB on every load would cost more than the backend saves.
+"""The cache directory and its upkeep: where quasar-deploy keeps what it derives for the next run (ONNX exports:
+``backends/onnx_export_cache.py``; built kernels and their timings: ``cpu/``; the demo's artifacts), JSON records written
+whole, and the lock writers take.
 
 Each entry's record in ``.index/`` says which source paths it was made from or used for, and when it was last used:
 ``cache list`` reports an entry whose sources are all gone as orphaned, and a new export first evicts the least recently
@@ -17,12 +12,10 @@ itself is atomic (``files.atomic_directory``), and the loader checks every file 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,12 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import QuasarError
-from .exporters import ONNX_GRAPH_REVISION
-from .files import TOKENIZER_FILES, sha256_files
-from .integrity import EXPORT_FORMAT_VERSION, MANIFEST
 
 INDEX = ".index"  # entry records and the checkpoint file hashes; hidden, so never an entry itself
-HASHES = "hashes.json"
 DEFAULT_SHARE = 0.25  # of the cache's disk, when $QUASAR_CACHE_MAX is unset
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -63,58 +52,6 @@ def read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _file_sha256(file: Path, known: dict) -> str:
-    """sha256 of ``file``, from ``known`` while the file is the same version (size, mtime, inode), else read and added."""
-    stat = file.stat()
-    version = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
-    entry = known.get(str(file.resolve()))
-    if entry is None or entry[:3] != version:
-        entry = known[str(file.resolve())] = [*version, sha256_files(file)]
-    return entry[3]
-
-
-def content_key(model: Path) -> str:
-    """sha256 naming what ``model`` holds: its artifact record, or the sha256 of each file of a checkpoint an export reads
-    (config, weights, tokenizer)."""
-    from ._version import __version__
-
-    digest = hashlib.sha256(json.dumps([__version__, EXPORT_FORMAT_VERSION, ONNX_GRAPH_REVISION]).encode())
-    if (model / MANIFEST).is_file():
-        digest.update((model / MANIFEST).read_bytes())
-        return digest.hexdigest()
-    if not (model / "config.json").is_file():
-        raise QuasarError(f"{model}: no config.json (not a Hugging Face checkpoint or a quasar-deploy artifact)")
-    hashes = cache_dir() / INDEX / HASHES
-    known = read_json(hashes)
-    before = json.dumps(known, sort_keys=True)
-    read = {"config.json", *TOKENIZER_FILES}
-    for file in sorted(f for f in model.iterdir() if f.is_file() and (f.name in read or ".safetensors" in f.name)):
-        digest.update(json.dumps([file.name, _file_sha256(file, known)]).encode())
-    if json.dumps(known, sort_keys=True) != before:
-        write_json(hashes, known)
-    return digest.hexdigest()
-
-
-def head_outside(model: Path) -> bool:
-    """Whether ``model``'s cached export leaves its float lm_head to the backend: a W8A8 artifact whose head runs better
-    on torch beside the graph (``kernels.head_beside_graph``: in bf16 where the CPU computes it, else read as stored in
-    16 bits by ``quasar-half``; ORT's CPU kernels have no bf16 MatMul, and a float32 head reads twice the bytes)."""
-    from .checkpoint import Checkpoint
-    from .kernels import head_beside_graph
-    from .memory import head_dtype_name
-    from .shards import TORCH_DTYPES
-
-    if not (model / MANIFEST).is_file():
-        return False
-    return head_beside_graph(TORCH_DTYPES[head_dtype_name(Checkpoint(model).dtypes)])
-
-
-def onnx_export_path(model: Path) -> Path:
-    """Where the ONNX export of ``model`` is cached: named by its content key alone (not by where the model is), and by
-    where its head runs (``head_outside``)."""
-    return cache_dir() / f"onnx-{content_key(model)[:24]}{'-head-outside' if head_outside(model) else ''}"
 
 
 @contextmanager
@@ -264,38 +201,3 @@ def make_room(need: int, keep: tuple[Path, ...] = ()) -> list[Entry]:
             f"not enough disk space in {root}: this needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free (or set QUASAR_CACHE)"
         )
     return evicted
-
-
-def export_bytes(model: Path) -> int:
-    """About what the ONNX export of ``model`` takes on disk: its weights as the graph stores them (int8 linears with their
-    scales, everything else float32, the embedding table in float32 whatever it is stored in)."""
-    import torch
-
-    from .artifact import open_model_files
-    from .memory import EMBEDDINGS, estimate
-
-    files = open_model_files(model)
-    needed = estimate(files, float_dtype=torch.float32)  # the graph's float weights are float32
-    table = 1
-    for dim in files.checkpoint.shapes[EMBEDDINGS]:
-        table *= dim
-    return needed.int8_weights + needed.float_weights + 4 * table
-
-
-def cached_onnx_export(model: str | Path, replace: bool = False, progress: bool = True) -> Path:
-    """The ONNX export of the artifact (exact integer W8A8 graph) or float checkpoint at ``model``, exported on first
-    use; ``replace``: export it again (the loader found the cached one damaged: the cache is ours to repair)."""
-    from .exporters import export
-
-    model = Path(model)
-    path = onnx_export_path(model)
-    with locked(path):
-        if replace and path.exists():
-            shutil.rmtree(path)
-        if not path.exists():
-            make_room(export_bytes(model), keep=(model.resolve(),))  # the source may be in the cache too (the demo's)
-            print(f"quasar-deploy: first use of {model} on ONNX Runtime: exporting it to {path} (once per model)", file=sys.stderr)
-            w8a8 = (model / MANIFEST).is_file()
-            export(model, "onnx", path, precision="w8a8" if w8a8 else "float", progress=progress, head_outside=head_outside(model))
-        used(path, model)
-    return path

@@ -10,21 +10,20 @@ import torch
 from .backends import available_backends
 from .backends.cuda import gpu_status
 from .backends.registry import auto_backend, auto_choice
-from .cpuinfo import ISA_FLAGS, cpu_flags, cpu_model
-from .kernels import (
+from .cpu.choice import default_int8_kernel, int8_probe
+from .cpu.linears import (
     FLOAT_DTYPE_ENV,
     default_float_dtype,
     default_float_kernel,
-    default_int8_kernel,
     dtype_name,
     fbgemm_available,
     float_probe,
     half_probe_ms,
-    int8_probe,
     onednn_available,
     onednn_int8_exact,
     vnni_available,
 )
+from .cpu.machine import ISA_FLAGS, cpu_flags, cpu_model
 
 
 def report(path: str | None = None, exact: bool = False, exact_source: str | None = None) -> dict:
@@ -61,9 +60,9 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
 def _half_text(half_ms: float | None, float32_ms: float) -> str:
     """What timing the quasar-half kernel showed (``kernels.half_probe_ms``), or why it does not run."""
     if half_ms is None:
-        from .backends import cpu_half
+        from .cpu import half_linear
 
-        return f"16-bit weights widened to float32 by oneDNN (quasar-half: {cpu_half.why_not()})"
+        return f"16-bit weights widened to float32 by oneDNN (quasar-half: {half_linear.why_not()})"
     return (
         f"16-bit weights read as stored by quasar-half where float32 computes: {half_ms:.3f} ms against oneDNN "
         f"float32's {float32_ms:.3f} at a verify step's shape, half the bytes from memory"
@@ -72,25 +71,25 @@ def _half_text(half_ms: float | None, float32_ms: float) -> str:
 
 def probes() -> dict:
     """What running the kernels once showed (``kernels``'s probes), and the float dtype chosen from it."""
-    from .backends import cpu_attention, cpu_int8
-    from .backends.onnxruntime import exact_int8_entries
+    from .backends.ort_session import exact_int8_entries
     from .backends.registry import unavailable
+    from .cpu import decoder_ops, int8_linear
 
     probe = float_probe()
-    attention = cpu_attention.load()
+    attention = decoder_ops.load()
     chosen = os.environ.get(FLOAT_DTYPE_ENV)
     int8 = int8_probe()
     half = half_probe_ms()
     return {
         "fbgemm_int8_sums_32bit": vnni_available(),
         "onednn_int8_exact": onednn_int8_exact(),
-        "quasar_int8_why_not": cpu_int8.why_not(),
-        "quasar_int8_build": cpu_int8.build(),
+        "quasar_int8_why_not": int8_linear.why_not(),
+        "quasar_int8_build": int8_linear.build(),
         "int8_ms": {name: round(ms, 3) for name, ms in int8.ms.items()},
         "int8_kernel_why": int8.reason,
         "onnxruntime_int8_options": [f"{k}={v}" for k, v in exact_int8_entries()] if unavailable("onnxruntime") is None else None,
         "layer_graph_attention": attention.description if attention else "ORT GroupQueryAttention",
-        "layer_graph_attention_why": None if attention else cpu_attention.why_not(),
+        "layer_graph_attention_why": None if attention else decoder_ops.why_not(),
         "float32_ms": round(probe.float32_ms, 3),
         "bfloat16_ms": None if probe.bfloat16_ms is None else round(probe.bfloat16_ms, 3),
         "bf16_invariant_rows": probe.bf16_invariant_rows,
@@ -140,7 +139,7 @@ def model_memory(path: str) -> dict:
 def exact_memory(path: str, source: str | None = None) -> dict:
     """Exact mode holds both weight sets and both KV caches: the float checkpoint's figures (``source``, by default the
     one the artifact at ``path`` records), the artifact's, and their sum."""
-    from .exact import float_source
+    from .exact_mode import float_source
     from .memory import MIB
 
     parts = {"float": model_memory(str(float_source(path, source))), "w8a8": model_memory(path)}

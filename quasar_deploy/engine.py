@@ -16,7 +16,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .backends import create_backend, resolve_backend
+from .backends import create_backend
 from .chat.renderer import RENDER_CHARS_PER_TOKEN, ChatRenderer
 from .errors import QuasarError
 from .integrity import listed_files, read_listed
@@ -36,6 +36,7 @@ from .speculative.layerskip import check_can_skip, skip_order
 from .speculative.loop import LoopStats, Speculation
 from .speculative.output_cache import OutputCache
 from .speculative.registry import check_drafter_options, create_drafter, default_num_draft, drafter_entry
+from .text import Detokenizer, StopStrings, check_text
 from .tokenizer import load_tokenizer
 
 # Short and mixed (prose and code), so the layers chosen for skipping suit whatever the model writes.
@@ -199,77 +200,6 @@ class GenerationResult:
             "prompt_tokens": self.prompt_tokens,
             "context_full": self.context_full,
         }
-
-
-def check_text(text: str, what: str) -> None:
-    """Text the tokenizer can encode: a lone surrogate (undecodable bytes on a command line, or from Python) is refused."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise QuasarError(f"{what} is not valid UTF-8 text (character {exc.start} is a lone surrogate)") from None
-
-
-class Detokenizer:
-    """Decodes token by token without splitting a multi-byte character across pieces.
-
-    Decoding a short window (the tail of what was already shown plus the new
-    tokens) keeps each step O(1) and gives tokenizers that drop a leading space
-    at the start of a text their context; text that ends in a partial UTF-8
-    sequence is held back until the next token completes it.
-    """
-
-    def __init__(self, tokenizer, prompt: Sequence[int], context: int = 6):
-        self.tokenizer = tokenizer
-        self.ids = list(prompt[-context:])
-        self.shown = 0  # window start: tokens before it are done with
-        self.read = len(self.ids)  # tokens before it have been turned into text
-
-    def _text(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _new_text(self) -> str:
-        before = self._text(self.ids[self.shown : self.read])
-        after = self._text(self.ids[self.shown :])
-        return after[len(before) :] if len(after) > len(before) else ""
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        piece = self._new_text()
-        if not piece or piece.endswith("\ufffd"):
-            return ""
-        self.shown, self.read = self.read, len(self.ids)
-        return piece
-
-    def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end decodes as U+FFFD)."""
-        piece = self._new_text()
-        self.shown = self.read = len(self.ids)
-        return piece
-
-
-class StopStrings:
-    """Cuts the text before the first stop string, holding back any tail that might become one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stops)
-        self.held = ""
-
-    def push(self, piece: str) -> tuple[str, bool]:
-        """The text now safe to show, and whether a stop string was reached."""
-        if not self.stops:
-            return piece, False
-        text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = ""
-            return text[: min(hits)], True
-        safe = next((i for i in range(len(text)) if any(s.startswith(text[i:]) for s in self.stops)), len(text))
-        self.held = text[safe:]
-        return text[:safe], False
-
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held
 
 
 class Generation:
@@ -572,39 +502,7 @@ def stop_ids_of(path: str | Path) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
 
-VERIFY_MODES = ("model", "exact")
-
-
-def load(
-    path: str | Path,
-    backend: str = "auto",
-    trust_remote_code: bool = False,
-    needs: Collection[str] = (),
-    verify: str = "model",
-    exact_source: str | Path | None = None,
-    **backend_options: Any,
-) -> Engine:
-    """An engine for a W8A8 artifact (W8A8 verifier), a plain Hugging Face checkpoint (float verifier) or an export at ``path``.
-
-    ``backend="auto"`` picks the fastest backend here that provides ``needs`` (``backends.registry.CAPABILITIES``:
-    "layer_skip" for the layerskip drafter). ``backend_options`` go to the backend's factory (e.g. ``threads``,
-    ``int8_kernel`` for cpu; ``quantizer``, ``graphs`` for cuda; ``provider`` for onnxruntime).
-    ``verify="exact"``: ``path`` is an artifact and the output is its float model's own (``exact.load_exact``), the
-    float checkpoint being ``exact_source`` or, by default, the source the artifact records.
-    """
-    if verify not in VERIFY_MODES:
-        raise QuasarError(f"unknown verify mode {verify!r}; choose from {', '.join(VERIFY_MODES)}")
-    if verify == "exact":
-        from .exact import load_exact
-
-        return load_exact(path, exact_source, backend, trust_remote_code, needs, **backend_options)
-    if exact_source is not None:
-        raise QuasarError("exact_source applies to verify='exact'")
-    backend = resolve_backend(backend, path, needs, backend_options)
-    lm = create_backend(backend, path, needs, **backend_options)
-    engine = Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)
-    warm_up(lm)
-    return engine
+VERIFY_MODES = ("model", "exact")  # whose output a generation returns: the model's (W8A8 verifier) or exact mode's
 
 
 WARM_UP_BLOCK = 8  # verify blocks up to k+1 = 8 tokens get their kernels built at load

@@ -16,8 +16,9 @@ from tqdm import tqdm
 
 from .artifact import ModelFiles, open_model_files
 from .calibration import data
+from .cpu.choice import default_int8_kernel
+from .cpu.linears import default_float_dtype, default_float_kernel
 from .errors import QuasarError
-from .kernels import default_float_dtype, default_float_kernel, default_int8_kernel
 from .tokenizer import load_tokenizer
 
 

@@ -9,15 +9,28 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .decoder_spec import DecoderSpec
 from .shards import TORCH_DTYPES
 
-if TYPE_CHECKING:  # model.py imports this module, and artifact.py imports model.py
+if TYPE_CHECKING:  # annotations only: importing this module does not import torch
     import torch
 
-    from .artifact import ModelFiles
+    from .checkpoint import Checkpoint
+
+
+class OpenedModel(Protocol):
+    """What ``estimate`` reads of an opened model directory (``artifact.ModelFiles``, which imports the decoder that
+    imports this module)."""
+
+    checkpoint: Checkpoint
+    spec: DecoderSpec
+    manifest: dict | None
+
+    @property
+    def is_artifact(self) -> bool: ...
+
 
 MIB = 1 << 20
 MEMORY_REPORT_TOKENS = 4096  # the KV cache length that reports and the backend choice size a model's memory at
@@ -50,7 +63,7 @@ class MemoryEstimate:
         )
 
 
-def estimate(files: ModelFiles, float_dtype: torch.dtype | None = None) -> MemoryEstimate:
+def estimate(files: OpenedModel, float_dtype: torch.dtype | None = None) -> MemoryEstimate:
     """The cpu backend's resident weights and KV cache for ``files`` (artifact or float checkpoint), with float parts in
     ``float_dtype`` (default: the one ``kernels.default_float_dtype`` gives this CPU), as ``load_cpu`` holds them: a
     float checkpoint wholly in it; an artifact's activations, KV cache and kept-float layers in float32, its head in it."""
@@ -69,7 +82,7 @@ def estimate_headers(
 ) -> MemoryEstimate:
     """``estimate`` from tensor headers (name -> shape, safetensors dtype name): also of a model not written yet, such as
     the demo's inflation before its first run (``demo.needs``)."""
-    from .kernels import default_float_dtype, half_weights
+    from .cpu.linears import default_float_dtype, half_weights
 
     head_dtype = float_dtype or default_float_dtype("cpu")
     body = COMPUTE_ITEMSIZE if is_artifact else head_dtype.itemsize

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu.linears import dtype_name, float_linear, half_linear, half_weights, int8_linear, packs_weight
 from .decoder_spec import DecoderSpec, rope_inv_freq
 from .errors import QuasarError
-from .kernels import dtype_name, float_linear, half_linear, half_weights, int8_linear, packs_weight
 from .memory import EMBEDDINGS, return_freed_memory
 from .shards import TORCH_DTYPES
 
@@ -74,7 +74,7 @@ class RowKernel(Protocol):
 
 
 def cpu_kernels(float_kernel: str = "torch", int8_kernel: str = "reference") -> KernelFactory:
-    """The ``KernelFactory`` of ``kernels.py``'s named kernels (the cpu backend, calibration, tests)."""
+    """The ``KernelFactory`` of ``cpu/linears.py``'s named kernels (the cpu backend, calibration, tests)."""
 
     def make(weight, weight_scale, bias, input_scale) -> LinearFn:
         if weight.dtype == torch.int8:
@@ -89,7 +89,7 @@ PACK_BLOCK_BYTES = 1 << 28  # a narrow float weight is widened and packed this m
 
 
 class Linear(nn.Module):
-    """A linear layer in float or W8A8 form; ``prepare`` binds one of ``kernels.py``'s kernels, ``bind`` any other.
+    """A linear layer in float or W8A8 form; ``prepare`` binds one of ``cpu/linears.py``'s kernels, ``bind`` any other.
 
     ``dtype``: what a float layer computes in, when its weight is stored in another dtype (a bf16 lm_head or tied
     table computing in float32 where bf16 is slow, a float16 one computing in bf16). Kernels get the weight

@@ -26,7 +26,7 @@ ONNX_PROMPT = [1, 5, 9, 200, 33, 7, 8, 4000, 12]
 def skip_without_bf16() -> None:
     """Skips a test of bf16 computing on a CPU whose oneDNN has no bf16 linear (AVX2 only, no AVX-512 BW/VL/DQ nor
     AVX-NE-CONVERT): the product computes float32 there and refuses bf16 in one line (test_float_dtype.py)."""
-    from quasar_deploy.kernels import float_probe
+    from quasar_deploy.cpu.linears import float_probe
 
     if missing := float_probe().bf16_missing:
         pytest.skip(f"no bf16 linear on this CPU: {missing}")
@@ -51,7 +51,7 @@ def ort_session(model_or_path, optimized: Path | None = None):
     import onnx
     import onnxruntime as ort
 
-    from quasar_deploy.backends.onnxruntime import session_options
+    from quasar_deploy.backends.ort_session import session_options
 
     options = session_options(1)  # as the backend's: exact u8 x s8 on every x64 CPU
     if optimized:
@@ -155,3 +155,41 @@ def chi_square_p_value(observed: Counter, expected: dict) -> float:
     obs_t, exp_t = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
     stat = ((obs_t - exp_t) ** 2 / exp_t).sum()
     return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+def speculate(*args, **kwargs):
+    """``Speculation(*args, **kwargs).steps()``: the new tokens of each verify step of one sequence."""
+    from quasar_deploy.speculative.loop import Speculation
+
+    return Speculation(*args, **kwargs).steps()
+
+
+def _copy_of(array):
+    def fill(out):
+        out[...] = array
+
+    return fill
+
+
+def decoder_graph(decoder, name: str, linear_format: str = "integer"):
+    """The whole decoder held in memory (float32 compute) as one ONNX model with KV-cache inputs and outputs; W8A8
+    linears in ``linear_format``."""
+    from quasar_deploy.exporters.onnx_graph import GraphBuilder, build_graph
+
+    embed = decoder.model.embed_tokens.weight.float().numpy()
+    head = None
+    if decoder.lm_head.quantized:
+        head = decoder.lm_head
+    elif not decoder.spec.tie_word_embeddings:
+        head = _copy_of(decoder.lm_head.weight.float().numpy().T)
+    g = GraphBuilder(linear_format)
+    return build_graph(
+        g,
+        decoder.spec,
+        name,
+        decoder.inv_freq,
+        _copy_of(embed),
+        decoder.model.layers,
+        decoder.model.norm,
+        head,
+    )

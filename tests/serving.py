@@ -16,8 +16,8 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% en
 def chat_engine(model, template_seconds: float | None = None):
     """``model`` on the cpu backend with ``CHAT_TEMPLATE`` (the tiny models' tokenizer has none): the server tests' engine;
     ``template_seconds``: a render's time bound, shorter than the default so that a test of a looping template is short."""
+    from quasar_deploy.api import load
     from quasar_deploy.chat.renderer import RENDER_CHARS_PER_TOKEN, ChatRenderer
-    from quasar_deploy.engine import load
 
     engine = load(model, backend="cpu")
     engine.tokenizer.chat_template = CHAT_TEMPLATE

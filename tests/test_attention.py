@@ -9,7 +9,7 @@ import torch
 
 from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends.torch_backend import BatchingTorchCausalLM, cpu_causal_lm
-from quasar_deploy.kernels import onednn_available
+from quasar_deploy.cpu.linears import onednn_available
 from quasar_deploy.model import KEY_CHUNK, QUERY_ROWS
 from quasar_deploy.scheme import quantize_weight
 

@@ -16,18 +16,17 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "avx2_view.sh"
 
 REPORT = """
 import json, torch
-from quasar_deploy import kernels
-from quasar_deploy.backends import cpu_attention, cpu_int8
-attention = cpu_attention.load()
+from quasar_deploy.cpu import choice, decoder_ops, int8_linear, linears
+attention = decoder_ops.load()
 print(json.dumps({
-    "bf16_missing": kernels.float_probe().bf16_missing,
-    "float_dtype": str(kernels.default_float_dtype("cpu")),
-    "fbgemm_sums_32bit": kernels.vnni_available(),
-    "int8_kernel": kernels.default_int8_kernel("cpu"),
+    "bf16_missing": linears.float_probe().bf16_missing,
+    "float_dtype": str(linears.default_float_dtype("cpu")),
+    "fbgemm_sums_32bit": linears.vnni_available(),
+    "int8_kernel": choice.default_int8_kernel("cpu"),
     "attention_width": attention.width if attention else None,
-    "int8_build": cpu_int8.build(),
-    "int8_why_not": cpu_int8.open_build("cpu_int8-avxvnni")[1],
-    "timed": sorted(kernels.int8_probe().ms),
+    "int8_build": int8_linear.build(),
+    "int8_why_not": int8_linear.open_build("cpu_int8-avxvnni")[1],
+    "timed": sorted(choice.int8_probe().ms),
 }))
 """
 

@@ -13,8 +13,7 @@ import threading
 
 import pytest
 
-from quasar_deploy import cache
-from quasar_deploy.backends import registry
+from quasar_deploy.backends import onnx_export_cache, registry
 from quasar_deploy.errors import QuasarError
 
 from .helpers import copy_dir
@@ -29,9 +28,9 @@ PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 def library_int8_kernel(monkeypatch):
     """A CPU whose int8 probe picks a library kernel, where artifacts go to ONNX Runtime: whichever the probe picks on the
     CPU running the suite (``test_our_int8_kernel_keeps_artifacts_on_the_cpu_backend`` covers the other branch)."""
-    from quasar_deploy import kernels
+    from quasar_deploy.cpu import choice
 
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")
+    monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": "onednn-vnni")
 
 
 @pytest.fixture
@@ -52,7 +51,7 @@ def test_auto_runs_an_artifact_on_its_cached_integer_graph_with_the_exact_kernel
             engine.generate(PROMPT, max_new_tokens=24, draft=draft).tokens == exact.generate(PROMPT, max_new_tokens=24, draft=draft).tokens
         )
     exports = [p.name for p in empty_cache.iterdir() if p.name.startswith("onnx-")]  # beside them: built C kernels, .index
-    assert exports == [cache.onnx_export_path(tiny_artifact.path).name]
+    assert exports == [onnx_export_cache.onnx_export_path(tiny_artifact.path).name]
 
     load(tiny_artifact.path)
     assert "exporting" not in capfd.readouterr().err  # reused
@@ -68,7 +67,7 @@ def test_a_float_checkpoint_is_exported_as_a_float_graph(tiny_qwen3, empty_cache
 def test_a_damaged_cache_entry_is_exported_again(tiny_artifact, empty_cache, capfd):
     from quasar_deploy import load
 
-    path = cache.cached_onnx_export(tiny_artifact.path, progress=False)
+    path = onnx_export_cache.cached_onnx_export(tiny_artifact.path, progress=False)
     (path / "model.onnx").write_bytes(b"damaged")
     engine = load(tiny_artifact.path)
     assert "the cached ONNX export is damaged" in capfd.readouterr().err
@@ -77,23 +76,24 @@ def test_a_damaged_cache_entry_is_exported_again(tiny_artifact, empty_cache, cap
 
 def test_the_key_follows_the_model_content(tiny_artifact, tiny_qwen3, tmp_path, empty_cache):
     artifact = copy_dir(tiny_artifact.path, tmp_path, "artifact")
-    assert cache.content_key(artifact) == cache.content_key(tiny_artifact.path)  # same content, another place
-    assert cache.content_key(artifact) != cache.content_key(tiny_qwen3)
+    assert onnx_export_cache.content_key(artifact) == onnx_export_cache.content_key(tiny_artifact.path)  # same content, another place
+    assert onnx_export_cache.content_key(artifact) != onnx_export_cache.content_key(tiny_qwen3)
     checkpoint = copy_dir(tiny_qwen3, tmp_path, "checkpoint")
-    before = cache.content_key(checkpoint)
+    before = onnx_export_cache.content_key(checkpoint)
     weights = next(checkpoint.glob("*.safetensors"))
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # touched, the same bytes
-    assert cache.content_key(checkpoint) == before
+    assert onnx_export_cache.content_key(checkpoint) == before
     weights.write_bytes(weights.read_bytes()[:-1] + b"!")  # rewritten weights
-    assert cache.content_key(checkpoint) != before
+    assert onnx_export_cache.content_key(checkpoint) != before
     with pytest.raises(QuasarError, match="no config.json"):
-        cache.content_key(tmp_path)
+        onnx_export_cache.content_key(tmp_path)
 
 
 def test_processes_started_together_export_once(tiny_artifact, empty_cache, capfd):
     paths: list = []
     threads = [
-        threading.Thread(target=lambda: paths.append(cache.cached_onnx_export(tiny_artifact.path, progress=False))) for _ in range(3)
+        threading.Thread(target=lambda: paths.append(onnx_export_cache.cached_onnx_export(tiny_artifact.path, progress=False)))
+        for _ in range(3)
     ]
     for thread in threads:
         thread.start()
@@ -104,7 +104,7 @@ def test_processes_started_together_export_once(tiny_artifact, empty_cache, capf
 
 
 def test_needs_and_options_choose_a_backend_that_provides_them(tiny_artifact, tiny_qwen3):
-    from quasar_deploy.cli.serve import SERVER_NEEDS
+    from quasar_deploy.serve.needs import SERVER_NEEDS
 
     assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
     # the layerskip drafter, and serving (requests may pick layerskip): ONNX Runtime's layer graphs of a W8A8 artifact
@@ -121,26 +121,26 @@ def test_our_int8_kernel_keeps_artifacts_on_the_cpu_backend(tiny_artifact, tiny_
     """Where the probe picks ``quasar`` and times it faster than ONNX Runtime's int8 linear, the cpu backend runs W8A8
     steps faster than ONNX Runtime's graphs (alone and batched: docs/architecture.md), so auto keeps artifacts there,
     for generation and serving; float checkpoints are not its business."""
-    from quasar_deploy import kernels
-    from quasar_deploy.cli.serve import SERVER_NEEDS
+    from quasar_deploy.cpu import choice
+    from quasar_deploy.serve.needs import SERVER_NEEDS
 
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "quasar")
-    monkeypatch.setattr(kernels, "int8_probe", lambda: kernels.Int8Probe({"quasar": 1.0, kernels.ONNXRUNTIME: 2.0}))
+    monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": "quasar")
+    monkeypatch.setattr(choice, "int8_probe", lambda: choice.Int8Probe({"quasar": 1.0, choice.ONNXRUNTIME: 2.0}))
     assert registry.auto_backend(tiny_artifact.path) == "cpu"
     assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "cpu"
     assert registry.auto_backend(tiny_qwen3) == "onnxruntime"  # float32 here (the suite's float dtype): ORT's float graph
 
 
 def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, monkeypatch):
-    from quasar_deploy import cpuinfo
     from quasar_deploy.artifact import open_model_files
+    from quasar_deploy.cpu import machine
     from quasar_deploy.memory import estimate, report_tokens
 
     files = open_model_files(tiny_artifact.path)
     needed = estimate(files).total(report_tokens(files.spec)) * registry.ONNXRUNTIME_MEMORY_FACTOR
-    monkeypatch.setattr(cpuinfo, "memory_available", lambda: needed - 1)
+    monkeypatch.setattr(machine, "memory_available", lambda: needed - 1)
     assert registry.auto_backend(tiny_artifact.path) == "cpu"
-    monkeypatch.setattr(cpuinfo, "memory_available", lambda: needed)
+    monkeypatch.setattr(machine, "memory_available", lambda: needed)
     assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
 
 
@@ -148,11 +148,11 @@ def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, m
 def test_doctor_names_what_auto_gives_each_kind_of_model(int8_kernel, artifacts, monkeypatch):
     from click.testing import CliRunner
 
-    from quasar_deploy import kernels
     from quasar_deploy.cli import main
+    from quasar_deploy.cpu import choice
 
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": int8_kernel)
-    monkeypatch.setattr(kernels, "int8_probe", lambda: kernels.Int8Probe({int8_kernel: 1.0, kernels.ONNXRUNTIME: 2.0}))
+    monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": int8_kernel)
+    monkeypatch.setattr(choice, "int8_probe", lambda: choice.Int8Probe({int8_kernel: 1.0, choice.ONNXRUNTIME: 2.0}))
     output = CliRunner().invoke(main, ["doctor"]).output
     expected = f"backend        {artifacts} for W8A8 artifacts, onnxruntime for float checkpoints (--backend auto"
     assert expected in output and f"--draft layerskip and serve: {artifacts} and cpu)" in output

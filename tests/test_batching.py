@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from quasar_deploy.engine import Engine, load
-from quasar_deploy.kernels import float_linear, onednn_available
+from quasar_deploy.api import load
+from quasar_deploy.cpu.linears import float_linear, onednn_available
+from quasar_deploy.engine import Engine
 from quasar_deploy.serve import scheduler
 from quasar_deploy.serve.metrics import Metrics
 from quasar_deploy.serve.protocol import Request

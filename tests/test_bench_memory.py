@@ -15,8 +15,9 @@ from quasar_deploy.bench.contenders import synthetic_contenders, trained_contend
 from quasar_deploy.bench.e2e import BenchSettings, benchmark
 from quasar_deploy.bench.micro import kernels_peak_bytes, linear_sizes, verify_step, weight_bytes
 from quasar_deploy.cli import main
+from quasar_deploy.cpu.choice import default_int8_kernel
+from quasar_deploy.cpu.linears import default_float_kernel
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.kernels import default_float_kernel, default_int8_kernel
 from quasar_deploy.scheme import quantize_weight
 
 from .helpers import skip_without_bf16
@@ -122,9 +123,9 @@ def test_verify_step_is_against_the_fastest_float_contender(small_shape):
 
 
 def test_a_kernel_this_cpu_lacks_is_one_line(small_shape, monkeypatch):
-    from quasar_deploy import kernels
+    from quasar_deploy.cpu import linears
 
-    monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+    monkeypatch.setattr(linears, "vnni_available", lambda: False)
     with pytest.raises(QuasarError, match="needs a CPU with AVX-512 VNNI"):
         verify_step(small_shape, tokens=3, context=8, repeats=1, int8_kernel="fbgemm-vnni", progress=False)
 
@@ -228,8 +229,9 @@ def test_the_step_bench_streams_the_graphs_an_in_memory_build_would_make(small_s
     from onnx import numpy_helper
 
     from quasar_deploy.bench import onnx as bench_onnx
-    from quasar_deploy.exporters.onnx_graph import decoder_graph
     from quasar_deploy.model import Decoder
+
+    from .helpers import decoder_graph
 
     monkeypatch.setitem(synthetic.SHAPES, small_shape, (*synthetic.SHAPES[small_shape][:-1], tied))
     spec = synthetic.synthetic_spec(small_shape)
@@ -283,14 +285,14 @@ def test_the_cpu_paths_step_includes_bf16_where_the_cpu_computes_it(small_shape,
     """On a bf16 CPU (monkeypatched probe): torch's float decoder in bf16, and ORT's graph with its head in bf16 beside
     it; the ideal ratio is against bf16. "(auto)" marks the W8A8 contender auto runs, as the int8 probe decides."""
     pytest.importorskip("onnxruntime")
-    from quasar_deploy import kernels
     from quasar_deploy.bench import onnx as bench_onnx
+    from quasar_deploy.cpu import choice, linears
 
     skip_without_bf16()  # the probe says bf16 below, and the kernels then run it
-    monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
-    monkeypatch.setattr(kernels, "float_probe", lambda: kernels.FloatProbe(4.0, 1.5, 256))
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": int8_kernel)
-    monkeypatch.setattr(kernels, "int8_probe", lambda: kernels.Int8Probe({int8_kernel: 1.0, kernels.ONNXRUNTIME: 2.0}))
+    monkeypatch.delenv(linears.FLOAT_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(linears, "float_probe", lambda: linears.FloatProbe(4.0, 1.5, 256))
+    monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": int8_kernel)
+    monkeypatch.setattr(choice, "int8_probe", lambda: choice.Int8Probe({int8_kernel: 1.0, choice.ONNXRUNTIME: 2.0}))
     lines = list(bench_onnx.step(small_shape, tokens=3, context=8, threads=1, repeats=2))
     assert "float dtype bfloat16" in lines[0] and "against bfloat16 float" in lines[5]
     assert sum("(auto)" in line for line in lines[1:5]) == 1 and any(auto in line and "(auto)" in line for line in lines[1:5])

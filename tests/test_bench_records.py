@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from quasar_deploy._version import __version__
 from quasar_deploy.bench.record import FIELDS, VIEW_ENV, current, render
 from quasar_deploy.cli import main
-from quasar_deploy.cpuinfo import cpu_model
-from quasar_deploy.kernels import half_weights
+from quasar_deploy.cpu.linears import half_weights
+from quasar_deploy.cpu.machine import cpu_model
 
 from .helpers import assert_one_line_error
 

@@ -144,8 +144,8 @@ def test_hf_twin_shares_our_weights(tiny_qwen3):
 
 def test_roofline_sets_a_generation_against_the_bandwidth_bound(tiny_artifact):
     """The bound is bytes read per step over the measured bandwidth; a real step is slower than it."""
+    from quasar_deploy.api import load
     from quasar_deploy.bench.micro import weight_bytes
-    from quasar_deploy.engine import load
 
     result = CliRunner().invoke(main, ["bench", "roofline", str(tiny_artifact.path), "--max-new-tokens", "8", "--json"])
     assert result.exit_code == 0, result.output

@@ -1,4 +1,4 @@
-"""The C attention kernel of the layer graphs (``backends/cpu_attention``): its values, the independence of a row's bits
+"""The C attention kernel of the layer graphs (``cpu/decoder_ops``): its values, the independence of a row's bits
 from its company, and the choice of build by probe."""
 
 from __future__ import annotations
@@ -11,22 +11,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quasar_deploy.backends import cpu_attention, native
-from quasar_deploy.backends.cpu_attention import BUILDS, StepAttention, new_caches
+from quasar_deploy.cpu import decoder_ops, native
+from quasar_deploy.cpu.decoder_ops import BUILDS, StepAttention, new_caches
 
 HEADS, KV, LAYERS = 4, 2, 2
 PASTS, SIZES = [0, 37, 150], [5, 1, 8]  # a prompt, a one-token decode, a verify block
 
 
 def runnable_widths() -> list[int]:
-    return [width for width in BUILDS if cpu_attention.probe(width)[0] is not None]
+    return [width for width in BUILDS if decoder_ops.probe(width)[0] is not None]
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
-def kernel(request) -> cpu_attention.Kernel:
-    built, reason = cpu_attention.probe(request.param)
+def kernel(request) -> decoder_ops.Kernel:
+    built, reason = decoder_ops.probe(request.param)
     if built is None:
-        if request.param == 8 and cpu_attention.load() is not None:
+        if request.param == 8 and decoder_ops.load() is not None:
             pytest.fail(f"a wider build runs here but the 8-wide one does not: {reason}")
         pytest.skip(f"the {request.param}-wide build does not run on this CPU: {reason}")
     return built
@@ -75,7 +75,7 @@ def reference(past_kv, new, pasts, sizes, heads: int, kv: int) -> np.ndarray:
 
 
 def attend(kernel, caches, pasts, sizes, new, layer=0, threads=1, openmp=False):
-    pool = cpu_attention.ThreadPoolExecutor(threads - 1) if threads > 1 else None
+    pool = decoder_ops.ThreadPoolExecutor(threads - 1) if threads > 1 else None
     dim = new[0].shape[1] // HEADS
     return StepAttention(kernel, pool, threads, HEADS, KV, dim, caches, pasts, sizes, openmp)(layer, *new)
 
@@ -99,8 +99,8 @@ def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_the_threads(kerne
     if openmp and not kernel.openmp:
         pytest.skip("this process has no OpenMP runtime to share a step in")
     dim = 64
-    monkeypatch.setattr(cpu_attention, "MIN_SHARE", 1)  # split the small case over the threads too
-    monkeypatch.setattr(cpu_attention, "OPENMP_MIN_SHARE", 1)
+    monkeypatch.setattr(decoder_ops, "MIN_SHARE", 1)  # split the small case over the threads too
+    monkeypatch.setattr(decoder_ops, "OPENMP_MIN_SHARE", 1)
     caches, _, new = case(dim)
     together = attend(kernel, caches, PASTS, SIZES, new, threads=2, openmp=openmp)
     start = 0
@@ -136,11 +136,11 @@ def test_the_widest_build_that_passes_its_probe_is_chosen(monkeypatch, tmp_path)
         for failing_now in (set(), {16}, {16, 8}):
             failing.clear()
             failing.update(failing_now)
-            cpu_attention.probe.cache_clear()
-            kernel = cpu_attention.load()
-            outcomes[frozenset(failing_now)] = (kernel.width if kernel else None, cpu_attention.why_not())
+            decoder_ops.probe.cache_clear()
+            kernel = decoder_ops.load()
+            outcomes[frozenset(failing_now)] = (kernel.width if kernel else None, decoder_ops.why_not())
     finally:
-        cpu_attention.probe.cache_clear()  # the next caller probes this CPU itself
+        decoder_ops.probe.cache_clear()  # the next caller probes this CPU itself
     if runs_here:
         assert outcomes[frozenset()] == (runs_here[0], None)
     if 8 in runs_here:
@@ -155,21 +155,21 @@ def test_a_head_the_widest_build_cannot_take_goes_to_a_narrower_one():
     runs_here = runnable_widths()
     if 8 not in runs_here:
         pytest.skip("the 8-wide build does not run on this CPU")
-    assert cpu_attention.load(24).width == 8
-    assert cpu_attention.load(64).width == runs_here[0]
-    assert cpu_attention.load(12) is None
-    assert "8-wide build: a head of 12 floats is not whole 8-float vectors" in cpu_attention.why_not(12)
+    assert decoder_ops.load(24).width == 8
+    assert decoder_ops.load(64).width == runs_here[0]
+    assert decoder_ops.load(12) is None
+    assert "8-wide build: a head of 12 floats is not whole 8-float vectors" in decoder_ops.why_not(12)
 
 
 def test_without_a_compiler_the_layer_graphs_keep_group_query_attention(monkeypatch, tmp_path):
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    cpu_attention.probe.cache_clear()
+    decoder_ops.probe.cache_clear()
     try:
-        assert cpu_attention.load() is None
-        assert "no C compiler (no-such-compiler) on PATH" in cpu_attention.why_not()
+        assert decoder_ops.load() is None
+        assert "no C compiler (no-such-compiler) on PATH" in decoder_ops.why_not()
     finally:
-        cpu_attention.probe.cache_clear()
+        decoder_ops.probe.cache_clear()
 
 
 def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
@@ -180,16 +180,16 @@ def test_a_prebuilt_kernel_needs_no_compiler(monkeypatch, tmp_path):
     prebuilt = tmp_path / "kernels"
     prebuilt.mkdir()
     for width in runs_here:
-        (prebuilt / f"cpu_attention-{width}.so").write_bytes(cpu_attention.probe(width)[0].path.read_bytes())
+        (prebuilt / f"cpu_attention-{width}.so").write_bytes(decoder_ops.probe(width)[0].path.read_bytes())
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
-    cpu_attention.probe.cache_clear()
+    decoder_ops.probe.cache_clear()
     try:
-        kernel = cpu_attention.load()
+        kernel = decoder_ops.load()
         assert kernel is not None and kernel.width == runs_here[0] and kernel.path.parent == prebuilt
     finally:
-        cpu_attention.probe.cache_clear()
+        decoder_ops.probe.cache_clear()
 
 
 def test_a_prebuilt_kernel_from_an_older_source_is_refused_in_one_line(monkeypatch, tmp_path):
@@ -206,13 +206,13 @@ def test_a_prebuilt_kernel_from_an_older_source_is_refused_in_one_line(monkeypat
     for width in BUILDS:
         subprocess.run(["cc", "-shared", "-fPIC", "-o", str(prebuilt / f"cpu_attention-{width}.so"), str(tmp_path / "old.c")], check=True)
     monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
-    cpu_attention.probe.cache_clear()
+    decoder_ops.probe.cache_clear()
     try:
-        assert cpu_attention.load() is None
-        reason = cpu_attention.why_not()
+        assert decoder_ops.load() is None
+        reason = decoder_ops.why_not()
         assert "lacks an entry point this version calls" in reason and "undefined symbol" in reason and "\n" not in reason
     finally:
-        cpu_attention.probe.cache_clear()
+        decoder_ops.probe.cache_clear()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -228,8 +228,8 @@ def test_any_shape_matches_the_reference_and_any_company(kernel, monkeypatch, sh
     attention, and a sequence's bits the same alone as among the others."""
     heads, kv = shape
     dim = vectors * kernel.width
-    monkeypatch.setattr(cpu_attention, "MIN_SHARE", 1)
-    monkeypatch.setattr(cpu_attention, "OPENMP_MIN_SHARE", 1)
+    monkeypatch.setattr(decoder_ops, "MIN_SHARE", 1)
+    monkeypatch.setattr(decoder_ops, "OPENMP_MIN_SHARE", 1)
     rng = np.random.default_rng(len(blocks) * 1000 + dim)
     pasts, sizes = [p for p, _ in blocks], [n for _, n in blocks]
 
@@ -240,7 +240,7 @@ def test_any_shape_matches_the_reference_and_any_company(kernel, monkeypatch, sh
 
     rows = sum(sizes)
     q, k, v = (rng.standard_normal((rows, width)).astype(np.float32) for width in (heads * dim, kv * dim, kv * dim))
-    pool = cpu_attention.ThreadPoolExecutor(1)
+    pool = decoder_ops.ThreadPoolExecutor(1)
     caches = [cache(s) for s in range(len(blocks))]
     together = StepAttention(kernel, pool, threads, heads, kv, dim, caches, pasts, sizes, openmp)(0, q, k, v)
     np.testing.assert_allclose(together, reference(past_kv, (q, k, v), pasts, sizes, heads, kv), rtol=0, atol=5e-6)

@@ -1,4 +1,4 @@
-"""Our float32 kernel over 16-bit weights (``backends/cpu_half.c``): the products and sums of a float32 linear over the
+"""Our float32 kernel over 16-bit weights (``backends/half_linear.c``): the products and sums of a float32 linear over the
 widened weights, a row's bits the same alone or in company (one pass, several passes, the widened-block path) and
 however the columns are shared between threads; chosen for 16-bit weights computing in float32 where it runs, and
 oneDNN's float32 kernel where it does not."""
@@ -11,11 +11,12 @@ import shutil
 import pytest
 import torch
 
-from quasar_deploy import kernels
-from quasar_deploy.backends import cpu_half, native
+from quasar_deploy.cpu import half_linear, linears, native
 from quasar_deploy.model import Linear
 
-runs_here = pytest.mark.skipif(cpu_half.why_not() is not None, reason=f"the quasar-half kernel does not run here: {cpu_half.why_not()}")
+runs_here = pytest.mark.skipif(
+    half_linear.why_not() is not None, reason=f"the quasar-half kernel does not run here: {half_linear.why_not()}"
+)
 FORMATS = [torch.bfloat16, torch.float16]
 
 
@@ -28,7 +29,7 @@ def _layer(out_features: int, in_features: int, rows: int, dtype: torch.dtype, s
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None, reason="x86 with a C compiler")
 def test_it_runs_on_every_x86_cpu_this_project_has():
     """AVX2, FMA and F16C: every CPU kind of this project has them, so the kernel is tested on every kind."""
-    assert cpu_half.why_not() is None
+    assert half_linear.why_not() is None
 
 
 @runs_here
@@ -38,7 +39,7 @@ def test_it_runs_on_every_x86_cpu_this_project_has():
 )
 def test_it_computes_the_float32_linear_over_the_widened_weights(dtype, out_features, in_features, rows):
     weight, bias, x = _layer(out_features, in_features, rows, dtype)
-    got = cpu_half.HalfWeightLinear(weight, bias)(x)
+    got = half_linear.HalfWeightLinear(weight, bias)(x)
     expected = x.double() @ weight.double().T + bias.double()
     # float32 sums of in_features products: within a few units of float32 rounding of the largest partial sum
     bound = 4 * in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T + bias.abs().double())
@@ -53,9 +54,9 @@ def test_a_rows_bits_are_its_own_whatever_the_rows_and_threads(dtype, monkeypatc
     widened copy), in shares of one block each on 1 to 5 threads: the same bits, as batched serving and lossless
     verification need."""
     weight, bias, x = _layer(300, 256, 50, dtype, seed=1)
-    alone = torch.cat([cpu_half.HalfWeightLinear(weight, bias)(row[None]) for row in x])
+    alone = torch.cat([half_linear.HalfWeightLinear(weight, bias)(row[None]) for row in x])
     monkeypatch.setattr(native, "MIN_SHARE_BYTES", 1)  # every block a share of its own where threads allow
-    linear = cpu_half.HalfWeightLinear(weight, bias)
+    linear = half_linear.HalfWeightLinear(weight, bias)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3, 5):
@@ -72,9 +73,9 @@ def test_a_16bit_weight_computing_float32_runs_on_it_and_keeps_its_width(dtype):
     weight, bias, x = _layer(40, 64, 3, dtype)
     layer = Linear(weight.clone(), bias.to(dtype), dtype=torch.float32)
     layer.prepare("onednn")
-    assert isinstance(layer._fn, cpu_half.HalfWeightLinear)
+    assert isinstance(layer._fn, half_linear.HalfWeightLinear)
     assert layer.weight.is_meta and layer.weight.dtype == dtype  # released: the kernel holds it, as stored
-    assert torch.equal(layer(x), cpu_half.HalfWeightLinear(weight, bias.to(dtype).float())(x))
+    assert torch.equal(layer(x), half_linear.HalfWeightLinear(weight, bias.to(dtype).float())(x))
 
 
 @pytest.mark.parametrize(
@@ -86,21 +87,21 @@ def test_a_16bit_weight_computing_float32_runs_on_it_and_keeps_its_width(dtype):
     ],
 )
 def test_other_weights_stay_on_the_library_kernels(stored, dtype, float_kernel):
-    assert not kernels.half_weights(stored, dtype, float_kernel)
+    assert not linears.half_weights(stored, dtype, float_kernel)
 
 
 def test_where_it_does_not_run_onednn_packs_the_widened_weight(monkeypatch):
-    monkeypatch.setattr(cpu_half, "library", lambda: (None, "no C compiler (cc) on PATH"))
+    monkeypatch.setattr(half_linear, "library", lambda: (None, "no C compiler (cc) on PATH"))
     weight, bias, x = _layer(40, 64, 3, torch.bfloat16)
-    assert not kernels.half_weights(torch.bfloat16, torch.float32, "onednn")
+    assert not linears.half_weights(torch.bfloat16, torch.float32, "onednn")
     layer = Linear(weight.clone(), None, dtype=torch.float32)
     layer.prepare("onednn")
-    assert not isinstance(layer._fn, cpu_half.HalfWeightLinear)
+    assert not isinstance(layer._fn, half_linear.HalfWeightLinear)
     assert torch.allclose(layer(x), x @ weight.float().T, rtol=1e-5, atol=1e-5)
 
 
 def test_it_refuses_a_weight_it_does_not_widen():
-    if cpu_half.why_not() is not None:
-        pytest.skip(cpu_half.why_not())
+    if half_linear.why_not() is not None:
+        pytest.skip(half_linear.why_not())
     with pytest.raises(ValueError, match="bf16 or float16"):
-        cpu_half.HalfWeightLinear(torch.zeros(4, 4), None)
+        half_linear.HalfWeightLinear(torch.zeros(4, 4), None)

@@ -1,4 +1,4 @@
-"""Our int8 kernel (``backends/cpu_int8.c``: AMX tiles, AVX-512 VNNI, AVX-VNNI and AVX2 builds): bit for bit the
+"""Our int8 kernel (``cpu/int8_linear.c``: AMX tiles, AVX-512 VNNI, AVX-VNNI and AVX2 builds): bit for bit the
 scheme's reference linear at any shape, a row alone or in company and however the columns are shared between threads,
 on every build that runs here (the AVX2 build on every x86 CPU); and offered only where its self-check runs, the widest
 build first."""
@@ -14,8 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quasar_deploy import kernels, openmp
-from quasar_deploy.backends import cpu_int8, native
+from quasar_deploy.cpu import choice, linears, native
+from quasar_deploy.cpu import int8_linear as cpu_int8
+from quasar_deploy.cpu import threads as openmp
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.scheme import quantize_weight
 
@@ -32,8 +33,8 @@ def _layer(out_features: int, in_features: int, rows: int, seed: int, bias: bool
 
 
 def _both(wq, scale, bias, input_scale, x):
-    expected = kernels.int8_linear(wq, scale, bias, input_scale, "reference")(x)
-    return expected, kernels.int8_linear(wq, scale, bias, input_scale, "quasar")(x)
+    expected = linears.int8_linear(wq, scale, bias, input_scale, "reference")(x)
+    return expected, linears.int8_linear(wq, scale, bias, input_scale, "quasar")(x)
 
 
 def _running_builds() -> list[str]:
@@ -97,11 +98,11 @@ def test_every_build_that_runs_here_is_the_reference_at_tile_shapes(monkeypatch,
     4096): each build that runs here
     (both on a CPU whose AMX Linux grants, the vector one elsewhere) gives the same bits."""
     wq, scale, bias, x = _layer(out_features, in_features, rows, rows, True)
-    expected = kernels.int8_linear(wq, scale, bias, None, "reference")(x)
+    expected = linears.int8_linear(wq, scale, bias, None, "reference")(x)
     for name in _running_builds():
         monkeypatch.setattr(cpu_int8, "library", lambda name=name: cpu_int8.open_build(name))
-        assert torch.equal(kernels.int8_linear(wq, scale, bias, None, "quasar")(x), expected), name
-        assert torch.equal(kernels.int8_linear(wq, scale, bias, None, "quasar")(x[:1]), expected[:1]), name
+        assert torch.equal(linears.int8_linear(wq, scale, bias, None, "quasar")(x), expected), name
+        assert torch.equal(linears.int8_linear(wq, scale, bias, None, "quasar")(x[:1]), expected[:1]), name
 
 
 def test_extreme_codes_and_deep_rows_sum_exactly(each_build):
@@ -121,7 +122,7 @@ def test_extreme_codes_and_deep_rows_sum_exactly(each_build):
 def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(each_build, monkeypatch, rows, in_features):
     """Shares of one block each, as many as 5 threads, in torch's OpenMP pool and on Python threads."""
     wq, scale, bias, x = _layer(1000, in_features, rows, 0, True)
-    linear = kernels.int8_linear(wq, scale, bias, None, "quasar")
+    linear = linears.int8_linear(wq, scale, bias, None, "quasar")
     together = linear(x)
     monkeypatch.setattr(native, "MIN_SHARE_BYTES", 1)  # every block a share of its own where threads allow
     monkeypatch.setattr(cpu_int8, "ROWS_PER_SHARE", 1)
@@ -132,7 +133,7 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(each_build, mon
             lib.quasar_int8_use_openmp(*(handed or (None, None, None)))
             for count in (1, 2, 3, 5):
                 torch.set_num_threads(count)
-                split = kernels.int8_linear(wq, scale, bias, None, "quasar")
+                split = linears.int8_linear(wq, scale, bias, None, "quasar")
                 assert torch.equal(split(x), together)
                 for i in (0, 6, 16, rows - 1):
                     assert torch.equal(split(x[i : i + 1])[0], together[i])
@@ -147,10 +148,10 @@ def fresh_probe(monkeypatch, tmp_path):
     """The kernel built into an empty cache and probed anew; the next caller probes this CPU itself again."""
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.delenv(native.PREBUILT_ENV, raising=False)
-    for cached in (cpu_int8.library, cpu_int8.open_build, kernels.int8_probe):
+    for cached in (cpu_int8.library, cpu_int8.open_build, choice.int8_probe):
         cached.cache_clear()
     yield
-    for cached in (cpu_int8.library, cpu_int8.open_build, kernels.int8_probe):
+    for cached in (cpu_int8.library, cpu_int8.open_build, choice.int8_probe):
         cached.cache_clear()
 
 
@@ -164,9 +165,9 @@ def test_a_build_that_fails_its_self_check_is_not_offered(fresh_probe, monkeypat
 
     monkeypatch.setattr(native.subprocess, "run", run)
     assert "failed its self-check (exit -4)" in cpu_int8.why_not()
-    assert not kernels.quasar_int8_available() and "quasar" not in kernels.int8_probe().ms
+    assert not linears.quasar_int8_available() and "quasar" not in choice.int8_probe().ms
     with pytest.raises(QuasarError, match="the quasar kernel does not run here: .*self-check"):
-        kernels.check_int8_kernel("quasar")
+        linears.check_int8_kernel("quasar")
 
 
 def test_where_the_tiles_fail_their_self_check_the_vector_build_runs(fresh_probe, monkeypatch):
@@ -208,7 +209,7 @@ def test_where_linux_refuses_the_tile_state_the_vector_build_runs(fresh_probe, m
 def test_without_a_compiler_the_kernel_is_not_offered(fresh_probe, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler")
     assert "no C compiler (no-such-compiler)" in cpu_int8.why_not()
-    assert kernels.default_int8_kernel("cpu") != "quasar"
+    assert choice.default_int8_kernel("cpu") != "quasar"
 
 
 @pytest.mark.parametrize("interface", [None, 1])
@@ -230,7 +231,7 @@ def test_a_prebuilt_kernel_from_another_source_is_refused_in_one_line(fresh_prob
     monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
     reason = cpu_int8.why_not()
     assert f"was built from another version's source (interface {interface}, this version calls {cpu_int8.INTERFACE})" in reason
-    assert "\n" not in reason and not kernels.quasar_int8_available()
+    assert "\n" not in reason and not linears.quasar_int8_available()
 
 
 def test_a_pinned_build_is_the_only_one_tried(fresh_probe, monkeypatch):
@@ -244,37 +245,37 @@ def test_a_pinned_build_is_the_only_one_tried(fresh_probe, monkeypatch):
     monkeypatch.setenv(cpu_int8.BUILD_ENV, "cpu_int8-sse")
     reason = cpu_int8.why_not()
     assert reason.startswith("QUASAR_INT8_BUILD=cpu_int8-sse names no build of it: choose from cpu_int8-amx, ") and "\n" not in reason
-    assert cpu_int8.build() is None and not kernels.quasar_int8_available()
+    assert cpu_int8.build() is None and not linears.quasar_int8_available()
 
 
 @pytest.mark.parametrize("fbgemm_32bit", [True, False])
 def test_fbgemms_split_kernel_is_timed_only_where_its_own_kernel_saturates(monkeypatch, fbgemm_32bit):
     """On an AVX2 CPU FBGEMM's split kernel (exact at twice the rows) is timed against our AVX2 build; where FBGEMM sums
     in 32 bits its one-call kernel is timed instead."""
-    monkeypatch.setattr(kernels, "fbgemm_available", lambda: True)
-    monkeypatch.setattr(kernels, "vnni_available", lambda: fbgemm_32bit)
-    monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: False)
-    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: True)
-    monkeypatch.setattr(kernels, "onnxruntime_int8_exact", lambda: False)
-    assert kernels.int8_kernels_to_time() == (["fbgemm-vnni", "quasar"] if fbgemm_32bit else ["quasar", "fbgemm"])
+    monkeypatch.setattr(linears, "fbgemm_available", lambda: True)
+    monkeypatch.setattr(linears, "vnni_available", lambda: fbgemm_32bit)
+    monkeypatch.setattr(linears, "onednn_int8_exact", lambda: False)
+    monkeypatch.setattr(linears, "quasar_int8_available", lambda: True)
+    monkeypatch.setattr(choice, "onnxruntime_int8_exact", lambda: False)
+    assert choice.int8_kernels_to_time() == (["fbgemm-vnni", "quasar"] if fbgemm_32bit else ["quasar", "fbgemm"])
 
 
 def test_with_no_exact_kernel_but_the_reference_the_reference_runs(monkeypatch):
-    monkeypatch.setattr(kernels, "int8_kernels_to_time", lambda: [])
-    kernels.int8_probe.cache_clear()
+    monkeypatch.setattr(choice, "int8_kernels_to_time", lambda: [])
+    choice.int8_probe.cache_clear()
     try:
-        assert kernels.default_int8_kernel("cpu") == "reference"
-        assert kernels.int8_probe().reason.startswith("no exact int8 kernel but the reference here")
+        assert choice.default_int8_kernel("cpu") == "reference"
+        assert choice.int8_probe().reason.startswith("no exact int8 kernel but the reference here")
     finally:
-        kernels.int8_probe.cache_clear()
+        choice.int8_probe.cache_clear()
 
 
 def test_onnx_runtimes_int8_linear_in_the_probe_is_the_reference():
     """What the probe times for ONNX Runtime is the integer graph's linear, bit for bit the scheme's."""
     pytest.importorskip("onnxruntime")
     wq, scale, _, x = _layer(300, 200, 7, 3, False)
-    expected = kernels.int8_linear(wq, scale, None, None, "reference")(x)
-    assert torch.equal(kernels._onnxruntime_int8(wq, scale)(x), expected)
+    expected = linears.int8_linear(wq, scale, None, None, "reference")(x)
+    assert torch.equal(choice._onnxruntime_int8(wq, scale)(x), expected)
 
 
 @pytest.mark.parametrize("ort_ms, backend", [(None, "cpu"), (9.0, "cpu"), (2.5, "cpu"), (2.4, "onnxruntime"), (1.0, "onnxruntime")])
@@ -284,21 +285,21 @@ def test_w8a8_artifacts_run_where_the_int8_linear_timed_faster(monkeypatch, ort_
     doctor says so."""
     from quasar_deploy.backends import registry
 
-    timed = {"quasar": 2.0, "fbgemm": 3.0, **({kernels.ONNXRUNTIME: ort_ms} if ort_ms else {})}
-    monkeypatch.setattr(kernels, "int8_probe", lambda: kernels.Int8Probe(timed))
-    probe = kernels.int8_probe()
-    assert probe.kernel == "quasar" and kernels.default_int8_kernel("cpu") == "quasar"
+    timed = {"quasar": 2.0, "fbgemm": 3.0, **({choice.ONNXRUNTIME: ort_ms} if ort_ms else {})}
+    monkeypatch.setattr(choice, "int8_probe", lambda: choice.Int8Probe(timed))
+    probe = choice.int8_probe()
+    assert probe.kernel == "quasar" and choice.default_int8_kernel("cpu") == "quasar"
     assert registry.cpu_runs_better(artifact=True) == (backend == "cpu")
     assert ("W8A8 artifacts run there" in probe.reason) == (backend == "onnxruntime")
 
 
 def test_onnx_runtime_is_timed_beside_the_kernels_where_it_is_exact(monkeypatch):
-    monkeypatch.setattr(kernels, "fbgemm_available", lambda: True)
-    monkeypatch.setattr(kernels, "vnni_available", lambda: False)
-    monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: False)
-    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: True)
-    monkeypatch.setattr(kernels, "onnxruntime_int8_exact", lambda: True)
-    assert kernels.int8_kernels_to_time() == ["quasar", "fbgemm", kernels.ONNXRUNTIME]
-    monkeypatch.setattr(kernels, "fbgemm_available", lambda: False)
-    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: False)
-    assert kernels.int8_kernels_to_time() == []  # nothing of the torch backend's to weigh it against
+    monkeypatch.setattr(linears, "fbgemm_available", lambda: True)
+    monkeypatch.setattr(linears, "vnni_available", lambda: False)
+    monkeypatch.setattr(linears, "onednn_int8_exact", lambda: False)
+    monkeypatch.setattr(linears, "quasar_int8_available", lambda: True)
+    monkeypatch.setattr(choice, "onnxruntime_int8_exact", lambda: True)
+    assert choice.int8_kernels_to_time() == ["quasar", "fbgemm", choice.ONNXRUNTIME]
+    monkeypatch.setattr(linears, "fbgemm_available", lambda: False)
+    monkeypatch.setattr(linears, "quasar_int8_available", lambda: False)
+    assert choice.int8_kernels_to_time() == []  # nothing of the torch backend's to weigh it against

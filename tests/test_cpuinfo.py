@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from quasar_deploy.cpuinfo import cgroup_cpu_limit, default_threads, prefer_passive_waits
+from quasar_deploy.cpu.machine import cgroup_cpu_limit, default_threads, prefer_passive_waits
 
 
 def test_cgroup_v2_and_v1_quotas(tmp_path):
@@ -30,12 +30,12 @@ def test_cgroup_v2_and_v1_quotas(tmp_path):
 def test_default_threads_never_exceeds_the_affinity_or_the_quota(monkeypatch):
     import os
 
-    import quasar_deploy.cpuinfo as cpuinfo
+    from quasar_deploy.cpu import machine
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
-    monkeypatch.setattr(cpuinfo, "cgroup_cpu_limit", lambda: 2.5)
+    monkeypatch.setattr(machine, "cgroup_cpu_limit", lambda: 2.5)
     assert default_threads() == 3
-    monkeypatch.setattr(cpuinfo, "cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(machine, "cgroup_cpu_limit", lambda: None)
     assert default_threads() == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
     assert default_threads() == 1

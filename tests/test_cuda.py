@@ -18,10 +18,9 @@ from quasar_deploy.backends.torch_backend import TorchCausalLM
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.scheme import per_token_scale, quantize_activation, quantize_weight, reference_linear
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
-from quasar_deploy.speculative.loop import speculate
 from quasar_deploy.speculative.ngram import NgramDrafter
 
-from .helpers import greedy
+from .helpers import greedy, speculate
 
 GPU = torch.device("cuda")
 QUANTIZER = {"cpu": "torch", "cuda": "triton"}

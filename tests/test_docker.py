@@ -514,13 +514,13 @@ def test_scripts_parse():
 def test_the_cpu_image_prebuilds_our_kernels_as_the_package_would():
     """The cpu image has no compiler: a build stage compiles every build of our C kernels with the modules' own commands
     (``native.compile_command``), and the image points ``$QUASAR_KERNELS`` at them."""
-    from quasar_deploy.backends import cpu_attention, cpu_half, cpu_int8, native
+    from quasar_deploy.cpu import decoder_ops, half_linear, int8_linear, native
 
     steps = instructions(DOCKERFILES["cpu"])
     builds = " ".join(args for name, args in steps[: len(steps) - len(final_stage(steps))] if name == "RUN")
-    wanted = [(f"cpu_attention-{width}", "cpu_attention.c", [f"-DW={width}", *flags]) for width, flags in cpu_attention.BUILDS.items()]
-    wanted += [(name, "cpu_int8.c", flags) for name, flags in cpu_int8.BUILDS.items()]
-    wanted.append((cpu_half.NAME, "cpu_half.c", cpu_half.FLAGS))
+    wanted = [(f"cpu_attention-{width}", "decoder_ops.c", [f"-DW={width}", *flags]) for width, flags in decoder_ops.BUILDS.items()]
+    wanted += [(name, "int8_linear.c", flags) for name, flags in int8_linear.BUILDS.items()]
+    wanted.append((half_linear.NAME, "half_linear.c", half_linear.FLAGS))
     for name, source, flags in wanted:
         command = " ".join(native.compile_command("cc", f"/src/{source}", f"/kernels/{name}.so", flags))
         assert command in builds, command

@@ -7,9 +7,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from quasar_deploy.api import load
 from quasar_deploy.cli import main
-from quasar_deploy.engine import WARM_UP_BLOCK, Detokenizer, Engine, StopStrings, load
+from quasar_deploy.engine import WARM_UP_BLOCK, Engine
 from quasar_deploy.errors import QuasarError
+from quasar_deploy.text import Detokenizer, StopStrings
 
 from .helpers import assert_one_line_error, copy_dir
 from .tiny import save_tiny

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from quasar_deploy.artifact import open_model_files, write_artifact
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.checkpoint import Checkpoint
 from quasar_deploy.memory import estimate
 from quasar_deploy.scheme import W8A8Scheme
 
 from .helpers import skip_without_bf16
-from .tiny import naive_w8a8_decoder, save_tiny
+from .tiny import naive_w8a8_decoder, save_tiny, write_artifact
 
 SCRIPT = r"""
 import gc, sys
@@ -81,12 +81,12 @@ def test_estimate_counts_what_the_cpu_backend_holds(tmp_path, monkeypatch, half_
     byte each."""
     import torch
 
-    from quasar_deploy.backends import cpu_half
+    from quasar_deploy.cpu import half_linear
 
-    if half_runs and cpu_half.why_not() is not None:
-        pytest.skip(cpu_half.why_not())
+    if half_runs and half_linear.why_not() is not None:
+        pytest.skip(half_linear.why_not())
     if not half_runs:
-        monkeypatch.setattr(cpu_half, "library", lambda: (None, "no C compiler (cc) on PATH"))
+        monkeypatch.setattr(half_linear, "library", lambda: (None, "no C compiler (cc) on PATH"))
     source = save_tiny(tmp_path / "bf16", dtype=torch.bfloat16)
     files = open_model_files(source)
     spec, shapes = files.spec, files.checkpoint.shapes
@@ -106,10 +106,10 @@ def test_a_tied_bf16_table_stays_bf16_and_its_head_packs_block_by_block(tmp_path
     import torch
 
     from quasar_deploy import model
-    from quasar_deploy.backends import cpu_half
-    from quasar_deploy.kernels import default_float_kernel, packs_weight
+    from quasar_deploy.cpu import half_linear
+    from quasar_deploy.cpu.linears import default_float_kernel, packs_weight
 
-    monkeypatch.setattr(cpu_half, "library", lambda: (None, "no C compiler (cc) on PATH"))
+    monkeypatch.setattr(half_linear, "library", lambda: (None, "no C compiler (cc) on PATH"))
     source = save_tiny(tmp_path / "tied", dtype=torch.bfloat16, tie_word_embeddings=True)
     files = open_model_files(source)
     decoder = model.Decoder(files.spec, files.checkpoint)
@@ -142,10 +142,10 @@ def test_a_tied_bf16_head_on_quasar_half_is_read_as_stored(tmp_path):
     import torch
 
     from quasar_deploy import model
-    from quasar_deploy.backends import cpu_half
+    from quasar_deploy.cpu import half_linear
 
-    if cpu_half.why_not() is not None:
-        pytest.skip(cpu_half.why_not())
+    if half_linear.why_not() is not None:
+        pytest.skip(half_linear.why_not())
     source = save_tiny(tmp_path / "tied", dtype=torch.bfloat16, tie_word_embeddings=True)
     files = open_model_files(source)
     decoder = model.Decoder(files.spec, files.checkpoint)

@@ -19,10 +19,11 @@ from click.testing import CliRunner
 
 import quasar_deploy.speculative.cascade as cascade
 import quasar_deploy.speculative.loop as loop
+from quasar_deploy.api import load
 from quasar_deploy.cli import main
-from quasar_deploy.engine import GenerationOptions, load
+from quasar_deploy.engine import GenerationOptions
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.exact import ExactEngine
+from quasar_deploy.exact_mode import ExactEngine
 from quasar_deploy.serve.app import ServeConfig, create_app
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, Verdict
 from quasar_deploy.speculative.cascade import CascadeDrafter, CascadeStats, RoundPolicy, StepCost, expected_tokens

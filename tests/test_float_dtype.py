@@ -12,16 +12,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from quasar_deploy import doctor, kernels
+from quasar_deploy import doctor
 from quasar_deploy.backends.torch_backend import load_cpu
 from quasar_deploy.cli import main
+from quasar_deploy.cpu import choice, linears
+from quasar_deploy.cpu.linears import FloatProbe, default_float_dtype
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.kernels import FloatProbe, default_float_dtype
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
-from quasar_deploy.speculative.loop import speculate
 from quasar_deploy.speculative.ngram import NgramDrafter
 
-from .helpers import greedy, skip_without_bf16
+from .helpers import greedy, skip_without_bf16, speculate
 
 PROMPT = [7, 100, 7, 100, 7, 55, 9, 7, 100, 7]
 # bf16 keeps 8 significant bits: each rounding is within 2^-9 relative. Over the tiny models' 2 layers the logits of
@@ -32,14 +32,14 @@ BF16_LOGIT_RTOL = 0.05
 
 @pytest.fixture(autouse=True)
 def fresh_probe():
-    kernels.float_probe.cache_clear()
+    linears.float_probe.cache_clear()
     yield
-    kernels.float_probe.cache_clear()
+    linears.float_probe.cache_clear()
 
 
 def probe_says(monkeypatch, probe: FloatProbe) -> None:
-    monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
-    monkeypatch.setattr(kernels, "float_probe", lambda: probe)
+    monkeypatch.delenv(linears.FLOAT_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(linears, "float_probe", lambda: probe)
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_the_probe_decides_the_cpu_float_dtype(monkeypatch, probe, expected):
 def test_a_named_dtype_or_the_environment_overrides_the_probe(monkeypatch):
     probe_says(monkeypatch, FloatProbe(4.0, 1.5, 256))
     assert default_float_dtype("cpu", "float32") == torch.float32
-    monkeypatch.setenv(kernels.FLOAT_DTYPE_ENV, "float32")
+    monkeypatch.setenv(linears.FLOAT_DTYPE_ENV, "float32")
     assert default_float_dtype("cpu") == torch.float32
     with pytest.raises(QuasarError, match="unknown float dtype 'fp8'"):
         default_float_dtype("cpu", "fp8")
@@ -73,24 +73,24 @@ BF16_REFUSAL = "mkldnn_reorder_linear_weight: bf16 path needs the cpu support av
 
 def refuse_bf16_packing(monkeypatch) -> None:
     """oneDNN as torch gives it on a CPU without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: packing a bf16 weight raises."""
-    real = kernels._onednn_linear
+    real = linears._onednn_linear
 
     def packing(weight, bias, most_rows=None):
         if weight.dtype == torch.bfloat16:
             raise RuntimeError(BF16_REFUSAL + "\n(torch's trace)")
         return real(weight, bias, most_rows)
 
-    monkeypatch.setattr(kernels, "_onednn_linear", packing)
+    monkeypatch.setattr(linears, "_onednn_linear", packing)
 
 
 def test_a_cpu_whose_onednn_refuses_bf16_computes_float32_and_says_why(monkeypatch):
     """An AVX2-only CPU: torch refuses oneDNN's bf16 linear there. The probe must not fail with it (every float path
     asks it); it times float32 alone and reports the refusal's first line."""
-    if not kernels.onednn_available():
+    if not linears.onednn_available():
         pytest.skip("the refusal is oneDNN's; this torch has no oneDNN")
-    monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
+    monkeypatch.delenv(linears.FLOAT_DTYPE_ENV, raising=False)
     refuse_bf16_packing(monkeypatch)
-    probe = kernels.float_probe()
+    probe = linears.float_probe()
     assert probe.dtype == torch.float32 and default_float_dtype("cpu") == torch.float32
     assert probe.float32_ms > 0 and probe.bfloat16_ms is None and probe.bf16_missing == BF16_REFUSAL
     assert probe.reason == f"no bf16 linear here: {BF16_REFUSAL}" and probe.rows_text is None
@@ -98,7 +98,7 @@ def test_a_cpu_whose_onednn_refuses_bf16_computes_float32_and_says_why(monkeypat
     assert default_float_dtype("cpu", "float32") == torch.float32
     with pytest.raises(QuasarError, match=r"^bfloat16 cannot compute on this CPU \(mkldnn_reorder.*avx512dq\): use float32$"):
         default_float_dtype("cpu", "bfloat16")
-    monkeypatch.setenv(kernels.FLOAT_DTYPE_ENV, "bfloat16")
+    monkeypatch.setenv(linears.FLOAT_DTYPE_ENV, "bfloat16")
     with pytest.raises(QuasarError, match="^bfloat16 cannot compute on this CPU"):
         default_float_dtype("cpu")
 
@@ -127,24 +127,24 @@ def test_the_probe_finds_the_row_count_where_a_kernel_changes_its_rounding():
 
         return linear
 
-    x = torch.randn(kernels.BF16_ROW_COUNTS[-1], 8)
-    assert kernels._bf16_invariant_rows(rounding_from(33), x) == 32
-    assert kernels._bf16_invariant_rows(rounding_from(10**6), x) == kernels.BF16_ROW_COUNTS[-1]
-    assert kernels._bf16_invariant_rows(rounding_from(2), x) == 1
+    x = torch.randn(linears.BF16_ROW_COUNTS[-1], 8)
+    assert linears._bf16_invariant_rows(rounding_from(33), x) == 32
+    assert linears._bf16_invariant_rows(rounding_from(10**6), x) == linears.BF16_ROW_COUNTS[-1]
+    assert linears._bf16_invariant_rows(rounding_from(2), x) == 1
     assert "larger calls are split" in FloatProbe(4.0, 1.5, 32).rows_text
     assert "every count checked" in FloatProbe(4.0, 1.5, 256).rows_text
 
 
 @pytest.mark.parametrize("most_rows", [1, 5, 32])
 def test_a_bf16_linear_splits_its_calls_at_the_probes_row_count(monkeypatch, most_rows):
-    if not kernels.onednn_available():
+    if not linears.onednn_available():
         pytest.skip("the split lives in oneDNN's packed linear; this torch has no oneDNN")
     skip_without_bf16()
     probe_says(monkeypatch, FloatProbe(4.0, 1.5, most_rows))
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or real(x, *a), raising=False)
-    linear = kernels.float_linear(torch.randn(16, 8).bfloat16(), None, "onednn")
+    linear = linears.float_linear(torch.randn(16, 8).bfloat16(), None, "onednn")
     x = torch.randn(70, 8).bfloat16()
     y = linear(x)
     assert y.shape == (70, 16) and max(calls) <= max(most_rows, 2)  # a single row goes as two (oneDNN's M = 1 path)
@@ -153,15 +153,15 @@ def test_a_bf16_linear_splits_its_calls_at_the_probes_row_count(monkeypatch, mos
 
 def test_the_real_probe_measures_both_dtypes_and_bf16_rows_are_their_own_at_every_count():
     """What every CPU guarantees after the probe: whatever count a bf16 call takes, each row gets its bits alone."""
-    probe = kernels.float_probe()
-    if not kernels.onednn_available():
+    probe = linears.float_probe()
+    if not linears.onednn_available():
         pytest.skip("no oneDNN in this torch: the product computes float32 with torch's kernel")
     if probe.bf16_missing:
         pytest.skip(f"oneDNN has no bf16 linear on this CPU ({probe.bf16_missing}): the product computes float32")
     assert probe.float32_ms > 0 and probe.bfloat16_ms > 0 and probe.bf16_invariant_rows >= 1
     assert probe.dtype in (torch.float32, torch.bfloat16)
     torch.manual_seed(0)
-    linear = kernels.float_linear(torch.randn(512, 2048).bfloat16(), None, "onednn")
+    linear = linears.float_linear(torch.randn(512, 2048).bfloat16(), None, "onednn")
     x = torch.randn(300, 2048).bfloat16()
     alone = torch.cat([linear(row) for row in x.split(1)])
     for count in (2, 6, 32, 33, 48, 64, 256, 300):
@@ -185,13 +185,13 @@ def test_the_int8_probe_tells_a_saturating_kernel_from_an_exact_one():
     def failing(wq, w_scale):
         raise RuntimeError("no kernel for this CPU")
 
-    assert not kernels._sums_exactly(saturating)
-    assert not kernels._sums_exactly(failing)
-    assert kernels._sums_exactly(lambda wq, w_scale: kernels._reference(wq, w_scale, None, None))
+    assert not linears._sums_exactly(saturating)
+    assert not linears._sums_exactly(failing)
+    assert linears._sums_exactly(lambda wq, w_scale: linears._reference(wq, w_scale, None, None))
 
 
 def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
-    monkeypatch.setattr(kernels, "fbgemm_available", lambda: True)
+    monkeypatch.setattr(linears, "fbgemm_available", lambda: True)
     for timed, chosen in (
         ({"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, "onednn-vnni"),
         ({"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, "fbgemm-vnni"),
@@ -200,28 +200,28 @@ def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
         ({"quasar": 1.0, "fbgemm": 2.0}, "quasar"),
         ({}, "reference"),  # no FBGEMM and no build of ours
     ):
-        monkeypatch.setattr(kernels, "int8_probe", lambda timed=timed: kernels.Int8Probe(timed))
-        assert kernels.default_int8_kernel("cpu") == chosen
-        assert kernels.default_int8_kernel("cuda") == "reference"
-    assert "onednn-vnni 1.00 ms" in kernels.Int8Probe({"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}).reason
-    assert "but the reference" in kernels.Int8Probe({}).reason
-    monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+        monkeypatch.setattr(choice, "int8_probe", lambda timed=timed: choice.Int8Probe(timed))
+        assert choice.default_int8_kernel("cpu") == chosen
+        assert choice.default_int8_kernel("cuda") == "reference"
+    assert "onednn-vnni 1.00 ms" in choice.Int8Probe({"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}).reason
+    assert "but the reference" in choice.Int8Probe({}).reason
+    monkeypatch.setattr(linears, "vnni_available", lambda: False)
     with pytest.raises(QuasarError, match="fbgemm-vnni kernel needs"):
-        kernels.check_int8_kernel("fbgemm-vnni")
+        linears.check_int8_kernel("fbgemm-vnni")
 
 
 @pytest.mark.parametrize("fbgemm, onednn, ours", [(True, False, False), (False, True, False), (False, False, True), (False, False, False)])
 def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgemm, onednn, ours):
-    monkeypatch.setattr(kernels, "fbgemm_available", lambda: fbgemm)  # without it, no split kernel to time either
-    monkeypatch.setattr(kernels, "vnni_available", lambda: fbgemm)
-    monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: onednn)
-    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: ours)
-    monkeypatch.setattr(kernels, "onnxruntime_int8_exact", lambda: False)  # ORT beside them: tests/test_cpu_int8.py
-    kernels.int8_probe.cache_clear()
+    monkeypatch.setattr(linears, "fbgemm_available", lambda: fbgemm)  # without it, no split kernel to time either
+    monkeypatch.setattr(linears, "vnni_available", lambda: fbgemm)
+    monkeypatch.setattr(linears, "onednn_int8_exact", lambda: onednn)
+    monkeypatch.setattr(linears, "quasar_int8_available", lambda: ours)
+    monkeypatch.setattr(choice, "onnxruntime_int8_exact", lambda: False)  # ORT beside them: tests/test_cpu_int8.py
+    choice.int8_probe.cache_clear()
     try:
-        probe = kernels.int8_probe()
+        probe = choice.int8_probe()
     finally:
-        kernels.int8_probe.cache_clear()  # the next caller probes this CPU itself
+        choice.int8_probe.cache_clear()  # the next caller probes this CPU itself
     expected = [name for name, exact in (("fbgemm-vnni", fbgemm), ("onednn-vnni", onednn), ("quasar", ours)) if exact]
     assert list(probe.ms) == expected and all(ms == 0.0 for ms in probe.ms.values())
 
@@ -266,7 +266,7 @@ def test_a_head_in_another_dtype_converts_its_input():
     skip_without_bf16()
     weight = torch.randn(64, 32)
     head = Linear(weight.bfloat16(), dtype=torch.bfloat16)
-    head.prepare("onednn" if kernels.onednn_available() else "torch")
+    head.prepare("onednn" if linears.onednn_available() else "torch")
     x = torch.randn(3, 32)
     y = head(x)
     assert y.dtype == torch.float32

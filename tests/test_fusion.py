@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from quasar_deploy.artifact import open_model_files
-from quasar_deploy.kernels import default_float_kernel, default_int8_kernel
+from quasar_deploy.cpu.choice import default_int8_kernel
+from quasar_deploy.cpu.linears import default_float_kernel
 from quasar_deploy.scheme import quantize_weight
 
 from .tiny import save_tiny

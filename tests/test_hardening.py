@@ -134,7 +134,7 @@ PROMPTS = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(sel
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3):
-    from quasar_deploy.engine import load
+    from quasar_deploy.api import load
 
     return load(tiny_qwen3, backend="cpu")
 

@@ -15,8 +15,8 @@ from quasar_deploy import calibrate, load
 from quasar_deploy.artifact import open_model_files
 from quasar_deploy.calibration import CalibrationRecipe
 from quasar_deploy.cli import main
+from quasar_deploy.cpu.choice import default_int8_kernel
 from quasar_deploy.errors import QuasarError
-from quasar_deploy.kernels import default_int8_kernel
 from quasar_deploy.memory import estimate
 from quasar_deploy.scheme import QMAX, quantize_weight, reference_linear
 
@@ -159,9 +159,8 @@ def test_onnx_export_runs_the_head_as_the_cpu_backend_does(tiny_int8_head_artifa
 
     from quasar_deploy.backends.torch_backend import load_cpu
     from quasar_deploy.exporters import export
-    from quasar_deploy.exporters.onnx_graph import decoder_graph
 
-    from .helpers import ort_session, run_full
+    from .helpers import decoder_graph, ort_session, run_full
 
     files = tiny_int8_head_artifact if form == "integer" else static_head
     out = export(files.path, "onnx", tmp_path / "onnx", linear_format=form)

@@ -12,7 +12,8 @@ pytest.importorskip("onnxruntime")
 
 from quasar_deploy.artifact import open_model_files  # noqa: E402
 from quasar_deploy.backends import BACKENDS, create_backend  # noqa: E402
-from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx, unavailable  # noqa: E402
+from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx  # noqa: E402
+from quasar_deploy.backends.ort_session import unavailable  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
 
@@ -70,7 +71,7 @@ def test_verify_after_truncate_matches_torch(artifact_and_onnx):
 
 def test_speculative_engine_on_onnxruntime_matches_cpu(artifact_and_onnx):
     """The n-gram speculative loop (verify blocks, rollbacks) gives the cpu backend's tokens."""
-    from quasar_deploy.engine import load
+    from quasar_deploy.api import load
 
     artifact, out = artifact_and_onnx
     prompt = "the cat sat on the mat. the cat sat on the"
@@ -160,7 +161,8 @@ def test_cli_export(artifact_and_onnx, tmp_path):
 
 @pytest.mark.parametrize(("policy", "spinning"), [(None, "1"), ("PASSIVE", "0"), ("active", "1")])
 def test_ort_threads_spin_unless_openmp_waits_are_passive(tiny_onnx, monkeypatch, policy, spinning):
-    from quasar_deploy.backends.onnxruntime import SPINNING_OPTION, load_onnx
+    from quasar_deploy.backends.onnxruntime import load_onnx
+    from quasar_deploy.backends.ort_session import SPINNING_OPTION
 
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -172,7 +174,7 @@ def test_ort_threads_spin_unless_openmp_waits_are_passive(tiny_onnx, monkeypatch
 
 def test_int8_options_are_the_fastest_exact_ones(monkeypatch):
     """No option where u8 x s8 is exact as is (VNNI); the u8 x u8 re-encoding where only it is; an error where neither."""
-    from quasar_deploy.backends import onnxruntime as backend
+    from quasar_deploy.backends import ort_session as backend
 
     def probe_with(exact_under):
         backend.exact_int8_entries.cache_clear()
@@ -190,8 +192,8 @@ def test_int8_options_are_the_fastest_exact_ones(monkeypatch):
 
 def test_int8_probe_agrees_with_this_cpu():
     """The precise option always gives exact sums; without it the probe's verdict matches whether this CPU has VNNI."""
-    from quasar_deploy.backends import onnxruntime as backend
-    from quasar_deploy.cpuinfo import cpu_flags
+    from quasar_deploy.backends import ort_session as backend
+    from quasar_deploy.cpu.machine import cpu_flags
 
     assert backend._int8_matmul_exact((backend.PRECISE_INT8_OPTION,))
     if "avx512_vnni" in cpu_flags():
@@ -202,7 +204,8 @@ def test_decoder_sessions_plan_no_memory_per_shape(tiny_onnx, tiny_artifact):
     """ORT's memory pattern traces every new set of input shapes on its first run: a decoder meets a new past length at
     every step, so the first generation after load paid a trace per step that later ones of the same lengths did not."""
     from quasar_deploy.backends.onnx_layered import load_layered
-    from quasar_deploy.backends.onnxruntime import load_onnx, session_options
+    from quasar_deploy.backends.onnxruntime import load_onnx
+    from quasar_deploy.backends.ort_session import session_options
 
     assert not load_onnx(tiny_onnx).session.get_session_options().enable_mem_pattern
     layered = load_layered(tiny_artifact, threads=1, progress=False).model

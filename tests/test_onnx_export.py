@@ -162,9 +162,9 @@ def test_demo_model_w8a8_graph_is_torchs_on_the_same_codes(tmp_path, monkeypatch
     ort_logits, *ort_codes = session(model).run(["logits", *names], feed)
     ort_codes = [torch.from_numpy(c.astype(np.float32) - 128).reshape(-1, c.shape[-1]) for c in ort_codes]
 
-    from quasar_deploy import kernels
+    from quasar_deploy.cpu import linears
 
-    own = kernels.quantize_activation
+    own = linears.quantize_activation
     flips = []
 
     def ort_code(x, scale):
@@ -176,7 +176,7 @@ def test_demo_model_w8a8_graph_is_torchs_on_the_same_codes(tmp_path, monkeypatch
         flips.append(int(differ.sum()))
         return theirs
 
-    monkeypatch.setattr(kernels, "quantize_activation", ort_code)
+    monkeypatch.setattr(linears, "quantize_activation", ort_code)
     fed = load_cpu(artifact, int8_kernel="reference").verify(ids)
     assert len(flips) == len(ort_codes) == 4 * spec.num_layers
     assert (torch.from_numpy(ort_logits[0]) - fed).abs().max() < LOGIT_ATOL
@@ -223,7 +223,7 @@ def test_streamed_export_equals_the_in_memory_graph(tmp_path, tied):
     very initializers and nodes of the graph built from the whole decoder in memory."""
     from onnx import numpy_helper
 
-    from quasar_deploy.exporters.onnx_graph import decoder_graph
+    from .helpers import decoder_graph
 
     source = save_tiny(tmp_path / "src", dtype=torch.bfloat16, max_shard_size=200_000, tie_word_embeddings=tied)
     artifact = quasar_deploy.calibrate(source, tmp_path / "w8a8", progress=False, num_samples=4, seq_len=32).path

@@ -13,16 +13,19 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 import quasar_deploy  # noqa: E402
-from quasar_deploy import cache, kernels  # noqa: E402
-from quasar_deploy.backends import registry  # noqa: E402
+from quasar_deploy.backends import onnx_export_cache, registry  # noqa: E402
 from quasar_deploy.backends.onnxruntime import load_onnx  # noqa: E402
+from quasar_deploy.cpu import choice, linears  # noqa: E402
+from quasar_deploy.cpu.linears import FloatProbe  # noqa: E402
 from quasar_deploy.exporters import ONNX_HEAD_FILE, ONNX_HIDDEN_OUTPUT, export  # noqa: E402
-from quasar_deploy.kernels import FloatProbe  # noqa: E402
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams  # noqa: E402
-from quasar_deploy.speculative.loop import speculate  # noqa: E402
 from quasar_deploy.speculative.ngram import NgramDrafter  # noqa: E402
 
-from .helpers import FAST_CALIBRATION, greedy  # noqa: E402
+from .helpers import (  # noqa: E402
+    FAST_CALIBRATION,
+    greedy,
+    speculate,  # noqa: E402
+)
 from .helpers import ONNX_PROMPT as PROMPT  # noqa: E402
 from .tiny import save_tiny  # noqa: E402
 
@@ -93,13 +96,13 @@ def test_an_int8_head_stays_in_the_graph(tiny_int8_head_artifact, tmp_path):
 
 
 def test_auto_leaves_the_head_outside_where_the_cpu_computes_bf16(tiny_artifact, tiny_qwen3, monkeypatch):
-    monkeypatch.delenv(kernels.FLOAT_DTYPE_ENV, raising=False)
-    monkeypatch.setattr(kernels, "float_probe", lambda: FloatProbe(4.0, 1.5, 256))  # a bf16 CPU
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # whose int8 probe picks a library kernel
-    assert cache.head_outside(tiny_artifact.path) and not cache.head_outside(tiny_qwen3)
-    outside = cache.onnx_export_path(tiny_artifact.path)
+    monkeypatch.delenv(linears.FLOAT_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(linears, "float_probe", lambda: FloatProbe(4.0, 1.5, 256))  # a bf16 CPU
+    monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # whose int8 probe picks a library kernel
+    assert onnx_export_cache.head_outside(tiny_artifact.path) and not onnx_export_cache.head_outside(tiny_qwen3)
+    outside = onnx_export_cache.onnx_export_path(tiny_artifact.path)
     assert registry.auto_backend(tiny_qwen3) == "cpu"  # a float checkpoint: bf16 on torch beats float32 on ORT
     assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
-    monkeypatch.setattr(kernels, "float_probe", lambda: FloatProbe(4.0, 20.0, 256))  # bf16 emulated
-    assert not cache.head_outside(tiny_artifact.path) and cache.onnx_export_path(tiny_artifact.path) != outside
+    monkeypatch.setattr(linears, "float_probe", lambda: FloatProbe(4.0, 20.0, 256))  # bf16 emulated
+    assert not onnx_export_cache.head_outside(tiny_artifact.path) and onnx_export_cache.onnx_export_path(tiny_artifact.path) != outside
     assert registry.auto_backend(tiny_qwen3) == "onnxruntime"

@@ -8,11 +8,11 @@ import torch
 
 pytest.importorskip("onnxruntime")
 
-from quasar_deploy.backends import cpu_attention  # noqa: E402
+from quasar_deploy.api import load  # noqa: E402
 from quasar_deploy.backends.onnx_layered import ROTARY_CHUNK, LayeredOnnxLM, RotaryTable  # noqa: E402
 from quasar_deploy.backends.onnxruntime import load_onnx  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
-from quasar_deploy.engine import load  # noqa: E402
+from quasar_deploy.cpu import decoder_ops  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
 from quasar_deploy.model import rotary  # noqa: E402
 from quasar_deploy.speculative.causal_lm import BatchVerifyingLM, LayerSkippingLM  # noqa: E402
@@ -25,11 +25,11 @@ NEEDS = ("layer_skip",)
 def layered(request, tiny_artifact) -> LayeredOnnxLM:
     """The layer graphs with each attention they may run: the C kernel (where this machine builds and runs it) and ORT's
     GroupQueryAttention (where it does not)."""
-    if request.param == "kernel" and cpu_attention.load() is None:
-        pytest.skip(f"the C attention kernel does not run here: {cpu_attention.why_not()}")
+    if request.param == "kernel" and decoder_ops.load() is None:
+        pytest.skip(f"the C attention kernel does not run here: {decoder_ops.why_not()}")
     with pytest.MonkeyPatch.context() as patch:
         if request.param != "kernel":
-            patch.setattr(cpu_attention, "load", lambda dim=None: None)
+            patch.setattr(decoder_ops, "load", lambda dim=None: None)
         lm = load_onnx(tiny_artifact.path, threads=2, needs=NEEDS)
     assert (lm.model.kernel is not None) == (request.param == "kernel")
     return lm

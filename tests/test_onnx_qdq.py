@@ -103,7 +103,7 @@ def test_a_manifest_format_that_does_not_fit_the_graph_is_refused(qdq_onnx, tmp_
 
 
 def test_greedy_ngram_equals_its_own_autoregressive_decode(qdq_onnx):
-    from quasar_deploy.engine import load
+    from quasar_deploy.api import load
 
     engine = load(qdq_onnx, backend="onnxruntime", threads=1)
     prompt = "the cat sat on the mat. the cat sat on the"

@@ -29,7 +29,7 @@ pytest.importorskip("onnxruntime")
 from onnx import helper  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-from quasar_deploy.backends.onnxruntime import PRECISE_INT8_OPTION, exact_int8_entries, int8_probe  # noqa: E402
+from quasar_deploy.backends.ort_session import PRECISE_INT8_OPTION, exact_int8_entries, int8_probe  # noqa: E402
 from quasar_deploy.exporters import export, onnx_layers  # noqa: E402
 from quasar_deploy.exporters.onnx_versions import IR_VERSIONS, OPSETS  # noqa: E402
 from quasar_deploy.model import DecoderLayer, RMSNorm, load_linear, tensor_loader  # noqa: E402

@@ -4,8 +4,8 @@ import threading
 
 import torch
 
-from quasar_deploy import openmp
-from quasar_deploy.engine import load
+from quasar_deploy.api import load
+from quasar_deploy.cpu import threads
 from quasar_deploy.serve import scheduler as scheduler_module
 
 
@@ -13,7 +13,7 @@ def test_release_openmp_pool_frees_the_callers_pool_and_torch_still_computes():
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
     before = x @ w.T  # runs a parallel region in this thread: its pool exists
-    assert openmp.release_openmp_pool()  # torch's CPU wheels ship an OpenMP 5 runtime (omp_pause_resource_all)
+    assert threads.release_openmp_pool()  # torch's CPU wheels ship an OpenMP 5 runtime (omp_pause_resource_all)
     assert torch.equal(x @ w.T, before)  # the pool is rebuilt on demand, the result unchanged
 
 
@@ -22,7 +22,7 @@ def test_release_from_another_thread_leaves_this_threads_work_correct():
     x = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
     expected = x @ w.T
     results = []
-    thread = threading.Thread(target=lambda: results.append((openmp.release_openmp_pool(), x @ w.T)))
+    thread = threading.Thread(target=lambda: results.append((threads.release_openmp_pool(), x @ w.T)))
     thread.start()
     thread.join()
     assert results[0][0] and torch.equal(results[0][1], expected)

@@ -11,11 +11,11 @@ import torch
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
 from quasar_deploy.speculative.drafters import NoDrafter
-from quasar_deploy.speculative.loop import LoopStats, speculate
+from quasar_deploy.speculative.loop import LoopStats
 from quasar_deploy.speculative.output_cache import OutputCache
 from quasar_deploy.speculative.suffix import SuffixDrafter
 
-from .helpers import MarkovLM
+from .helpers import MarkovLM, speculate
 
 GREEDY = Sampler(SamplingParams())
 
@@ -86,7 +86,7 @@ def test_a_server_keeps_outputs_only_when_asked(tiny_qwen3):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from quasar_deploy.engine import load
+    from quasar_deploy.api import load
     from quasar_deploy.serve.app import ServeConfig, create_app
 
     body = {"model": "tiny", "prompt": "def fib(n):", "max_tokens": 8, "temperature": 0, "draft": "suffix"}

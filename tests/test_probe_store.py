@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from quasar_deploy import kernels
-from quasar_deploy.probe_store import REPROBE_ENV
+from quasar_deploy.cpu import choice, linears
+from quasar_deploy.cpu.choice import REPROBE_ENV
 
 
 @pytest.fixture
@@ -19,21 +19,21 @@ def two_exact_kernels(monkeypatch, tmp_path):
     """A cache of the test's own, two exact 32-bit kernels, and timings handed out in turn instead of measured."""
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.delenv(REPROBE_ENV, raising=False)
-    monkeypatch.setattr(kernels, "vnni_available", lambda: True)
-    monkeypatch.setattr(kernels, "onednn_int8_exact", lambda: True)
-    monkeypatch.setattr(kernels, "quasar_int8_available", lambda: False)
-    monkeypatch.setattr(kernels, "onnxruntime_int8_exact", lambda: False)
+    monkeypatch.setattr(linears, "vnni_available", lambda: True)
+    monkeypatch.setattr(linears, "onednn_int8_exact", lambda: True)
+    monkeypatch.setattr(linears, "quasar_int8_available", lambda: False)
+    monkeypatch.setattr(choice, "onnxruntime_int8_exact", lambda: False)
     timings = [{"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, {"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, {"fbgemm-vnni": 3.0, "onednn-vnni": 1.0}]
-    monkeypatch.setattr(kernels, "_time_int8_kernels", lambda names: timings.pop(0))
-    kernels.int8_probe.cache_clear()
+    monkeypatch.setattr(choice, "_time_int8_kernels", lambda names: timings.pop(0))
+    choice.int8_probe.cache_clear()
     yield tmp_path / "kernels"
-    kernels.int8_probe.cache_clear()  # the next caller probes this CPU itself
+    choice.int8_probe.cache_clear()  # the next caller probes this CPU itself
 
 
-def probe_anew() -> kernels.Int8Probe:
+def probe_anew() -> choice.Int8Probe:
     """``int8_probe`` as a new process calls it."""
-    kernels.int8_probe.cache_clear()
-    return kernels.int8_probe()
+    choice.int8_probe.cache_clear()
+    return choice.int8_probe()
 
 
 def test_an_int8_timing_is_kept_and_reused_until_reprobe_is_asked(two_exact_kernels, monkeypatch):
@@ -66,7 +66,7 @@ def test_an_unwritable_cache_still_probes(two_exact_kernels, monkeypatch, tmp_pa
 def test_two_processes_on_this_machine_make_the_same_pick(tmp_path):
     """The real probe, in two processes sharing a cache: the second reads the first's timing (on every kind: with one
     exact kernel or none nothing is timed, and both report the same)."""
-    code = "import json; from quasar_deploy.kernels import int8_probe as p; print(json.dumps(p().ms))"
+    code = "import json; from quasar_deploy.cpu.choice import int8_probe as p; print(json.dumps(p().ms))"
     env = {**{k: v for k, v in os.environ.items() if k != REPROBE_ENV}, "QUASAR_CACHE": str(tmp_path)}
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env) for _ in range(2)]
     assert runs[0].stdout == runs[1].stdout

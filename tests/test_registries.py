@@ -96,12 +96,12 @@ def test_only_backends_that_can_skip_layers_are_layer_skipping(tiny_qwen3):
 
 
 def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tiny_artifact, tiny_onnx, tmp_path, monkeypatch):
-    from quasar_deploy import kernels
+    from quasar_deploy.api import load
     from quasar_deploy.backends.registry import auto_backend, auto_choice
-    from quasar_deploy.engine import load
+    from quasar_deploy.cpu import choice
 
     pytest.importorskip("onnxruntime")
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # a CPU whose int8 probe picks a library kernel
+    monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # a CPU whose int8 probe picks a library kernel
     # no GPU here, onnxruntime installed: the exact integer graph, exported to the cache on first use (test_backend_choice.py)
     assert auto_backend(tiny_qwen3) == auto_backend(tiny_artifact.path) == auto_choice(True) == auto_choice(False) == "onnxruntime"
     # skipping layers: ONNX Runtime's layer graphs of a W8A8 artifact; a float checkpoint has none, so our torch decoder
@@ -117,7 +117,7 @@ def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tiny_artifact
 
 
 def test_an_explicit_backend_wins_over_auto(tiny_artifact):
-    from quasar_deploy.engine import load
+    from quasar_deploy.api import load
 
     assert load(tiny_artifact.path, backend="cpu", int8_kernel="reference").lm.description.startswith("cpu W8A8")
     assert load(tiny_artifact.path, int8_kernel="reference").backend == "cpu"  # auto: the backend that takes the option
@@ -145,7 +145,7 @@ def _export_dir(tmp_path, target, marker=None):
     ],
 )
 def test_exports_are_routed_or_refused_in_one_line(tmp_path, target, marker, message):
-    from quasar_deploy.engine import load
+    from quasar_deploy.api import load
 
     pytest.importorskip("onnxruntime")
     with pytest.raises(QuasarError, match=message) as error:
@@ -171,11 +171,11 @@ def test_a_corrupted_export_manifest_is_one_line(tmp_path):
 def test_generate_runs_an_onnx_export_without_backend_and_names_the_backend(tiny_onnx, tiny_artifact, monkeypatch):
     from click.testing import CliRunner
 
-    from quasar_deploy import kernels
     from quasar_deploy.cli import main
+    from quasar_deploy.cpu import choice
 
     pytest.importorskip("onnxruntime")
-    monkeypatch.setattr(kernels, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # a CPU whose int8 probe picks a library kernel
+    monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # a CPU whose int8 probe picks a library kernel
     for path, options, backend in (
         (tiny_onnx, [], "backend: onnxruntime CPUExecutionProvider (W8A8 integer graph)"),
         (tiny_artifact.path, [], "backend: onnxruntime CPUExecutionProvider (W8A8 integer graph)"),

@@ -1,4 +1,4 @@
-"""The C kernel's row-wise ops in the torch decoder (``cpu_attention.TorchRows``, ``Decoder.row_kernel``): RMSNorm and
+"""The C kernel's row-wise ops in the torch decoder (``decoder_ops.TorchRows``, ``Decoder.row_kernel``): RMSNorm and
 the SiLU gate against torch's, in float32 and bf16, for every build that runs here (AVX-512 and AVX2 on a CPU with
 both); a row's bits whatever its company and however the rows are shared between threads; bound and unbound with the
 attention kernel."""
@@ -9,18 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quasar_deploy.backends import cpu_attention
 from quasar_deploy.backends.torch_backend import load_cpu
+from quasar_deploy.cpu import decoder_ops
 from quasar_deploy.model import RMSNorm
 
 from .test_cpu_attention import kernel  # noqa: F401  (the fixture: each build that runs here)
 
-needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="no build of the C kernel runs on this CPU (doctor says why)")
+needs_kernel = pytest.mark.skipif(decoder_ops.load() is None, reason="no build of the C kernel runs on this CPU (doctor says why)")
 
 
 @pytest.fixture
-def rows(kernel) -> cpu_attention.TorchRows:  # noqa: F811
-    return cpu_attention.TorchRows(kernel, torch.get_num_threads())
+def rows(kernel) -> decoder_ops.TorchRows:  # noqa: F811
+    return decoder_ops.TorchRows(kernel, torch.get_num_threads())
 
 
 def random_rows(rows: int, width: int, seed: int = 0) -> torch.Tensor:
@@ -72,7 +72,7 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(rows, monkeypat
     x = random_rows(48, 256, seed=3)
     norm = RMSNorm(torch.rand(256) + 0.5, 1e-6)
     together = rows.rms_norm(x, norm), rows.silu_gate(torch.cat([x, x.flip(0)], dim=-1))
-    monkeypatch.setattr(cpu_attention, "ROW_SHARE_FLOATS", 1)  # every call shared, whatever its size
+    monkeypatch.setattr(decoder_ops, "ROW_SHARE_FLOATS", 1)  # every call shared, whatever its size
     shared = rows.rms_norm(x, norm), rows.silu_gate(torch.cat([x, x.flip(0)], dim=-1))
     for all_rows, shared_rows in zip(together, shared):
         assert torch.equal(all_rows, shared_rows)
@@ -83,11 +83,11 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(rows, monkeypat
 
 @needs_kernel
 def test_the_row_ops_are_bound_with_the_attention_kernel(tiny_qwen3):
-    assert isinstance(load_cpu(tiny_qwen3).decoder.row_kernel, cpu_attention.TorchRows)
+    assert isinstance(load_cpu(tiny_qwen3).decoder.row_kernel, decoder_ops.TorchRows)
     assert load_cpu(tiny_qwen3, attention="torch").decoder.row_kernel is None
 
 
 def test_without_a_kernel_the_decoder_keeps_torchs_ops(tiny_qwen3, monkeypatch):
-    monkeypatch.setattr(cpu_attention, "load", lambda dim=None: None)  # a CPU no build runs on, or no compiler
+    monkeypatch.setattr(decoder_ops, "load", lambda dim=None: None)  # a CPU no build runs on, or no compiler
     decoder = load_cpu(tiny_qwen3).decoder
     assert decoder.row_kernel is None and decoder.attention_kernel is None

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from quasar_deploy.kernels import (
-    default_int8_kernel,
+from quasar_deploy.cpu.choice import default_int8_kernel, int8_probe
+from quasar_deploy.cpu.linears import (
     fbgemm_available,
     int8_linear,
-    int8_probe,
     onednn_int8_available,
     onednn_int8_exact,
     quasar_int8_available,
@@ -88,7 +87,7 @@ def test_32_bit_kernels_are_exact_past_float32s_integer_range(kernel):
 
 
 def test_the_default_int8_kernel_follows_the_cpu():
-    from quasar_deploy.kernels import ONNXRUNTIME, onnxruntime_int8_exact
+    from quasar_deploy.cpu.choice import ONNXRUNTIME, onnxruntime_int8_exact
 
     offered = (
         ("fbgemm-vnni", vnni_available()),

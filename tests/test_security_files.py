@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from quasar_deploy.api import load, stop_ids_of
 from quasar_deploy.artifact import open_model_files
 from quasar_deploy.checkpoint import Checkpoint
 from quasar_deploy.cli import main
-from quasar_deploy.engine import load, stop_ids_of
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.files import check_name
 from quasar_deploy.integrity import EXPORT_MANIFEST, MANIFEST

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from quasar_deploy.engine import Engine, GenerationOptions, load
+from quasar_deploy.api import load
+from quasar_deploy.engine import Engine, GenerationOptions
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n", "import os\nimport sys\n", "class Counter:\n    def __init__(self):\n"]
 

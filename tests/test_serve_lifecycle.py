@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the server on MODEL at PORT with --drain-timeout SECONDS and the chat template TEMPLATE, a verify step taking 50 ms
 SERVER_SCRIPT = """
 import sys
-from quasar_deploy.engine import load
+from quasar_deploy.api import load
 from quasar_deploy.serve.app import ServeConfig, create_app
 from quasar_deploy.serve.server import run
 from tests.serving import slow_engine

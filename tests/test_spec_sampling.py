@@ -20,12 +20,12 @@ from quasar_deploy.serve.row_budget import RowBudget
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, Verdict
 from quasar_deploy.speculative.drafters import Draft
 from quasar_deploy.speculative.layerskip import LayerSkipDrafter
-from quasar_deploy.speculative.loop import Speculation, speculate
+from quasar_deploy.speculative.loop import Speculation
 from quasar_deploy.speculative.ngram import NgramDrafter
 from quasar_deploy.speculative.output_cache import OutputCache
 from quasar_deploy.speculative.suffix import SuffixDrafter
 
-from .helpers import MarkovLM, chi_square_p_value
+from .helpers import MarkovLM, chi_square_p_value, speculate
 
 V = 4
 

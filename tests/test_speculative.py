@@ -19,11 +19,12 @@ from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, accept
 from quasar_deploy.speculative.draft_model import ModelDrafter
 from quasar_deploy.speculative.drafters import Draft, NoDrafter
 from quasar_deploy.speculative.layerskip import LayerSkipDrafter, skip_order
-from quasar_deploy.speculative.loop import LoopStats, speculate
+from quasar_deploy.speculative.loop import LoopStats
 from quasar_deploy.speculative.ngram import NgramDrafter
 from quasar_deploy.speculative.suffix import SuffixDrafter
 
 from .helpers import greedy as greedy_reference
+from .helpers import speculate
 from .tiny import naive_w8a8_decoder
 
 GREEDY = SamplingParams()

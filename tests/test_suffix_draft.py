@@ -14,10 +14,10 @@ import pytest
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams
 from quasar_deploy.speculative.draft_length import DraftLength
-from quasar_deploy.speculative.loop import LoopStats, speculate
+from quasar_deploy.speculative.loop import LoopStats
 from quasar_deploy.speculative.suffix import SPEC_FACTOR, SuffixDrafter
 
-from .helpers import MarkovLM
+from .helpers import MarkovLM, speculate
 
 GREEDY = Sampler(SamplingParams())
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from quasar_deploy.artifact import open_model_files
-from quasar_deploy.backends import cpu_attention
 from quasar_deploy.backends.torch_backend import bind_cpu_attention, cpu_causal_lm, load_cpu
+from quasar_deploy.cpu import decoder_ops
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.model import KEY_CHUNK
 
@@ -20,7 +20,7 @@ IDS = torch.randint(0, 4096, (2 * KEY_CHUNK + 40,), generator=torch.Generator().
 
 
 def kernel_runs(dim: int = 16) -> bool:
-    return cpu_attention.load(dim) is not None
+    return decoder_ops.load(dim) is not None
 
 
 needs_kernel = pytest.mark.skipif(not kernel_runs(), reason="no build of the C attention kernel runs on this CPU (doctor says why)")
@@ -29,16 +29,16 @@ needs_kernel = pytest.mark.skipif(not kernel_runs(), reason="no build of the C a
 @needs_kernel
 def test_the_cpu_backend_attends_with_the_kernel_where_it_runs(tiny_qwen3):
     lm = load_cpu(tiny_qwen3)
-    assert isinstance(lm.decoder.attention_kernel, cpu_attention.TorchAttention)
+    assert isinstance(lm.decoder.attention_kernel, decoder_ops.TorchAttention)
     assert "attention quasar C kernel" in lm.description
-    assert isinstance(lm.cache, cpu_attention.TiledKVCache)
+    assert isinstance(lm.cache, decoder_ops.TiledKVCache)
 
 
 def test_without_a_kernel_or_with_a_sliding_window_it_attends_with_torch_ops(tiny_qwen3, tmp_path, monkeypatch):
     assert load_cpu(tiny_qwen3, attention="torch").decoder.attention_kernel is None
     windowed = load_cpu(save_tiny(tmp_path / "mistral", "mistral", sliding_window=40))
     assert windowed.decoder.attention_kernel is None and "attention torch ops" in windowed.description
-    monkeypatch.setattr(cpu_attention, "load", lambda dim=None: None)  # a CPU no build runs on, or no compiler
+    monkeypatch.setattr(decoder_ops, "load", lambda dim=None: None)  # a CPU no build runs on, or no compiler
     lm = load_cpu(tiny_qwen3)
     assert lm.decoder.attention_kernel is None and "attention torch ops" in lm.description
 
@@ -111,9 +111,9 @@ def test_binding_decides_the_caches_a_decoder_makes(tiny_qwen3):
     decoder = open_model_files(tiny_qwen3).decoder()
     decoder.prepare("torch", "reference", fuse=True)
     bind_cpu_attention(decoder)
-    assert isinstance(decoder.new_cache(), cpu_attention.TiledKVCache)
+    assert isinstance(decoder.new_cache(), decoder_ops.TiledKVCache)
     bind_cpu_attention(decoder, "torch")
-    assert not isinstance(decoder.new_cache(), cpu_attention.TiledKVCache)
+    assert not isinstance(decoder.new_cache(), decoder_ops.TiledKVCache)
 
 
 @needs_kernel

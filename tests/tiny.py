@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 
 from quasar_deploy import demo_model_path
-from quasar_deploy.artifact import open_model_files
-from quasar_deploy.scheme import quantize_weight
+from quasar_deploy.artifact import open_model_files, writing_artifact
+from quasar_deploy.checkpoint import Checkpoint
+from quasar_deploy.model import Decoder
+from quasar_deploy.scheme import W8A8Scheme, quantize_weight
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -65,12 +67,18 @@ def naive_w8a8_decoder(path: Path, int8_kernel: str = "reference"):
     return decoder
 
 
+def write_artifact(decoder: Decoder, source: Checkpoint, output: Path, scheme: W8A8Scheme, manifest: dict) -> Path:
+    """Write a decoder held in memory (quantized by the caller) as an artifact; ``calibrate`` streams layer by layer instead."""
+    with writing_artifact(source, output) as writer:
+        for name, tensor in decoder.state_dict().items():
+            if not (name == "lm_head.weight" and decoder.spec.tie_word_embeddings and not decoder.lm_head.quantized):
+                writer.add(name, tensor)
+        writer.finish(scheme, [name for name, linear in decoder.linears() if not linear.quantized], manifest)
+    return Path(output)
+
+
 def write_naive_artifact(model: Path, output: Path) -> Path:
     """A W8A8 artifact of ``model`` without calibration (naive weight quantization): enough to load a W8A8 verifier."""
-    from quasar_deploy.artifact import write_artifact
-    from quasar_deploy.checkpoint import Checkpoint
-    from quasar_deploy.scheme import W8A8Scheme
-
     decoder = naive_w8a8_decoder(model)
     quantized = [name for name, linear in decoder.linears() if linear.quantized]
     manifest = {"recipe": {"scheme": W8A8Scheme().to_dict()}, "quantized_layers": quantized}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import float_linear
+from ..cpu.linears import float_linear
 from ..model import KernelFactory, LinearFn, round_up
 from ..scheme import per_token_scale, quantize_activation
 

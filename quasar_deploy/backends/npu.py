@@ -1,6 +1,6 @@
 """The Ascend NPU backend: our torch decoder on an ``npu`` device, its W8A8 linears run by torch_npu's int8 ops.
 
-Why its own kernel binding instead of an entry in ``kernels.py``: torch_npu exists only on
+Why its own kernel binding instead of an entry in ``cpu/linears.py``: torch_npu exists only on
 Ascend machines, and importing it without CANN breaks ``import torch`` there; keeping every
 torch_npu call in this module lets the rest of the package import everywhere. After
 ``load_npu`` each quantized ``Linear`` runs:
@@ -29,9 +29,9 @@ from types import ModuleType
 import torch
 
 from ..artifact import ModelFiles, open_model_files
+from ..cpu.linears import float_linear
 from ..errors import QuasarError
 from ..files import first_line
-from ..kernels import float_linear
 from ..model import Decoder, Linear, LinearFn
 from ..scheme import QMAX
 from .torch_backend import TorchCausalLM

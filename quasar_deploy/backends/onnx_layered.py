@@ -29,15 +29,15 @@ import torch
 from tqdm import tqdm
 
 from ..artifact import HEAD, ModelFiles
+from ..cpu import decoder_ops
+from ..cpu.linears import dtype_name
 from ..decoder_spec import rope_inv_freq
 from ..errors import QuasarError
 from ..exporters import onnx_layers
-from ..kernels import dtype_name
 from ..memory import EMBEDDINGS, kv_cache_bytes, return_freed_memory
 from ..model import KEY_CHUNK, DecoderLayer, RMSNorm, as_stored, held_text, load_linear, rotary, round_up, tensor_loader
 from ..speculative.causal_lm import PREFILL_CHUNK, split_batch
-from . import cpu_attention
-from .onnxruntime import head_beside, session_options
+from .ort_session import head_beside, session_options
 
 ROTARY_CHUNK = 1024  # rotary tables are made for fixed chunks of positions, so a position's cos/sin are always the same bits
 ATTENTIONS = ("auto", "ort")
@@ -107,7 +107,7 @@ class LayeredModel:
             self.outputs.append(session(onnx_layers.layer_output(spec, layer, i)))
             del layer
             return_freed_memory()
-        kernel = cpu_attention.load(spec.head_dim) if attention == "auto" else None
+        kernel = decoder_ops.load(spec.head_dim) if attention == "auto" else None
         # attention: the C kernel (threads share a step's sequences and heads), else ORT's GroupQueryAttention per sequence
         self.kernel = kernel
         self.pool = ThreadPoolExecutor(self.threads - 1, "quasar-attention") if kernel and self.threads > 1 else None
@@ -145,7 +145,7 @@ class LayeredOnnxLM:
         self.description = model.description
         self._length = 0
         self._capacity = 0
-        # per layer (keys, values): numpy arrays in the C kernel's layout (``cpu_attention.new_caches``), else OrtValues
+        # per layer (keys, values): numpy arrays in the C kernel's layout (``decoder_ops.new_caches``), else OrtValues
         # [1, kv_heads, capacity, head_dim] for GroupQueryAttention
         self._cache: list[tuple] = []
         self._bindings: list = []  # per layer: the attention call's binding, its cache and lengths bound once (``_bind``)
@@ -224,9 +224,9 @@ class LayeredOnnxLM:
         capacity = max(2 * self._capacity, round_up(end, KEY_CHUNK))
         if kernel:
             spec = self.spec
-            grown = cpu_attention.new_caches(spec.num_layers, spec.num_kv_heads, capacity, spec.head_dim)
+            grown = decoder_ops.new_caches(spec.num_layers, spec.num_kv_heads, capacity, spec.head_dim)
             for old, new in zip(self._cache, grown):
-                cpu_attention.copy_cache(old, new, self._length)
+                decoder_ops.copy_cache(old, new, self._length)
             self._cache, self._capacity = grown, capacity
             return
         from onnxruntime import OrtValue
@@ -304,7 +304,7 @@ class LayeredOnnxLM:
         step = None
         if model.kernel is not None:
             spec = self.spec
-            step = cpu_attention.StepAttention(
+            step = decoder_ops.StepAttention(
                 model.kernel, model.pool, model.threads, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                 [sequence._cache for sequence in sequences], [sequence.length for sequence in sequences], sizes,
             )  # fmt: skip

@@ -104,7 +104,7 @@ def candidates(needs: Collection[str] = (), options: Collection[str] = ()) -> li
 def fits_onnxruntime(path: Path) -> bool:
     """Whether ONNX Runtime's copy of the model at ``path`` fits in the memory available now (``ONNXRUNTIME_MEMORY_FACTOR``)."""
     from ..artifact import open_model_files
-    from ..cpuinfo import memory_available
+    from ..cpu.machine import memory_available
     from ..memory import estimate, report_tokens
 
     files = open_model_files(path)  # verified here; the loader then finds the checksums remembered (files.verified_sha256)
@@ -119,7 +119,8 @@ def cpu_runs_better(artifact: bool) -> bool:
     batched serving step faster than ONNX Runtime's graphs (``bench onnx step``, ``bench batched-step``;
     docs/architecture.md). A float checkpoint: where the CPU computes bf16, the cpu backend runs it in bf16 and ORT's
     CPU kernels only in float32 (twice the bytes per step)."""
-    from ..kernels import cpu_computes_bf16, default_int8_kernel, int8_probe
+    from ..cpu.choice import default_int8_kernel, int8_probe
+    from ..cpu.linears import cpu_computes_bf16
 
     if not artifact:
         return cpu_computes_bf16()

@@ -8,13 +8,14 @@ from pathlib import Path
 import torch
 
 from ..artifact import ModelFiles, open_model_files
-from ..cpuinfo import default_threads
+from ..cpu import decoder_ops
+from ..cpu.choice import default_int8_kernel
+from ..cpu.linears import default_float_dtype, default_float_kernel, dtype_name, int8_kernel_label
+from ..cpu.machine import default_threads
 from ..errors import QuasarError
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name, int8_kernel_label
 from ..memory import kv_cache_bytes
 from ..model import KEY_CHUNK, Decoder, KVCache, held_text, round_up
 from ..speculative.causal_lm import split_batch
-from . import cpu_attention
 
 
 def unavailable() -> None:
@@ -179,12 +180,12 @@ def bind_cpu_attention(decoder: Decoder, attention: str = "auto") -> None:
     if attention not in ATTENTIONS:
         raise QuasarError(f"attention is one of {', '.join(ATTENTIONS)}, not {attention!r}")
     spec = decoder.spec
-    kernel = cpu_attention.load(spec.head_dim) if attention == "auto" and spec.sliding_window is None else None
+    kernel = decoder_ops.load(spec.head_dim) if attention == "auto" and spec.sliding_window is None else None
     if kernel is None:
         decoder.attention_kernel = decoder.row_kernel = None
         return
     threads = torch.get_num_threads()
     attentions = [layer.self_attn for layer in decoder.model.layers]
     norms = [(a.q_norm.weight, a.k_norm.weight) if spec.qk_norm else (None, None) for a in attentions]
-    decoder.attention_kernel = cpu_attention.TorchAttention(kernel, spec, threads, norms)
-    decoder.row_kernel = cpu_attention.TorchRows(kernel, threads)
+    decoder.attention_kernel = decoder_ops.TorchAttention(kernel, spec, threads, norms)
+    decoder.row_kernel = decoder_ops.TorchRows(kernel, threads)

@@ -29,10 +29,6 @@ import time
 from typing import Any
 
 
-class RunnerError(Exception):
-    """A reason the engine cannot run this request, reported as the response's one-line ``error``."""
-
-
 def _llamacpp(request: dict) -> dict:
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

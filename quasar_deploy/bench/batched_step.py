@@ -52,7 +52,7 @@ class BatchedStepResult:
 
 def serving_lm(backend: str, artifact: str) -> BatchVerifyingLM:
     """What ``serve --backend BACKEND`` steps: the model as it serves (``needs`` of the server), which must batch."""
-    from ..cli.serve import SERVER_NEEDS
+    from ..serve.needs import SERVER_NEEDS
 
     if backend == GQA_CONTENDER:
         from ..artifact import open_model_files

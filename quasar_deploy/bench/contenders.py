@@ -10,15 +10,17 @@ from typing import Any
 
 import torch
 
+from ..api import load
 from ..artifact import open_model_files
+from ..backends.onnx_export_cache import head_outside
 from ..backends.torch_backend import TorchCausalLM
-from ..cache import head_outside
+from ..cpu.choice import default_int8_kernel
+from ..cpu.linears import default_float_dtype, default_float_kernel
 from ..decoder_spec import DecoderSpec
 from ..demo import demo_model_path
-from ..engine import Engine, load, stop_ids_of
+from ..engine import Engine, stop_ids_of
 from ..errors import QuasarError
-from ..exact import ExactEngine
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel
+from ..exact_mode import ExactEngine
 from ..tokenizer import load_tokenizer
 from .memory import check_fits
 from .synthetic import RandomTensors, engines_peak_bytes, synthetic_decoders, synthetic_spec

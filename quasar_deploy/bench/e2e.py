@@ -25,9 +25,9 @@ import torch
 from tqdm import tqdm
 
 from ..backends.torch_backend import TorchCausalLM
+from ..cpu.linears import default_float_dtype, dtype_name
 from ..engine import GenerationStats
 from ..errors import QuasarError
-from ..kernels import default_float_dtype, dtype_name
 from ..memory import return_freed_memory
 from ..speculative.cascade import CascadeStats, RoundPolicy
 from ..speculative.registry import default_num_draft

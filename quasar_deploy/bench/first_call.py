@@ -13,9 +13,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..api import load
 from ..backends.registry import draft_needs
 from ..calibration.data import BUILTIN
-from ..engine import GenerationResult, load
+from ..engine import GenerationResult
 from ..errors import QuasarError
 from .e2e import read_prompts
 

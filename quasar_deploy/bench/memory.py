@@ -6,7 +6,7 @@ in, with nothing to say why; the estimate (from the shape's tensor sizes) refuse
 
 from __future__ import annotations
 
-from ..cpuinfo import memory_available
+from ..cpu.machine import memory_available
 from ..errors import QuasarError
 
 GB = 10**9

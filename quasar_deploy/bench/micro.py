@@ -16,9 +16,10 @@ import torch
 from tqdm import tqdm
 
 from ..backends.torch_backend import bind_cpu_attention
-from ..cpuinfo import cpu_model
+from ..cpu.choice import default_int8_kernel
+from ..cpu.linears import default_float_dtype, default_float_kernel, dtype_name, int8_kernel_label
+from ..cpu.machine import cpu_model
 from ..decoder_spec import DecoderSpec
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name, int8_kernel_label
 from ..model import Decoder
 from .memory import check_fits
 from .synthetic import LIBRARIES_BYTES, RandomTensors, engines_peak_bytes, step_read_bytes, synthetic_decoders, synthetic_spec
@@ -223,7 +224,7 @@ def linear_kernels(
     streams its weights from memory, as in a real decode step. ``int8_kernels``: the W8A8 kernels to time, the first
     one reported in full, the others' times beside it (default: this CPU's default kernel).
     """
-    from ..kernels import float_linear, int8_linear
+    from ..cpu.linears import float_linear, int8_linear
     from ..scheme import quantize_weight
 
     sizes = linear_sizes(synthetic_spec(shape))

@@ -39,15 +39,16 @@ try:
 except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
-from ..backends.onnxruntime import PRECISE_INT8_OPTION, exact_int8_entries, head_beside, session_options
+from ..backends.ort_session import PRECISE_INT8_OPTION, exact_int8_entries, head_beside, session_options
 from ..backends.registry import cpu_runs_better
 from ..backends.torch_backend import bind_cpu_attention
-from ..cpuinfo import cpu_model
+from ..cpu.choice import default_int8_kernel
+from ..cpu.linears import default_float_dtype, default_float_kernel, dtype_name, head_beside_graph
+from ..cpu.machine import cpu_model
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..exporters import ONNX_HEAD_FILE, ONNX_HIDDEN_OUTPUT
 from ..exporters.onnx import source_graph, write_graph
 from ..exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder
-from ..kernels import default_float_dtype, default_float_kernel, default_int8_kernel, dtype_name, head_beside_graph
 from ..memory import EMBEDDINGS, return_freed_memory
 from ..model import Decoder, Linear
 from ..scheme import QMAX, quantize_weight, reference_linear

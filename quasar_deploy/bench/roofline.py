@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..engine import load
+from ..api import load
 from ..memory import kv_cache_bytes, resident
 from .micro import memory_bandwidth, weight_bytes
 

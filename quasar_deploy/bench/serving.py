@@ -67,7 +67,7 @@ class ServeBenchSettings:
 def variant_options(variant: str) -> dict[str, Any]:
     """The request fields of a drafting variant: ``"suffix"`` -> draft suffix with a fixed k, ``"ngram-adaptive"`` ->
     draft ngram with a k per sequence (``adaptive_k``); one line for a name that is neither."""
-    from ..serve.protocol import REQUEST_DRAFTERS
+    from ..serve.needs import REQUEST_DRAFTERS
 
     draft, _, kind = variant.partition("-")
     if draft not in REQUEST_DRAFTERS or kind not in ("", "adaptive") or (draft == "none" and kind):
@@ -316,7 +316,7 @@ def generate_alone(settings: ServeBenchSettings, prompts: Sequence[str], progres
     the server starts."""
     import gc
 
-    from ..engine import load
+    from ..api import load
     from ..memory import return_freed_memory
 
     engine = load(settings.artifact or _demo_artifact())

@@ -180,7 +180,7 @@ def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = Fal
 def head_read_itemsize(float_itemsize: int) -> int:
     """Bytes per value a prepared synthetic twin's float head reads (drawn ``STORED_DTYPE``, computing in the float
     dtype of ``float_itemsize`` bytes): as drawn where ``kernels.half_weights`` sends it to ``quasar-half``."""
-    from ..kernels import half_weights
+    from ..cpu.linears import half_weights
 
     dtype = torch.float32 if float_itemsize == 4 else torch.bfloat16
     return STORED_DTYPE.itemsize if half_weights(STORED_DTYPE, dtype, "onednn") else float_itemsize

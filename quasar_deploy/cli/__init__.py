@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from ..cpuinfo import prefer_passive_waits
+from ..cpu.machine import prefer_passive_waits
 from ..errors import QuasarError
 from .bench import bench
 from .cache import cache_group

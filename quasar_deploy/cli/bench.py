@@ -164,7 +164,7 @@ def _float_vs_int8(int8_lm_head: bool = False, head_stored: str = "BF16", head_d
     is also the W8A8 model's float lm_head's (``head_dtype`` where another was asked for; unless ``int8_lm_head``), read
     as stored where its weights are 16-bit (``head_stored``, a safetensors dtype name: the synthetic shapes' BF16 by
     default) and ``quasar-half`` runs it."""
-    from ..kernels import FLOAT_DTYPES, default_float_dtype, dtype_name, half_weights
+    from ..cpu.linears import FLOAT_DTYPES, default_float_dtype, dtype_name, half_weights
     from ..shards import TORCH_DTYPES
 
     dtype = dtype_name(default_float_dtype("cpu"))
@@ -355,7 +355,7 @@ def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, floa
     """One verify forward (k+1 tokens, warm cache), every float contender vs W8A8, against the fastest float, next to
     the ideal ratio of weight bytes read."""
     from ..bench import micro
-    from ..kernels import check_int8_kernel, default_float_dtype
+    from ..cpu.linears import check_int8_kernel, default_float_dtype
 
     if int8_kernel is not None:
         check_int8_kernel(int8_kernel)
@@ -380,7 +380,7 @@ def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, floa
 def kernels(shape, repeats, int8_kernels, as_json):
     """Each linear size of the shape at decode/verify row counts: float vs int8 kernel, each against the memory-bandwidth bound."""
     from ..bench import micro
-    from ..kernels import check_int8_kernel
+    from ..cpu.linears import check_int8_kernel
 
     chosen = tuple(k.strip() for k in int8_kernels.split(",") if k.strip())
     for kernel in chosen:

@@ -16,7 +16,7 @@ def doctor(path, as_json, exact, exact_source):
     """What this machine can run: CPU features, chosen kernels, every target, and the memory and disk the demo needs;
     with PATH (an artifact or float checkpoint), the memory it needs on the cpu backend, from its tensor headers, and
     the backend auto picks for it."""
-    from ..backends.cpu_int8 import SUMS
+    from ..cpu.int8_linear import SUMS
     from ..doctor import report
     from ..errors import QuasarError
 

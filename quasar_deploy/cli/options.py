@@ -41,7 +41,7 @@ provider_option = click.option(
 
 
 def backend_options(path: str, backend: str, provider: str | None, needs: tuple[str, ...] = ()) -> dict[str, str]:
-    """The options ``engine.load`` passes to the backend: ``--provider`` goes to onnxruntime (named, or what "auto" picks)
+    """The options ``api.load`` passes to the backend: ``--provider`` goes to onnxruntime (named, or what "auto" picks)
     and is refused for any other backend, in one line."""
     if provider is None:
         return {}
@@ -101,8 +101,8 @@ def load_engine(
     exact_source: str | None = None,
     rounds: int | None = None,
 ):
-    """``engine.load`` with the command line's choices; ``--exact-source`` and ``--rounds`` are refused without ``--verify exact``."""
-    from ..engine import load
+    """``api.load`` with the command line's choices; ``--exact-source`` and ``--rounds`` are refused without ``--verify exact``."""
+    from ..api import load
     from ..errors import QuasarError
 
     if verify != "exact" and (exact_source is not None or rounds is not None):
@@ -116,7 +116,7 @@ def load_engine(
 
 def engine_descriptions(engine) -> dict[str, str]:
     """The verifier's backend description, and in exact mode the W8A8 model's beside it (what ``--json`` and ``--stats`` name)."""
-    from ..exact import ExactEngine
+    from ..exact_mode import ExactEngine
 
     exact = {"middle": engine.middle.description} if isinstance(engine, ExactEngine) else {}
     return {"backend": engine.lm.description, **exact}

@@ -12,13 +12,9 @@ import click
 from click.core import ParameterSource
 
 from ..backends.registry import BACKENDS
+from ..serve.needs import REQUEST_DRAFTERS, SERVER_NEEDS
 from .options import exact_options, load_engine, options_from_env, provider_option
 
-SERVER_DRAFTERS = ("none", "ngram", "suffix", "layerskip")
-# any request may ask for the layerskip drafter, so "auto" serves on a backend that can skip layers: on a CPU, ONNX
-# Runtime's layer graphs of a W8A8 artifact (``onnx_layered``), else the cpu backend; both verify all requests' blocks
-# in one batched forward
-SERVER_NEEDS = ("layer_skip",)
 # flags our engine honours and `vllm serve` has no counterpart for: refused with --engine vllm (--max-sequences,
 # --chat-template, --tensor-parallel-size, --draft/--num-draft ngram have counterparts and are passed on)
 QUASAR_ONLY = (
@@ -65,7 +61,7 @@ def seconds_option(name: str, default: float, help: str):
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", *BACKENDS]))
 @provider_option
 @click.option(
-    "--draft", default="ngram", show_default=True, type=click.Choice(SERVER_DRAFTERS), help="Default drafter; a request may pick."
+    "--draft", default="ngram", show_default=True, type=click.Choice(REQUEST_DRAFTERS), help="Default drafter; a request may pick."
 )
 @click.option(
     "--num-draft",
@@ -162,7 +158,7 @@ def serve(
         if limits[name.replace("-", "_")]:
             raise QuasarError(f"--{name} applies to --engine vllm only")
     from ..engine import check_can_fork
-    from ..exact import ExactEngine
+    from ..exact_mode import ExactEngine
     from ..serve.app import ServeConfig, create_app
     from ..serve.protocol import RequestLimits
     from ..serve.scheduler import default_kv_cache_bytes

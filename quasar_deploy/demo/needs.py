@@ -16,8 +16,9 @@ from pathlib import Path
 
 from .. import demo  # its functions looked up at each call, as the package itself looks up its own
 from ..artifact import MANIFEST, open_model_files
-from ..cache import cache_dir, disk_free, onnx_export_path
-from ..cpuinfo import memory_available
+from ..backends.onnx_export_cache import onnx_export_path
+from ..cache import cache_dir, disk_free
+from ..cpu.machine import memory_available
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
 from ..inflate import inflated_dtype, inflated_spec

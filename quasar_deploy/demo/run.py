@@ -14,12 +14,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from ..api import load
 from ..artifact import MANIFEST, open_model_files
+from ..backends.onnx_export_cache import onnx_export_path
 from ..backends.registry import auto_backend, unavailable
-from ..cache import onnx_export_path
 from ..calibration.data import BUILTIN, read_texts
 from ..decoder_spec import expected_shapes
-from ..engine import Engine, load
+from ..engine import Engine
 from ..fidelity import Fidelity, evaluate
 from ..memory import return_freed_memory
 from ..shapes import SHAPES

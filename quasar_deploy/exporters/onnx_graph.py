@@ -39,7 +39,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ..decoder_spec import DecoderSpec
-from ..model import MLP, Attention, Decoder, DecoderLayer, Linear, RMSNorm
+from ..model import MLP, Attention, DecoderLayer, Linear, RMSNorm
 from ..scheme import QMAX
 from . import ONNX_HIDDEN_OUTPUT
 from .onnx_versions import OPSETS, make_model
@@ -338,35 +338,6 @@ HIDDEN = ONNX_HIDDEN_OUTPUT  # the output of a graph whose lm_head is computed o
 HEAD_OUTSIDE = "outside"
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy's bfloat16, from onnx's own dependency
 FLOAT32 = np.dtype(np.float32)
-
-
-def decoder_graph(decoder: Decoder, name: str, linear_format: str = "integer") -> onnx.ModelProto:
-    """The whole decoder held in memory (float32 compute) as one ONNX model with KV-cache inputs and outputs; W8A8
-    linears in ``linear_format``."""
-    embed = decoder.model.embed_tokens.weight.float().numpy()
-    head: Fill | Linear | None = None
-    if decoder.lm_head.quantized:
-        head = decoder.lm_head
-    elif not decoder.spec.tie_word_embeddings:
-        head = _copy_of(decoder.lm_head.weight.float().numpy().T)
-    g = GraphBuilder(linear_format)
-    return build_graph(
-        g,
-        decoder.spec,
-        name,
-        decoder.inv_freq,
-        _copy_of(embed),
-        decoder.model.layers,
-        decoder.model.norm,
-        head,
-    )
-
-
-def _copy_of(array: np.ndarray) -> Fill:
-    def fill(out: np.ndarray) -> None:
-        out[...] = array
-
-    return fill
 
 
 def build_graph(

@@ -15,11 +15,10 @@ from typing import Any
 from ..files import first_line
 from ..speculative.acceptance import MIN_TEMPERATURE
 from ..speculative.registry import default_num_draft
+from .needs import REQUEST_DRAFTERS
 
 MAX_SEED = 2**64 - 1
 MAX_JSON_DEPTH = 32  # a request is 5 levels deep (messages, parts); a deeper body is an attack on the parser, not a request
-# drafters a request may pick: "model" would need a server-side path, which a request must not choose
-REQUEST_DRAFTERS = ("none", "ngram", "suffix", "layerskip")
 # fields OpenAI defines that would change the output; refused unless falsy (0, false, null, empty)
 UNSUPPORTED = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "tools", "functions", "presence_penalty", "frequency_penalty")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -31,11 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..cpuinfo import memory_available
+from ..cpu.machine import memory_available
+from ..cpu.threads import release_openmp_pool
 from ..engine import Engine, Generation, GenerationOptions, GenerationResult
 from ..errors import QuasarError
 from ..files import first_line
-from ..openmp import release_openmp_pool
 from ..speculative.causal_lm import BatchVerifyingLM
 from .metrics import Metrics
 from .protocol import ApiError, Request
@@ -161,7 +161,7 @@ class Scheduler:
         self._ending: ApiError | None = None  # set by ``end_all``: every request ends with it
         self._thread = threading.Thread(target=self._work, name="quasar-scheduler", daemon=True)
         # this thread loaded the model; the worker thread runs it from here on, at full speed only once this thread's
-        # OpenMP pool is gone (openmp.py)
+        # OpenMP pool is gone (cpu/threads.py)
         release_openmp_pool()
 
     def start(self) -> None:

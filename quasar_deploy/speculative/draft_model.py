@@ -13,7 +13,7 @@ from .causal_lm import CausalLM
 from .drafters import NO_DRAFT, Draft, draft_autoregressive
 
 if TYPE_CHECKING:
-    from .registry import DrafterContext
+    from .drafters import DrafterContext
 
 
 def check_same_vocabulary(verifier_vocab: dict[str, int], draft_vocab: dict[str, int], draft_name: str) -> None:

@@ -17,7 +17,23 @@ import torch
 from .acceptance import Sampler
 
 if TYPE_CHECKING:
-    from .registry import DrafterContext
+    from pathlib import Path
+
+    from .causal_lm import CausalLM
+    from .output_cache import OutputCache
+
+
+class DrafterContext(Protocol):
+    """What a drafter factory may use besides its options: the verifier and the engine's cached setup work."""
+
+    lm: CausalLM
+    output_cache: OutputCache | None  # earlier generations' outputs, where the engine keeps them (opt-in)
+
+    def choose_skip_layers(self, fraction: float) -> frozenset[int]:
+        """The verifier's layers to skip for a layer-skipping draft of ``fraction`` of them (measured once, remembered)."""
+
+    def draft_lm(self, path: str | Path) -> CausalLM:
+        """The draft model at ``path``, loaded once, its tokenizer checked against the verifier's."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from .causal_lm import CausalLM, LayerSkippingLM
 from .drafters import Draft, draft_autoregressive
 
 if TYPE_CHECKING:
-    from .registry import DrafterContext
+    from .drafters import DrafterContext
 
 DEFAULT_SKIP_FRACTION = 0.5
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -44,11 +43,6 @@ class LoopStats:
     def acceptance_length(self) -> float:
         """Mean tokens emitted per verify step: 1.0 without drafting, up to k+1."""
         return 1.0 + self.accepted / self.verify_steps if self.verify_steps else 1.0
-
-
-def speculate(*args: Any, **kwargs: Any) -> Iterator[list[int]]:
-    """``Speculation(*args, **kwargs).steps()``: the new tokens of each verify step, for a caller that runs one sequence."""
-    return Speculation(*args, **kwargs).steps()
 
 
 class Speculation:

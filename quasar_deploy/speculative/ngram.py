@@ -15,7 +15,7 @@ from .acceptance import Sampler
 from .drafters import NO_DRAFT, Draft
 
 if TYPE_CHECKING:
-    from .registry import DrafterContext
+    from .drafters import DrafterContext
 
 
 def check_ngram_range(ngram_min: int, ngram_max: int) -> None:

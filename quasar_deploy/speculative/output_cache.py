@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from ..errors import QuasarError
-from .suffix import DEPTH, _Node, anchor, best_draft, node_of
+from .suffix_tree import DEPTH, Node, anchor, best_draft, node_of
 
 
 class OutputCache:
@@ -28,7 +28,7 @@ class OutputCache:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise QuasarError(f"the output cache holds at least 1 token, got {max_tokens!r}")
         self.max_tokens, self.depth = max_tokens, depth
-        self._root = _Node()
+        self._root = Node()
         self._outputs: deque[list[int]] = deque()
         self._held = 0
         self._lock = threading.Lock()
@@ -59,7 +59,7 @@ class OutputCache:
             for token in output[start : start + self.depth]:
                 child = node.children.get(token)
                 if child is None:
-                    child = node.children[token] = _Node()
+                    child = node.children[token] = Node()
                 child.count += delta
                 node.continued += delta
                 if delta > 0:

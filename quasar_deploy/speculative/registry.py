@@ -10,29 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..errors import QuasarError
 from ..lazy import resolve
 
 if TYPE_CHECKING:
-    from .causal_lm import CausalLM
-    from .drafters import Drafter
-    from .output_cache import OutputCache
-
-
-class DrafterContext(Protocol):
-    """What a drafter factory may use besides its options: the verifier and the engine's cached setup work."""
-
-    lm: CausalLM
-    output_cache: OutputCache | None  # earlier generations' outputs, where the engine keeps them (opt-in)
-
-    def choose_skip_layers(self, fraction: float) -> frozenset[int]:
-        """The verifier's layers to skip for a layer-skipping draft of ``fraction`` of them (measured once, remembered)."""
-
-    def draft_lm(self, path: str | Path) -> CausalLM:
-        """The draft model at ``path``, loaded once, its tokenizer checked against the verifier's."""
+    from .drafters import Drafter, DrafterContext
 
 
 @dataclass(frozen=True)

@@ -15,39 +15,22 @@ suffixes that end at the text's end (O(depth) per token, however long the text g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import QuasarError
 from .acceptance import Sampler
 from .drafters import NO_DRAFT, Draft
+from .suffix_tree import DEPTH, Node, anchor, best_draft
 
 if TYPE_CHECKING:
+    from .drafters import DrafterContext
     from .output_cache import OutputCache
-    from .registry import DrafterContext
 
-# the longest substring indexed, so the longest context matched is 15 tokens (n-gram lookup's is 3); each appended token
-# costs this many node updates (about 3 us each in CPython), so a deeper tree costs more than longer contexts win.
-# vLLM's suffix tree is bounded the same way (24 by default)
-DEPTH = 16
 MIN_PROB = 0.1  # vLLM's min_token_prob: stop the draft where the estimated chance that all of it is kept falls below
 # the most tokens drafted per token of matched context (vLLM's max_spec_factor, 1 there). 2 kept the most tokens per
 # unit of verify time on the Spec-Bench sets with the inflated demo (bench e2e records e2e-inflated-demo-suffix-*)
 SPEC_FACTOR = 2
-
-
-class _Node:
-    """One substring: how often it occurred (``count``), how often something followed it (``continued``, the sum of
-    its children's counts), and its most frequent next token (``best``; of equals, the one seen latest, as n-gram
-    lookup prefers recent text), kept up to date as counts grow so a draft's pick is O(1)."""
-
-    __slots__ = ("best", "children", "continued", "count")
-
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.count = 0
-        self.continued = 0
-        self.best: tuple[int, _Node] | None = None
 
 
 def check_suffix_options(min_prob: float) -> None:
@@ -63,16 +46,16 @@ class SuffixDrafter:
     def __init__(self, min_prob: float = MIN_PROB, depth: int = DEPTH, spec_factor: int = SPEC_FACTOR, cache: OutputCache | None = None):
         check_suffix_options(min_prob)
         self.min_prob, self.depth, self.spec_factor, self.cache = min_prob, depth, spec_factor, cache
-        self._root = _Node()
-        self._active: list[_Node] = []  # the nodes of the suffixes of lengths 1..depth of the indexed text
+        self._root = Node()
+        self._active: list[Node] = []  # the nodes of the suffixes of lengths 1..depth of the indexed text
         self._indexed = 0
 
     def _append(self, token: int) -> None:
-        extended: list[_Node] = []
+        extended: list[Node] = []
         for parent in [self._root, *self._active[: self.depth - 1]]:
             child = parent.children.get(token)
             if child is None:
-                child = parent.children[token] = _Node()
+                child = parent.children[token] = Node()
             child.count += 1
             parent.continued += 1
             # only this child's count changed, and it is the latest seen: it becomes the best at a tie
@@ -102,71 +85,6 @@ class SuffixDrafter:
             if shared_expected > expected:
                 best = shared
         return Draft(best) if best else NO_DRAFT
-
-
-def node_of(root: _Node, text: Sequence[int]) -> _Node | None:
-    """The node of ``text`` under ``root`` (``text`` occurred), or None."""
-    node: _Node | None = root
-    for token in text:
-        node = node.children.get(token)
-        if node is None:
-            return None
-    return node
-
-
-def anchor(root: _Node, text: Sequence[int], depth: int) -> _Node | None:
-    """The node of the longest suffix of ``text`` (at most depth - 1 tokens) that something followed, or None."""
-    for length in range(min(depth - 1, len(text)), 0, -1):
-        node = node_of(root, text[len(text) - length :])
-        if node is not None and node.best is not None:
-            return node
-    return None
-
-
-def walk(node: _Node, k: int, min_prob: float, resume: Callable[[list[int]], _Node | None]) -> tuple[list[int], float]:
-    """Up to ``k`` most frequent next tokens from ``node`` while their running probability stays at or above
-    ``min_prob``, and the expected number of them kept (the sum of those running probabilities). Where the counts run
-    out, ``resume(draft so far)`` gives the node to go on from, or None to stop."""
-    draft: list[int] = []
-    chance, expected = 1.0, 0.0
-    while len(draft) < k:
-        if node.best is None:
-            resumed = resume(draft)
-            if resumed is None:
-                break
-            node = resumed
-        token, child = node.best
-        chance *= child.count / node.continued
-        if chance < min_prob:
-            break
-        draft.append(token)
-        expected += chance
-        node = child
-    return draft, expected
-
-
-def best_draft(
-    matches: Iterable[tuple[int, _Node]],
-    k: int,
-    min_prob: float,
-    spec_factor: int,
-    resume: Callable[[list[int]], _Node | None],
-) -> tuple[list[int], float]:
-    """Of the walks from each matched context (its length and node, the longest first: the most specific context wins
-    ties), the one that expects the most kept tokens, each at most ``spec_factor`` tokens per matched token; and what it
-    expects. A draft as long as its match allows, all certain, cannot be beaten: shorter matches allow less."""
-    best: list[int] = []
-    best_expected = 0.0
-    for length, node in matches:
-        if node.best is None:  # no earlier occurrence with a token after it
-            continue
-        most = min(k, spec_factor * length)
-        draft, expected = walk(node, most, min_prob, resume)
-        if expected > best_expected:
-            best, best_expected = draft, expected
-            if expected >= most:
-                break
-    return best, best_expected
 
 
 def suffix_drafter(context: DrafterContext, options: Mapping[str, Any]) -> SuffixDrafter:

@@ -1,4 +1,6 @@
-"""Attention for ONNX Runtime's layer graphs on the CPU: ``cpu_attention.c``, compiled here on first use and probed.
+"""A decoder layer's work around its linears on the CPU: ``decoder_ops.c``, compiled here on first use and probed. It
+attends (with the q/k norms and rotary) for ONNX Runtime's layer graphs and the cpu backend, and does the cpu backend's
+row-wise ops (RMSNorm, the MLP's SiLU gate: ``TorchRows``).
 
 ORT's ``GroupQueryAttention`` costs a layer-graph step more than its arithmetic: it runs one call per sequence, and
 each call multiplies head by head through a general GEMM that packs the sequence's whole cache for every query head. At
@@ -31,7 +33,7 @@ from ..model import KEY_CHUNK, round_up
 from ..speculative.causal_lm import PREFILL_CHUNK
 from . import native
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).with_name("decoder_ops.c")
 TILE = 16  # keys are stored in tiles of this many positions: [kv_heads][capacity / TILE][head_dim][TILE]
 # a thread's share of a step's attention is at least this much work (new rows x positions, summed over kv heads): handing
 # a share to another thread costs about as much as one sequence's 6 rows over 150 positions (16 kv heads) take to attend
@@ -44,7 +46,7 @@ BUILDS = {16: ["-mavx512f", "-mfma"], 8: ["-mavx2", "-mfma"]}  # floats per vect
 
 @dataclass(frozen=True)
 class Kernel:
-    """A built and probed ``cpu_attention.c``: its library and vector width."""
+    """A built and probed ``decoder_ops.c``: its library and vector width."""
 
     library: ctypes.CDLL
     width: int

@@ -1,5 +1,5 @@
 /* Causal attention of new rows over each sequence's own cache, for ONNX Runtime's layer graphs on the CPU
- * (quasar_deploy/backends/cpu_attention.py builds and probes this file; onnx_layered.py calls it).
+ * (quasar_deploy/cpu/decoder_ops.py builds and probes this file; onnx_layered.py calls it).
  *
  * Why its own kernel: ORT's GroupQueryAttention multiplies head by head through a general GEMM that packs the whole
  * cache for every query head of every call, so at verify sizes (6 rows over a few hundred positions) a call costs
@@ -303,8 +303,8 @@ void quasar_attend(int begin, int end, const float *q, const float *k, const flo
 }
 
 /* Sharing a step's items among the threads of the caller's OpenMP pool (torch's, for the torch decoder): GOMP_parallel,
- * omp_get_thread_num and omp_get_num_threads of the runtime the process has loaded, handed in by cpu_attention.py as
- * cpu_int8.c takes them. Its workers are torch's own, often still spinning from its last op, so a share costs a few
+ * omp_get_thread_num and omp_get_num_threads of the runtime the process has loaded, handed in by decoder_ops.py as
+ * int8_linear.c takes them. Its workers are torch's own, often still spinning from its last op, so a share costs a few
  * microseconds to hand over where a thread of ours costs a wake-up, and no third thread contends for two cores. */
 typedef void (*parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
 typedef int (*count_fn)(void);

@@ -1,4 +1,4 @@
-"""Our C kernels (``cpu_attention.c``, ``cpu_int8.c``): built with the system's C compiler, and probed by running them.
+"""Our C kernels (``decoder_ops.c``, ``int8_linear.c``, ``half_linear.c``): built with the system's C compiler, and probed by running them.
 
 A kernel is compiled once per source, compiler and flags into the cache directory (``kernels/``), or found prebuilt in
 ``$QUASAR_KERNELS`` (the CPU image builds them in a stage of its own and carries no compiler). Whether a build can run
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..files import first_line
-from ..openmp import parallel_entry_points
+from .threads import parallel_entry_points
 
 PREBUILT_ENV = "QUASAR_KERNELS"  # a directory of prebuilt <name>.so, used before compiling
 COMMON_FLAGS = ["-O3", "-shared", "-fPIC"]

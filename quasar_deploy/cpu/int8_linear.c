@@ -1,5 +1,5 @@
-/* The W8A8 linear of scheme.py on x86 vectors, for the cpu backend (quasar_deploy/backends/cpu_int8.py builds and
- * probes this file in four builds; kernels.py offers it as the "quasar" int8 kernel).
+/* The W8A8 linear of scheme.py on x86 vectors, for the cpu backend (quasar_deploy/cpu/int8_linear.py builds and
+ * probes this file in four builds; cpu/linears.py offers it as the "quasar" int8 kernel).
  *
  * Why its own kernel: at verify sizes (1-16 rows) a linear is a pass over its weights, and the library kernels read
  * int8 weights more slowly than their bf16 kernels read twice the bytes, so a W8A8 step gained less than its bytes
@@ -13,7 +13,7 @@
  * (-ffp-contract=off). Integer sums are exact, so a row's result depends on nothing but that row: not on the rows
  * beside it, nor on which thread computed which columns.
  *
- * The builds (cpu_int8.py's BUILDS) differ only in how they sum:
+ * The builds (int8_linear.py's BUILDS) differ only in how they sum:
  * - AVX-512 VNNI (the default) and AVX-VNNI (-DQUASAR_YMM -DQUASAR_AVXVNNI: 256-bit vpdpbusd, Intel's client CPUs and
  *   Zen 5) take unsigned activations: codes + 128, and 128 x the weight row's sum is taken off after.
  * - AVX2 (-DQUASAR_YMM alone) has no 32-bit dot product. vpmaddubsw multiplies u8 by s8 and sums pairs into
@@ -142,7 +142,7 @@ static void pair_tiles(const uint8_t *codes, size_t k4, const int8_t *half, int3
 
 static size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
 
-/* The arguments the entry points take, as cpu_int8.py calls them: a new number whenever they change, so a library
+/* The arguments the entry points take, as int8_linear.py calls them: a new number whenever they change, so a library
  * prebuilt from another version's source ($QUASAR_KERNELS) is refused rather than called wrongly. */
 int quasar_int8_interface(void) { return 2; }
 
@@ -495,7 +495,7 @@ void quasar_int8_linear(const float *x, int m, int k, const int8_t *packed, cons
 }
 
 /* Sharing a call's blocks among the threads of the caller's OpenMP pool (torch's): GOMP_parallel, omp_get_thread_num
- * and omp_get_num_threads of the runtime the process has loaded, handed in by cpu_int8.py (libgomp and Intel's runtime
+ * and omp_get_num_threads of the runtime the process has loaded, handed in by int8_linear.py (libgomp and Intel's runtime
  * both export them). Its workers are the ones torch's own ops use, often still spinning from the last of them: no
  * hand-off to a thread of ours, and no third thread contending with them for two cores. */
 typedef void (*parallel_fn)(void (*)(void *), void *, unsigned, unsigned);

@@ -1,4 +1,4 @@
-"""The ``quasar`` int8 kernel: ``cpu_int8.c`` (AVX-512 VNNI with AMX tiles where they run, AVX-512 VNNI, AVX-VNNI
+"""The ``quasar`` int8 kernel: ``int8_linear.c`` (AVX-512 VNNI with AMX tiles where they run, AVX-512 VNNI, AVX-VNNI
 or AVX2), compiled here on first use and probed by running it.
 
 At verify sizes a W8A8 linear is a pass over its int8 weights, and the library kernels read them more slowly than their
@@ -26,7 +26,7 @@ import torch
 
 from . import native
 
-SOURCE = Path(__file__).with_name("cpu_int8.c")
+SOURCE = Path(__file__).with_name("int8_linear.c")
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
 AVX2_FLAGS = ["-mavx2", "-ffp-contract=off", "-DQUASAR_YMM"]
 AMX_BUILD = "cpu_int8-amx"

@@ -1,4 +1,4 @@
-"""Linear-layer kernels: which arithmetic each one really computes, and how it is chosen.
+"""Linear-layer kernels: which arithmetic each one really computes, and the float dtype they compute in.
 
 Int8 kernels (all compute the W8A8 scheme of ``scheme.py`` with exact integer
 accumulation; they differ only in speed and in where they run):
@@ -30,15 +30,15 @@ accumulation; they differ only in speed and in where they run):
   without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only where running it
   once shows exact sums (``onednn_int8_exact``).
   No pinning rows and no float64 recovery. Tested bit-identical to the reference.
-- ``quasar``: our own kernel (``backends/cpu_int8.c``), built with the system's C compiler for AMX tiles, AVX-512
-  VNNI, AVX-VNNI or AVX2, the widest build whose self-check runs (``cpu_int8.build``; ``cpu_int8.why_not`` where
-  none does). It streams weights packed for it, so a verify step's linears read int8 weights at close to the memory's
+- ``quasar``: our own kernel (``cpu/int8_linear.c``), built with the system's C compiler for AMX tiles, AVX-512
+  VNNI, AVX-VNNI or AVX2, the widest build whose self-check runs (``int8_linear.build``; ``int8_linear.why_not``
+  where none does). It streams weights packed for it, so a verify step's linears read int8 weights at close to the memory's
   rate, which the library kernels do not; it quantizes, sums (exactly in 32 bits on every build, AVX2's included)
   and scales in C, bit for bit as the reference does. Tested bit-identical to the reference on every build.
 - ``cuda`` / ``npu`` kernels live with their backends.
 
 Where several kernels are exact, the default is the one a timing on a verify step's shape finds fastest
-(``int8_probe``; FBGEMM's split kernel is timed only where its 32-bit one is not exact): all compute the same bits, so
+(``choice.int8_probe``; FBGEMM's split kernel is timed only where its 32-bit one is not exact): all compute the same bits, so
 the choice moves speed, never an output.
 
 Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
@@ -46,14 +46,13 @@ once for oneDNN, measured faster than MKL at small M on AMD parts). Only ``onedn
 row-invariant (a row's result does not depend on the other rows of the call), which a
 batched serving step needs; MKL's blocking changes a row's rounding with M. Under ``onednn``, a weight stored in 16
 bits (bf16, float16: a real model's lm_head or tied table) that computes in float32 (a CPU without native bf16) runs on
-our ``quasar-half`` kernel instead (``backends/cpu_half.c``) where it runs: it reads the weight as stored, half the
+our ``quasar-half`` kernel instead (``cpu/half_linear.c``) where it runs: it reads the weight as stored, half the
 bytes oneDNN's float32 copy takes, widens it exactly and sums in float32, row-invariant too (``half_weights``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import time
 import warnings
@@ -63,10 +62,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import probe_store
-from .errors import QuasarError
-from .files import first_line
-from .scheme import QMAX, int8_matmul_exact, per_token_scale, quantize_activation
+from ..errors import QuasarError
+from ..files import first_line
+from ..scheme import int8_matmul_exact, per_token_scale, quantize_activation
+from . import half_linear as half_kernel
+from . import int8_linear as int8_kernel
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 ZERO_POINT = 128  # int8 codes shifted to uint8 for oneDNN's u8 x s8 kernel
@@ -98,10 +98,8 @@ def vnni_available() -> bool:
 
 
 def quasar_int8_available() -> bool:
-    """Whether our own int8 kernel (a build of it) built and passed its self-check here (``backends.cpu_int8``)."""
-    from .backends import cpu_int8
-
-    return cpu_int8.why_not() is None
+    """Whether our own int8 kernel (a build of it) built and passed its self-check here (``int8_linear``)."""
+    return int8_kernel.why_not() is None
 
 
 @functools.cache
@@ -125,151 +123,6 @@ def _sums_exactly(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> boo
         return False
 
 
-PROBE_ROWS = (6, 48)  # a verify block, and a batched serving step of 8 sequences
-ONNXRUNTIME = "onnxruntime"  # ONNX Runtime's int8 linear in the probe's timings (not a kernel of the torch backend)
-# how much faster than ONNX Runtime's int8 linear the torch backend's must time for the cpu backend to run artifacts:
-# a whole step costs ORT's single graph less around its linears than it costs the torch backend (the runs that set it:
-# docs/cpu-kinds.md, "Our AVX2 build under the view")
-ONNXRUNTIME_MARGIN = 1.25
-
-
-@dataclass(frozen=True)
-class Int8Probe:
-    """What timing the exact int8 kernels once showed (``int8_probe``): ms of one call at each of ``PROBE_ROWS``,
-    summed, per kernel timed here (``int8_kernels_to_time``)."""
-
-    ms: dict[str, float]
-    timed: str | None = None  # when it was timed (UTC), here or by an earlier process (``probe_store``); None: not timed
-
-    @property
-    def kernel(self) -> str:
-        """The fastest exact kernel of the torch backend; with none here, the reference."""
-        ours = {name: ms for name, ms in self.ms.items() if name != ONNXRUNTIME}
-        return min(ours, key=ours.__getitem__) if ours else "reference"
-
-    @property
-    def cpu_beats_onnxruntime(self) -> bool:
-        """Whether the torch backend's kernel timed faster than ONNX Runtime's int8 linear by ``ONNXRUNTIME_MARGIN``
-        (true where ORT was not timed: not installed, or not exact)."""
-        return ONNXRUNTIME not in self.ms or self.ms[self.kernel] * ONNXRUNTIME_MARGIN <= self.ms[ONNXRUNTIME]
-
-    @property
-    def reason(self) -> str:
-        if not self.ms:
-            return "no exact int8 kernel but the reference here (no FBGEMM, and no build of ours runs)"
-        if len(self.ms) == 1:
-            return "the only exact int8 kernel here"
-        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
-        when = f"; timed {self.timed}, kept: {probe_store.REPROBE_ENV}=1 times again" if self.timed else ""
-        ort = "" if self.cpu_beats_onnxruntime else f"; ours not {ONNXRUNTIME_MARGIN}x faster than ONNX Runtime's: W8A8 artifacts run there"
-        return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times}{when}){ort}"
-
-
-PROBE_SHAPE = (4096, 2048)  # (out, in) of the probe's weight: 8 MB, a 1.7B model's attention projection
-PROBE_COPIES = 6  # packed copies of it timed in turn: 48 MB, more than a server CPU's last-level cache
-
-
-@functools.cache
-def int8_probe() -> Int8Probe:
-    """Times the exact int8 kernels here (``int8_kernels_to_time``) once per machine, each on
-    ``PROBE_COPIES`` packed copies of one linear of a verify step's shape in turn (more than a last-level cache holds,
-    so the weights come from memory, as in a model's step; one cached weight times the arithmetic instead), the
-    kernels interleaved run by run so that drift hits all alike. All compute the same bits (exact), so the kernel
-    changes speed only, never an output; which is fastest depends on the CPU and the row count, so it is timed. The
-    timing is kept (``probe_store``) and later processes on this machine reuse it: ``auto``'s backend follows the pick,
-    and a near tie must not send one process to another backend than the next."""
-    kernels = int8_kernels_to_time()
-    if len(kernels) < 2:
-        return Int8Probe({name: 0.0 for name in kernels})
-    key = _int8_probe_key(kernels)
-    kept = probe_store.recall(key)
-    if kept is not None and set(kept[0]) == set(kernels):
-        return Int8Probe({name: float(kept[0][name]) for name in kernels}, kept[1])
-    ms = _time_int8_kernels(kernels)
-    return Int8Probe(ms, probe_store.keep(key, ms))
-
-
-def int8_kernels_to_time() -> list[str]:
-    """The int8 kernels ``int8_probe`` times here: ``fbgemm-vnni`` and ``onednn-vnni`` where they sum in 32 bits, our
-    ``quasar`` where a build of it runs, and FBGEMM's split kernel where its own does not sum in 32 bits (an AVX2 CPU:
-    exact there at twice the rows, and so possibly still faster than our AVX2 build); and beside them, where ONNX
-    Runtime is installed and exact, its ``MatMulInteger`` (``ONNXRUNTIME``: what the backend choice weighs, never a
-    kernel of the torch backend)."""
-    offered = (
-        ("fbgemm-vnni", vnni_available()),
-        ("onednn-vnni", onednn_int8_exact()),
-        ("quasar", quasar_int8_available()),
-        ("fbgemm", fbgemm_available() and not vnni_available()),
-    )
-    kernels = [name for name, here in offered if here]
-    return [*kernels, ONNXRUNTIME] if kernels and onnxruntime_int8_exact() else kernels
-
-
-@functools.cache
-def onnxruntime_int8_exact() -> bool:
-    """Whether ONNX Runtime is installed and its CPU ``MatMulInteger`` sums exactly here (with or without options)."""
-    from .backends.onnxruntime import exact_int8_entries, unavailable
-
-    if unavailable() is not None:
-        return False
-    try:
-        exact_int8_entries()
-    except QuasarError:
-        return False
-    return True
-
-
-def _int8_probe_key(kernels: list[str]) -> dict:
-    """What the int8 timing depends on: the CPU, the threads, the software, our kernel's source and build."""
-    from ._version import __version__
-    from .backends import cpu_int8
-    from .cpuinfo import cpu_model
-
-    return {
-        "probe": "int8",
-        "kernels": kernels,
-        "cpu": cpu_model(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "quasar_deploy": __version__,
-        "kernel_source": hashlib.sha256(cpu_int8.SOURCE.read_bytes()).hexdigest()[:16],
-        "kernel_build": cpu_int8.build(),  # the AMX build or the vector one: they time apart
-        "onnxruntime": _onnxruntime_version() if ONNXRUNTIME in kernels else None,
-        "shape": [*PROBE_SHAPE, PROBE_COPIES, *PROBE_ROWS],
-    }
-
-
-def _onnxruntime_version() -> str:
-    import onnxruntime
-
-    return onnxruntime.__version__
-
-
-def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
-    """``int8_probe``'s timing, ms per kernel: the fastest of four interleaved rounds, summed over ``PROBE_ROWS``."""
-    generator = torch.Generator().manual_seed(0)
-    wq = torch.randint(-127, 128, PROBE_SHAPE, generator=generator, dtype=torch.int8)
-    w_scale = torch.full((PROBE_SHAPE[0], 1), 0.01)
-    x = torch.randn(max(PROBE_ROWS), PROBE_SHAPE[1], generator=generator)
-    chains = {name: [_probe_linear(wq, w_scale, name) for _ in range(PROBE_COPIES)] for name in kernels}
-    best = {(name, rows): float("inf") for name in kernels for rows in PROBE_ROWS}
-    for _ in range(4):  # the first round warms up; the fastest of the rounds counts
-        for (name, rows), ms in best.items():
-            best[name, rows] = min(ms, _chain_ms(chains[name], x[:rows]))
-    return {name: sum(best[name, rows] for rows in PROBE_ROWS) for name in kernels}
-
-
-def _probe_linear(wq: torch.Tensor, w_scale: torch.Tensor, name: str) -> LinearFn:
-    return _onnxruntime_int8(wq, w_scale) if name == ONNXRUNTIME else int8_linear(wq, w_scale, None, None, name)
-
-
-def _chain_ms(linears: list[LinearFn], rows: torch.Tensor) -> float:
-    start = time.perf_counter()
-    for linear in linears:
-        linear(rows)
-    return (time.perf_counter() - start) * 1e3
-
-
 def _fastest_ms(linear: LinearFn, rows: torch.Tensor, runs: int = 5) -> float:
     """The fastest of ``runs`` calls of ``linear`` on ``rows``, in ms, after one untimed call (the probes' timing)."""
     linear(rows)
@@ -279,11 +132,6 @@ def _fastest_ms(linear: LinearFn, rows: torch.Tensor, runs: int = 5) -> float:
         linear(rows)
         times.append(time.perf_counter() - start)
     return min(times) * 1e3
-
-
-def default_int8_kernel(device: str = "cpu") -> str:
-    """The fastest exact int8 kernel here (``int8_probe``); ``reference`` off the CPU."""
-    return int8_probe().kernel if device == "cpu" else "reference"
 
 
 def default_float_kernel(device: str = "cpu") -> str:
@@ -427,21 +275,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 def half_weights(stored: torch.dtype, dtype: torch.dtype, float_kernel: str) -> bool:
     """Whether a float weight stored as ``stored`` and computing in ``dtype`` runs on the ``quasar-half`` kernel: under
     ``onednn`` (the cpu backend's), a bf16 or float16 weight computing in float32, where the kernel runs
-    (``cpu_half.why_not``). No timing decides it: a real lm_head is read from memory each step, and this kernel reads
+    (``half_linear.why_not``). No timing decides it: a real lm_head is read from memory each step, and this kernel reads
     half the bytes oneDNN's float32 copy would, the same products summed in float32; doctor shows both timed at a
     verify step's shape (``half_probe_ms``)."""
     if float_kernel != "onednn" or dtype != torch.float32 or stored not in (torch.bfloat16, torch.float16):
         return False
-    from .backends import cpu_half
-
-    return cpu_half.why_not() is None
+    return half_kernel.why_not() is None
 
 
 def half_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
     """The ``quasar-half`` kernel on ``weight`` as stored (bf16 or float16), packed once; float32 in and out."""
-    from .backends.cpu_half import HalfWeightLinear
-
-    return HalfWeightLinear(weight, bias)
+    return half_kernel.HalfWeightLinear(weight, bias)
 
 
 def _onednn_packs(weight: torch.Tensor) -> bool:
@@ -573,29 +417,6 @@ def _onednn_int8(wq, w_scale, bias, input_scale) -> LinearFn:
     return run
 
 
-def _onnxruntime_int8(wq, w_scale) -> LinearFn:
-    """The scheme's W8A8 linear as ONNX Runtime runs it in the integer graph: the exporter's own nodes for one linear
-    (codes, ``MatMulInteger``, scaling; ``exporters.onnx_graph.w8a8_linear``) in a session with the backend's options.
-    Not a kernel of the torch backend: ``int8_probe`` times it beside them, so that ``auto`` sends an artifact to ONNX
-    Runtime where its int8 linear is the faster one (``Int8Probe.cpu_beats_onnxruntime``)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    from .backends.onnxruntime import session_options
-    from .exporters.onnx_graph import GraphBuilder, w8a8_linear
-
-    g = GraphBuilder("integer")
-    y = w8a8_linear(g, "x", wq.numpy(), w_scale.float().numpy(), None, "probe")
-    model = g.model(
-        "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, wq.shape[1]])],
-        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [None, wq.shape[0]])],
-    )
-    options = session_options(torch.get_num_threads(), fixed_shape=True)
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
-
-
 def int8_linear(
     wq: torch.Tensor,
     w_scale: torch.Tensor,
@@ -610,9 +431,7 @@ def int8_linear(
     if kernel == "onednn-vnni":
         return _onednn_int8(wq, w_scale, bias, input_scale)
     if kernel == "quasar":
-        from .backends.cpu_int8 import PackedInt8Linear
-
-        return PackedInt8Linear(wq, w_scale, bias, input_scale)
+        return int8_kernel.PackedInt8Linear(wq, w_scale, bias, input_scale)
     return _fbgemm(wq, w_scale, bias, input_scale, split=kernel == "fbgemm")
 
 
@@ -620,9 +439,7 @@ def int8_kernel_label(kernel: str) -> str:
     """``kernel`` as reports name it: ours with the build that runs here (``quasar-avx2``), where builds time apart."""
     if kernel != "quasar" or not quasar_int8_available():
         return kernel
-    from .backends import cpu_int8
-
-    return f"quasar-{cpu_int8.build().removeprefix('cpu_int8-')}"
+    return f"quasar-{int8_kernel.build().removeprefix('cpu_int8-')}"
 
 
 def check_int8_kernel(kernel: str) -> None:
@@ -636,39 +453,4 @@ def check_int8_kernel(kernel: str) -> None:
     if kernel == "onednn-vnni" and not onednn_int8_exact():
         raise QuasarError("the onednn-vnni kernel needs a CPU where oneDNN's int8 linear sums in 32 bits (AVX-512 VNNI)")
     if kernel == "quasar" and not quasar_int8_available():
-        from .backends import cpu_int8
-
-        raise QuasarError(f"the quasar kernel does not run here: {cpu_int8.why_not()}")
-
-
-__all__ = [
-    "FLOAT_DTYPES",
-    "FLOAT_KERNELS",
-    "FloatProbe",
-    "Int8Probe",
-    "check_int8_kernel",
-    "cpu_computes_bf16",
-    "default_float_dtype",
-    "dtype_name",
-    "float_probe",
-    "int8_kernel_label",
-    "int8_probe",
-    "onednn_int8_exact",
-    "onnxruntime_int8_exact",
-    "quasar_int8_available",
-    "INT8_KERNELS",
-    "QMAX",
-    "default_float_kernel",
-    "default_int8_kernel",
-    "fbgemm_available",
-    "vnni_available",
-    "float_linear",
-    "half_linear",
-    "half_probe_ms",
-    "half_weights",
-    "head_beside_graph",
-    "int8_linear",
-    "onednn_available",
-    "onednn_int8_available",
-    "packs_weight",
-]
+        raise QuasarError(f"the quasar kernel does not run here: {int8_kernel.why_not()}")

@@ -1,4 +1,4 @@
-"""The ``quasar-half`` float kernel: ``cpu_half.c``, a float32 linear over weights kept in 16 bits (bf16 or float16),
+"""The ``quasar-half`` float kernel: ``half_linear.c``, a float32 linear over weights kept in 16 bits (bf16 or float16),
 widened exactly in registers; compiled here on first use and probed by running it (``native``).
 
 Where a CPU has no native bf16, float parts compute in float32, and a library kernel needs its weights in float32: a
@@ -19,7 +19,7 @@ import torch
 
 from . import native
 
-SOURCE = Path(__file__).with_name("cpu_half.c")
+SOURCE = Path(__file__).with_name("half_linear.c")
 NAME = "cpu_half-avx2"
 FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 COLS = 16  # output columns per packed block, the unit of a thread's share

@@ -1,5 +1,5 @@
 /* A float32 linear over weights kept in 16 bits (bf16 or float16), for CPUs that compute float32 because they have no
- * native bf16 (quasar_deploy/backends/cpu_half.py builds and probes this file; kernels.py offers it for every float
+ * native bf16 (quasar_deploy/cpu/half_linear.py builds and probes this file; cpu/linears.py offers it for every float
  * linear whose weight is stored narrower than it computes: a real model's lm_head or tied table above all).
  *
  * Why its own kernel: at verify sizes a linear is a pass over its weights, and a library float32 kernel needs its
@@ -140,8 +140,8 @@ void quasar_half_linear(const float *x, int m, int k, const uint16_t *packed, co
     }
 }
 
-/* Sharing a call's blocks among the threads of the caller's OpenMP pool (torch's), as cpu_int8.c does: GOMP_parallel,
- * omp_get_thread_num and omp_get_num_threads of the runtime the process has loaded, handed in by cpu_half.py. */
+/* Sharing a call's blocks among the threads of the caller's OpenMP pool (torch's), as int8_linear.c does: GOMP_parallel,
+ * omp_get_thread_num and omp_get_num_threads of the runtime the process has loaded, handed in by half_linear.py. */
 typedef void (*parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
 typedef int (*count_fn)(void);
 static parallel_fn omp_parallel;

@@ -1,0 +1,106 @@
+"""The ONNX export the onnxruntime backend runs when it is handed an artifact or a checkpoint instead of an export:
+exported on first use into the cache (``cache.py``) and found there by the next run.
+
+An export is keyed by its source's content alone, so a changed model gets a new export, and the same model copied or
+re-created elsewhere (a temporary directory) finds the export it already has. An artifact's ``quasar.json`` lists the
+sha256 of every file it holds, so its bytes name the artifact's content. A float checkpoint has no such record: its
+files are hashed, once per file version (size, modification time, inode; remembered in ``.index/hashes.json``), since
+hashing 16 GB on every load would cost more than the backend saves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .._version import __version__
+from ..artifact import open_model_files
+from ..cache import INDEX, cache_dir, locked, make_room, read_json, used, write_json
+from ..checkpoint import Checkpoint
+from ..cpu.linears import head_beside_graph
+from ..errors import QuasarError
+from ..exporters import ONNX_GRAPH_REVISION, export
+from ..files import TOKENIZER_FILES, sha256_files
+from ..integrity import EXPORT_FORMAT_VERSION, MANIFEST
+from ..memory import EMBEDDINGS, estimate, head_dtype_name
+from ..shards import TORCH_DTYPES
+
+HASHES = "hashes.json"
+
+
+def _file_sha256(file: Path, known: dict) -> str:
+    """sha256 of ``file``, from ``known`` while the file is the same version (size, mtime, inode), else read and added."""
+    stat = file.stat()
+    version = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+    entry = known.get(str(file.resolve()))
+    if entry is None or entry[:3] != version:
+        entry = known[str(file.resolve())] = [*version, sha256_files(file)]
+    return entry[3]
+
+
+def content_key(model: Path) -> str:
+    """sha256 naming what ``model`` holds: its artifact record, or the sha256 of each file of a checkpoint an export reads
+    (config, weights, tokenizer)."""
+    digest = hashlib.sha256(json.dumps([__version__, EXPORT_FORMAT_VERSION, ONNX_GRAPH_REVISION]).encode())
+    if (model / MANIFEST).is_file():
+        digest.update((model / MANIFEST).read_bytes())
+        return digest.hexdigest()
+    if not (model / "config.json").is_file():
+        raise QuasarError(f"{model}: no config.json (not a Hugging Face checkpoint or a quasar-deploy artifact)")
+    hashes = cache_dir() / INDEX / HASHES
+    known = read_json(hashes)
+    before = json.dumps(known, sort_keys=True)
+    read = {"config.json", *TOKENIZER_FILES}
+    for file in sorted(f for f in model.iterdir() if f.is_file() and (f.name in read or ".safetensors" in f.name)):
+        digest.update(json.dumps([file.name, _file_sha256(file, known)]).encode())
+    if json.dumps(known, sort_keys=True) != before:
+        write_json(hashes, known)
+    return digest.hexdigest()
+
+
+def head_outside(model: Path) -> bool:
+    """Whether ``model``'s cached export leaves its float lm_head to the backend: a W8A8 artifact whose head runs better
+    on torch beside the graph (``linears.head_beside_graph``: in bf16 where the CPU computes it, else read as stored in
+    16 bits by ``quasar-half``; ORT's CPU kernels have no bf16 MatMul, and a float32 head reads twice the bytes)."""
+    if not (model / MANIFEST).is_file():
+        return False
+    return head_beside_graph(TORCH_DTYPES[head_dtype_name(Checkpoint(model).dtypes)])
+
+
+def onnx_export_path(model: Path) -> Path:
+    """Where the ONNX export of ``model`` is cached: named by its content key alone (not by where the model is), and by
+    where its head runs (``head_outside``)."""
+    return cache_dir() / f"onnx-{content_key(model)[:24]}{'-head-outside' if head_outside(model) else ''}"
+
+
+def export_bytes(model: Path) -> int:
+    """About what the ONNX export of ``model`` takes on disk: its weights as the graph stores them (int8 linears with their
+    scales, everything else float32, the embedding table in float32 whatever it is stored in)."""
+    files = open_model_files(model)
+    needed = estimate(files, float_dtype=torch.float32)  # the graph's float weights are float32
+    table = 1
+    for dim in files.checkpoint.shapes[EMBEDDINGS]:
+        table *= dim
+    return needed.int8_weights + needed.float_weights + 4 * table
+
+
+def cached_onnx_export(model: str | Path, replace: bool = False, progress: bool = True) -> Path:
+    """The ONNX export of the artifact (exact integer W8A8 graph) or float checkpoint at ``model``, exported on first
+    use; ``replace``: export it again (the loader found the cached one damaged: the cache is ours to repair)."""
+    model = Path(model)
+    path = onnx_export_path(model)
+    with locked(path):
+        if replace and path.exists():
+            shutil.rmtree(path)
+        if not path.exists():
+            make_room(export_bytes(model), keep=(model.resolve(),))  # the source may be in the cache too (the demo's)
+            print(f"quasar-deploy: first use of {model} on ONNX Runtime: exporting it to {path} (once per model)", file=sys.stderr)
+            w8a8 = (model / MANIFEST).is_file()
+            export(model, "onnx", path, precision="w8a8" if w8a8 else "float", progress=progress, head_outside=head_outside(model))
+        used(path, model)
+    return path

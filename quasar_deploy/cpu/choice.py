@@ -1,0 +1,231 @@
+"""Choosing the int8 kernel: one timing of every exact int8 kernel here (and of ONNX Runtime's int8 linear, which
+decides where ``auto`` runs an artifact), kept across processes.
+
+The kernels compute the same bits (``linears``), so the choice moves speed, never an output. A timing that picks
+between kernels of equal results can come out either way where two kernels run alike (seen on the Intel Xeon kind: 7%
+apart, a different pick from one process to the next). The pick decides more than the kernel: ``auto`` runs an
+artifact on the cpu backend or on ONNX Runtime by it, and the two round floats differently. So a timing is taken once
+per CPU, thread count and software (the key) and kept in the cache: every process on the machine then chooses alike,
+the server and the benchmark that started it, today's ``generate`` and tomorrow's. ``QUASAR_REPROBE=1`` times again
+and keeps the new result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .._version import __version__
+from ..cache import cache_dir, read_json, write_json
+from ..errors import QuasarError
+from . import int8_linear as int8_kernel
+from . import linears
+from .linears import LinearFn
+from .machine import cpu_model
+
+REPROBE_ENV = "QUASAR_REPROBE"
+
+
+def kept_path(key: dict) -> Path:
+    """Where the timing for ``key`` is kept: beside the kernels built for this machine, one file per key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"probe-{key['probe']}-{digest}.json"
+
+
+def recall(key: dict) -> tuple[dict, str] | None:
+    """The result kept for ``key`` and when it was timed (UTC date), or None: nothing kept, a file that is not a
+    record for this key, or ``QUASAR_REPROBE`` set."""
+    if os.environ.get(REPROBE_ENV):
+        return None
+    record = read_json(kept_path(key))
+    if record.get("key") != key or not isinstance(record.get("result"), dict):
+        return None
+    return record["result"], str(record.get("date"))
+
+
+def keep(key: dict, result: dict) -> str:
+    """Keep ``result`` for ``key``, replacing the file whole, and return when it was timed (now, UTC); a cache that
+    cannot be written leaves the next process to time again."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        write_json(kept_path(key), {"key": key, "result": result, "date": date})
+    except OSError:
+        pass
+    return date
+
+
+PROBE_ROWS = (6, 48)  # a verify block, and a batched serving step of 8 sequences
+ONNXRUNTIME = "onnxruntime"  # ONNX Runtime's int8 linear in the probe's timings (not a kernel of the torch backend)
+# how much faster than ONNX Runtime's int8 linear the torch backend's must time for the cpu backend to run artifacts:
+# a whole step costs ORT's single graph less around its linears than it costs the torch backend (the runs that set it:
+# docs/cpu-kinds.md, "Our AVX2 build under the view")
+ONNXRUNTIME_MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class Int8Probe:
+    """What timing the exact int8 kernels once showed (``int8_probe``): ms of one call at each of ``PROBE_ROWS``,
+    summed, per kernel timed here (``int8_kernels_to_time``)."""
+
+    ms: dict[str, float]
+    timed: str | None = None  # when it was timed (UTC), here or by an earlier process (``recall``); None: not timed
+
+    @property
+    def kernel(self) -> str:
+        """The fastest exact kernel of the torch backend; with none here, the reference."""
+        ours = {name: ms for name, ms in self.ms.items() if name != ONNXRUNTIME}
+        return min(ours, key=ours.__getitem__) if ours else "reference"
+
+    @property
+    def cpu_beats_onnxruntime(self) -> bool:
+        """Whether the torch backend's kernel timed faster than ONNX Runtime's int8 linear by ``ONNXRUNTIME_MARGIN``
+        (true where ORT was not timed: not installed, or not exact)."""
+        return ONNXRUNTIME not in self.ms or self.ms[self.kernel] * ONNXRUNTIME_MARGIN <= self.ms[ONNXRUNTIME]
+
+    @property
+    def reason(self) -> str:
+        if not self.ms:
+            return "no exact int8 kernel but the reference here (no FBGEMM, and no build of ours runs)"
+        if len(self.ms) == 1:
+            return "the only exact int8 kernel here"
+        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
+        when = f"; timed {self.timed}, kept: {REPROBE_ENV}=1 times again" if self.timed else ""
+        ort = "" if self.cpu_beats_onnxruntime else f"; ours not {ONNXRUNTIME_MARGIN}x faster than ONNX Runtime's: W8A8 artifacts run there"
+        return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times}{when}){ort}"
+
+
+PROBE_SHAPE = (4096, 2048)  # (out, in) of the probe's weight: 8 MB, a 1.7B model's attention projection
+PROBE_COPIES = 6  # packed copies of it timed in turn: 48 MB, more than a server CPU's last-level cache
+
+
+@functools.cache
+def int8_probe() -> Int8Probe:
+    """Times the exact int8 kernels here (``int8_kernels_to_time``) once per machine, each on
+    ``PROBE_COPIES`` packed copies of one linear of a verify step's shape in turn (more than a last-level cache holds,
+    so the weights come from memory, as in a model's step; one cached weight times the arithmetic instead), the
+    kernels interleaved run by run so that drift hits all alike. All compute the same bits (exact), so the kernel
+    changes speed only, never an output; which is fastest depends on the CPU and the row count, so it is timed. The
+    timing is kept (``keep``) and later processes on this machine reuse it: ``auto``'s backend follows the pick,
+    and a near tie must not send one process to another backend than the next."""
+    kernels = int8_kernels_to_time()
+    if len(kernels) < 2:
+        return Int8Probe({name: 0.0 for name in kernels})
+    key = _int8_probe_key(kernels)
+    kept = recall(key)
+    if kept is not None and set(kept[0]) == set(kernels):
+        return Int8Probe({name: float(kept[0][name]) for name in kernels}, kept[1])
+    ms = _time_int8_kernels(kernels)
+    return Int8Probe(ms, keep(key, ms))
+
+
+def int8_kernels_to_time() -> list[str]:
+    """The int8 kernels ``int8_probe`` times here: ``fbgemm-vnni`` and ``onednn-vnni`` where they sum in 32 bits, our
+    ``quasar`` where a build of it runs, and FBGEMM's split kernel where its own does not sum in 32 bits (an AVX2 CPU:
+    exact there at twice the rows, and so possibly still faster than our AVX2 build); and beside them, where ONNX
+    Runtime is installed and exact, its ``MatMulInteger`` (``ONNXRUNTIME``: what the backend choice weighs, never a
+    kernel of the torch backend)."""
+    offered = (
+        ("fbgemm-vnni", linears.vnni_available()),
+        ("onednn-vnni", linears.onednn_int8_exact()),
+        ("quasar", linears.quasar_int8_available()),
+        ("fbgemm", linears.fbgemm_available() and not linears.vnni_available()),
+    )
+    kernels = [name for name, here in offered if here]
+    return [*kernels, ONNXRUNTIME] if kernels and onnxruntime_int8_exact() else kernels
+
+
+@functools.cache
+def onnxruntime_int8_exact() -> bool:
+    """Whether ONNX Runtime is installed and its CPU ``MatMulInteger`` sums exactly here (with or without options)."""
+    from ..backends.ort_session import exact_int8_entries, unavailable  # ONNX Runtime is optional
+
+    if unavailable() is not None:
+        return False
+    try:
+        exact_int8_entries()
+    except QuasarError:
+        return False
+    return True
+
+
+def _int8_probe_key(kernels: list[str]) -> dict:
+    """What the int8 timing depends on: the CPU, the threads, the software, our kernel's source and build."""
+    return {
+        "probe": "int8",
+        "kernels": kernels,
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "quasar_deploy": __version__,
+        "kernel_source": hashlib.sha256(int8_kernel.SOURCE.read_bytes()).hexdigest()[:16],
+        "kernel_build": int8_kernel.build(),  # the AMX build or the vector one: they time apart
+        "onnxruntime": _onnxruntime_version() if ONNXRUNTIME in kernels else None,
+        "shape": [*PROBE_SHAPE, PROBE_COPIES, *PROBE_ROWS],
+    }
+
+
+def _onnxruntime_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
+def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
+    """``int8_probe``'s timing, ms per kernel: the fastest of four interleaved rounds, summed over ``PROBE_ROWS``."""
+    generator = torch.Generator().manual_seed(0)
+    wq = torch.randint(-127, 128, PROBE_SHAPE, generator=generator, dtype=torch.int8)
+    w_scale = torch.full((PROBE_SHAPE[0], 1), 0.01)
+    x = torch.randn(max(PROBE_ROWS), PROBE_SHAPE[1], generator=generator)
+    chains = {name: [_probe_linear(wq, w_scale, name) for _ in range(PROBE_COPIES)] for name in kernels}
+    best = {(name, rows): float("inf") for name in kernels for rows in PROBE_ROWS}
+    for _ in range(4):  # the first round warms up; the fastest of the rounds counts
+        for (name, rows), ms in best.items():
+            best[name, rows] = min(ms, _chain_ms(chains[name], x[:rows]))
+    return {name: sum(best[name, rows] for rows in PROBE_ROWS) for name in kernels}
+
+
+def _probe_linear(wq: torch.Tensor, w_scale: torch.Tensor, name: str) -> LinearFn:
+    return _onnxruntime_int8(wq, w_scale) if name == ONNXRUNTIME else linears.int8_linear(wq, w_scale, None, None, name)
+
+
+def _chain_ms(linears: list[LinearFn], rows: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for linear in linears:
+        linear(rows)
+    return (time.perf_counter() - start) * 1e3
+
+
+def default_int8_kernel(device: str = "cpu") -> str:
+    """The fastest exact int8 kernel here (``int8_probe``); ``reference`` off the CPU."""
+    return int8_probe().kernel if device == "cpu" else "reference"
+
+
+def _onnxruntime_int8(wq, w_scale) -> LinearFn:
+    """The scheme's W8A8 linear as ONNX Runtime runs it in the integer graph: the exporter's own nodes for one linear
+    (codes, ``MatMulInteger``, scaling; ``exporters.onnx_graph.w8a8_linear``) in a session with the backend's options.
+    Not a kernel of the torch backend: ``int8_probe`` times it beside them, so that ``auto`` sends an artifact to ONNX
+    Runtime where its int8 linear is the faster one (``Int8Probe.cpu_beats_onnxruntime``)."""
+    import onnxruntime as ort  # optional, as ONNX is: imported where it is timed
+    from onnx import TensorProto, helper
+
+    from ..backends.ort_session import session_options
+    from ..exporters.onnx_graph import GraphBuilder, w8a8_linear
+
+    g = GraphBuilder("integer")
+    y = w8a8_linear(g, "x", wq.numpy(), w_scale.float().numpy(), None, "probe")
+    model = g.model(
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, wq.shape[1]])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [None, wq.shape[0]])],
+    )
+    options = session_options(torch.get_num_threads(), fixed_shape=True)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])

@@ -167,3 +167,104 @@ def test_an_e2e_record_comparing_drafters_renders_their_acceptance_lengths():
     assert accepted == {"ngram-w8a8 acceptance length": "2.50", "suffix-w8a8 acceptance length": "2.75"}
     plain = current([record | {"file": "e.json", "figures": figures | {"modes": {"ngram-w8a8": mode(2.5)}}}])["CPU: CPU"]
     assert not any(q.endswith("acceptance length") for q in plain)  # n-gram alone: its speeds, as before
+
+
+AVX2, AVX512 = ["avx2", "fma"], ["avx2", "avx512_vnni", "avx512f", "fma"]
+
+
+def _write(tmp_path, name: str, command: str, figures: dict, day: int, isa: list[str], cpu: str = "AMD EPYC") -> None:
+    """A bench record in ``tmp_path``, holding only what the page reads of it."""
+    machine = {"cpu": cpu, "isa": isa, "threads": 2, "load_1min": 1.0}
+    record = dict(record=1, command=command, options={}, version="0.1.0", date=f"2026-12-{day:02d}T00:00:00+00:00", machine=machine)
+    (tmp_path / name).write_text(json.dumps(record | {"dtypes": {}, "figures": figures}))
+
+
+def _e2e(modes: dict[str, tuple[float, float | None]]) -> dict:
+    """``bench e2e`` figures: per mode its tokens/s and its ratio to the best float mode."""
+    settings = {"artifact": "a", "prompt_count": 2, "prompts": "p.jsonl", "max_new_tokens": 8}
+    return {"settings": settings, "modes": {m: {"tokens_per_s": t, "speedup_vs_best-float": r} for m, (t, r) in modes.items()}}
+
+
+def _serve(rates: dict[int, float], generate: float | None = None, vllm: dict[int, float] | None = None) -> dict:
+    """``bench serve`` figures: our server's output tokens/s per number of clients, ``generate`` alone's, vLLM's."""
+
+    def levels(by_clients: dict[int, float]) -> list[dict]:
+        return [{"concurrency": n, "tokens_per_s": t, "ttft_ms_p50": 100.0} for n, t in by_clients.items()]
+
+    settings = {"draft": "ngram", "num_draft": 5, "row_budget": True, "model": "m", "max_tokens": 8}
+    figures = {"settings": settings, "backend": "cpu W8A8, 2 threads", "levels": levels(rates)}
+    if generate is not None:
+        figures["generate"] = {"backend": "cpu W8A8", "tokens_per_s": generate}
+    return figures | ({"vllm": {"version": "0.32.0", "levels": levels(vllm)}} if vllm else {})
+
+
+def _verify(ratio: float) -> dict:
+    """``bench verify-step`` figures with W8A8 ``ratio`` times faster than the best float step."""
+    step = dict(shape="qwen3-0.6b", tokens=6, context=128, threads=2, float_kernel="onednn", int8_kernel="quasar")
+    head = dict(int8_lm_head=False, head_dtype="float32")
+    return step | head | dict(float_ms={"float32": 100.0}, best_float="float32", w8a8_ms=100.0 / ratio, ratio=ratio, ideal_ratio=2.0)
+
+
+def _summary_rows(page: str) -> dict[str, dict[str, str]]:
+    """The page's summary table: per machine kind, per column title, the cell."""
+    header, _, *rows = page.split("## Summary\n", 1)[1].split("\n## ", 1)[0].strip().splitlines()[2:]
+    titles = [cell.strip() for cell in header.strip("|").split("|")]
+    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    return {row[0]: dict(zip(titles[1:], row[1:])) for row in cells}
+
+
+def test_the_page_opens_with_one_summary_row_per_machine_kind(tmp_path):
+    """One CPU model name with two instruction-set lists is two kinds; each figure comes from the newest record of its
+    kind that holds it; a figure no record of a kind holds is a dash; the full list follows the table."""
+    from quasar_deploy.bench.record import read_records
+
+    _write(tmp_path, "e2e-avx2-old.json", "bench e2e", _e2e({"ngram-w8a8": (30.0, 1.11), "ngram-float": (27.0, 1.0)}), 1, AVX2)
+    e2e = {
+        "ngram-float": (20.0, 1.0),
+        "ngram-w8a8": (40.0, 2.0),
+        "ngram-w8a8-ort": (42.0, 2.1),
+        "llamacpp-q8_0": (15.5, 0.77),
+        "vllm-w8a8": (45.0, 2.25),
+    }
+    _write(tmp_path, "e2e-avx2.json", "bench e2e", _e2e(e2e), 3, AVX2)
+    _write(tmp_path, "verify-avx2.json", "bench verify-step", _verify(2.31), 2, AVX2)
+    _write(tmp_path, "serve-avx512.json", "bench serve", _serve({1: 40.0, 8: 60.0}, generate=50.0, vllm={1: 20.0, 8: 30.0}), 2, AVX512)
+    gpu = {"gpu": "NVIDIA H200", "settings": {"tokens": 6, "context": 512}, "verify": [{"shape": "qwen3-8b", "ratio": 0.89}], "e2e": []}
+    _write(tmp_path, "gpu.json", "bench gpu", gpu, 4, AVX512, cpu="Intel Xeon")
+    page = render(read_records([tmp_path]))
+    rows = _summary_rows(page)
+    assert list(rows) == ["CPU: AMD EPYC (avx2, avx512_vnni, avx512f, fma)", "CPU: AMD EPYC (avx2, fma)", "GPU: NVIDIA H200"]
+    avx2, avx512, h200 = (
+        rows["CPU: AMD EPYC (avx2, fma)"],
+        rows["CPU: AMD EPYC (avx2, avx512_vnni, avx512f, fma)"],
+        rows["GPU: NVIDIA H200"],
+    )
+    assert avx2["end to end: W8A8 vs best float"] == "2.10x ngram-w8a8-ort (`e2e-avx2.json`)"  # our best mode (not vLLM's), the newest
+    assert avx2["verify step: W8A8 vs best float"] == "2.31x qwen3-0.6b, float32 lm_head (`verify-avx2.json`)"
+    assert avx2["llama.cpp tokens/s"] == "15.5 llamacpp-q8_0 (`e2e-avx2.json`)"
+    assert avx2["vLLM (CPU build) tokens/s"] == "45.0 vllm-w8a8 (`e2e-avx2.json`)"
+    assert avx2["serving: most clients vs 1"] == avx2["serving: 1 client vs generate alone"] == "—"
+    assert avx512["serving: most clients vs 1"] == "1.50x at 8 clients on cpu (`serve-avx512.json`)"
+    assert avx512["serving: 1 client vs generate alone"] == "0.80x on cpu (`serve-avx512.json`)"
+    assert avx512["vLLM (CPU build) tokens/s"] == "vLLM 0.32.0 serving: 20.0 at 1, 30.0 at 8 clients (`serve-avx512.json`)"
+    assert avx512["end to end: W8A8 vs best float"] == avx512["llama.cpp tokens/s"] == "—"
+    assert h200["verify step: W8A8 vs best float"] == "vs bf16: 0.89x qwen3-8b (`gpu.json`)"
+    assert h200["end to end: W8A8 vs best float"] == h200["serving: most clients vs 1"] == "—"  # a GPU run without its e2e part
+    assert page.index("## Summary") < page.index("## CPU: AMD EPYC\n") < page.index("## GPU: NVIDIA H200") < page.index("## Records")
+
+
+def test_a_summary_figure_skips_newer_records_without_it_and_breaks_date_ties_by_file_name(tmp_path):
+    """A run at 8 clients alone, or of drafters with no float mode, leaves the older value standing; of two records
+    of one date the later file name wins, so the table depends on the records alone."""
+    from quasar_deploy.bench.record import read_records
+
+    _write(tmp_path, "serve-a.json", "bench serve", _serve({1: 10.0, 8: 20.0}, generate=10.0), 1, AVX2)
+    _write(tmp_path, "serve-b.json", "bench serve", _serve({1: 10.0, 8: 30.0}, generate=20.0), 1, AVX2)
+    _write(tmp_path, "serve-c-eight-only.json", "bench serve", _serve({8: 99.0}), 2, AVX2)
+    _write(tmp_path, "e2e-a.json", "bench e2e", _e2e({"ngram-float": (10.0, 1.0), "ngram-w8a8": (17.0, 1.7)}), 1, AVX2)
+    _write(tmp_path, "e2e-b-no-float.json", "bench e2e", _e2e({"ngram-w8a8": (17.0, None), "suffix-w8a8": (20.0, None)}), 2, AVX2)
+    (row,) = _summary_rows(render(read_records([tmp_path]))).values()
+    assert row["serving: most clients vs 1"] == "3.00x at 8 clients on cpu (`serve-b.json`)"
+    assert row["serving: 1 client vs generate alone"] == "0.50x on cpu (`serve-b.json`)"
+    assert row["end to end: W8A8 vs best float"] == "1.70x ngram-w8a8 (`e2e-a.json`)"
+    assert row["verify step: W8A8 vs best float"] == "—"

@@ -3,8 +3,9 @@
 A record says what was run (command and options), by which version, on what machine (CPU model, the probes that
 choose kernels and backends, the load while it ran), with which dtypes, when, and what it measured (``figures``: the
 subcommand's own result). Records are committed under ``bench/results/``; ``quasar-deploy bench report`` renders
-``docs/benchmarks.md`` from them, the newest value of each quantity per CPU model, so a figure the docs cite always
-names the run it came from and is replaced, not appended to, when it is measured again.
+``docs/benchmarks.md`` from them: a summary of the headline figures per machine kind, then the newest value of each
+quantity per CPU model, so a figure the docs cite always names the run it came from and is replaced, not appended to,
+when it is measured again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..errors import QuasarError
+from .anchors import ANCHOR_MODES
 from .modes import ADAPTIVE_MODES, k_text
 
 RECORD_VERSION = 1
@@ -77,8 +79,13 @@ def read_records(paths: Iterable[str | Path]) -> list[dict]:
 Quantity = tuple[str, str]  # (what was measured, its value as text)
 
 
+def _head(f: dict) -> str:
+    """The dtype a ``bench verify-step`` run's W8A8 model computed its lm_head in."""
+    return "int8" if f["int8_lm_head"] else f["head_dtype"]
+
+
 def _verify_step(f: dict) -> list[Quantity]:
-    head = "int8" if f["int8_lm_head"] else f["head_dtype"]
+    head = _head(f)
     what = f"verify step, {f['shape']} (synthetic weights), {f['tokens']} tokens on a {f['context']}-token cache, {f['threads']} threads"
     floats = [(f"{what}: float {dtype} ({f['float_kernel']})", f"{ms:.1f} ms") for dtype, ms in f["float_ms"].items()]
     return [
@@ -212,12 +219,125 @@ def current(records: list[dict]) -> dict[str, dict[str, tuple[str, dict]]]:
         headline = HEADLINES.get(record["command"])
         if headline is None:
             continue
-        gpu = record["command"] == "bench gpu"
-        view = record["machine"].get(VIEW_KEY)
-        kind = f"GPU: {record['figures']['gpu']}" if gpu else f"CPU: {record['machine']['cpu']}" + (f", {view} view" if view else "")
         for quantity, value in headline(record["figures"]):
-            table.setdefault(kind, {})[quantity] = (value, record)
+            table.setdefault(_machine_name(record), {})[quantity] = (value, record)
     return table
+
+
+def _machine_name(record: dict) -> str:
+    """The machine the full list files a record under: the GPU for ``bench gpu``, else the CPU model and its view."""
+    if record["command"] == "bench gpu":
+        return f"GPU: {record['figures']['gpu']}"
+    view = record["machine"].get(VIEW_KEY)
+    return f"CPU: {record['machine']['cpu']}" + (f", {view} view" if view else "")
+
+
+def _kind(record: dict) -> str:
+    """The machine kind the summary files a record under: a CPU's name also by the instruction sets it listed, since
+    one model name covers kinds that differ there (an AMD EPYC with AVX2 only, another with AVX-512 VNNI)."""
+    flags = ", ".join(record["machine"].get("isa") or ())
+    return _machine_name(record) + (f" ({flags})" if flags and record["command"] != "bench gpu" else "")
+
+
+def _e2e_ratio(f: dict) -> str | None:
+    """The best of our W8A8 modes against the best float mode (the ratio the record keeps), the mode named: best
+    against best, as the anchors page compares too."""
+    ratios = {
+        mode: m["speedup_vs_best-float"]
+        for mode, m in f["modes"].items()
+        if "w8a8" in mode and mode not in ANCHOR_MODES and m.get("speedup_vs_best-float") is not None
+    }
+    best = max(sorted(ratios), key=ratios.__getitem__, default=None)  # sorted: a tie goes to the first name
+    return None if best is None else f"{ratios[best]:.2f}x {best}"
+
+
+def _verify_ratio(f: dict) -> str:
+    """The W8A8 step against the best float step, with the shape and the lm_head's dtype it was timed with."""
+    return f"{f['ratio']:.2f}x {f['shape']}, {_head(f)} lm_head"
+
+
+def _gpu_ratios(entries: list[dict], name: str) -> str | None:
+    """A ``bench gpu`` record's W8A8 vs bf16 ratios, one per shape or model it ran (bf16 is the GPU's float)."""
+    return "vs bf16: " + ", ".join(f"{e['ratio']:.2f}x {e[name]}" for e in entries) if entries else None
+
+
+def _serve_tokens_per_s(f: dict) -> dict[int, float]:
+    """Our server's output tokens/s by the number of clients."""
+    return {level["concurrency"]: level["tokens_per_s"] for level in f["levels"]}
+
+
+def _serve_scaling(f: dict) -> str | None:
+    """Output tokens/s at the most clients the run had over one client's: what batching requests buys."""
+    rates = _serve_tokens_per_s(f)
+    most = max(rates, default=1)
+    if 1 not in rates or most == 1:
+        return None
+    return f"{rates[most] / rates[1]:.2f}x at {most} clients on {f['backend'].split()[0]}"
+
+
+def _serve_vs_generate(f: dict) -> str | None:
+    """One client's output tokens/s over ``generate`` alone on the same prompts: what serving costs or buys."""
+    rates = _serve_tokens_per_s(f)
+    if 1 not in rates or "generate" not in f:
+        return None
+    return f"{rates[1] / f['generate']['tokens_per_s']:.2f}x on {f['backend'].split()[0]}"
+
+
+def _anchor_modes(f: dict, engine: str) -> str | None:
+    """A ``bench e2e`` record's tokens/s of each anchor mode run on ``engine`` (llamacpp, vllm)."""
+    ran = [mode for mode in f["modes"] if mode in ANCHOR_MODES and ANCHOR_MODES[mode].engine == engine]
+    return ", ".join(f"{f['modes'][mode]['tokens_per_s']:.1f} {mode}" for mode in ran) or None
+
+
+def _vllm_serving(f: dict) -> str | None:
+    """A ``bench serve`` record's vLLM serving the same requests: its output tokens/s at each number of clients."""
+    if "vllm" not in f:
+        return None
+    rates = ", ".join(f"{level['tokens_per_s']:.1f} at {level['concurrency']}" for level in f["vllm"]["levels"])
+    return f"vLLM {f['vllm']['version']} serving: {rates} clients"
+
+
+# the summary's columns: per headline figure, the commands whose records hold it and how each reads it (None: not this one)
+SUMMARY: dict[str, dict[str, Callable[[dict], str | None]]] = {
+    "end to end: W8A8 vs best float": {"bench e2e": _e2e_ratio, "bench gpu": lambda f: _gpu_ratios(f["e2e"], "model")},
+    "verify step: W8A8 vs best float": {"bench verify-step": _verify_ratio, "bench gpu": lambda f: _gpu_ratios(f["verify"], "shape")},
+    "serving: most clients vs 1": {"bench serve": _serve_scaling},
+    "serving: 1 client vs generate alone": {"bench serve": _serve_vs_generate},
+    "llama.cpp tokens/s": {"bench e2e": lambda f: _anchor_modes(f, "llamacpp")},
+    "vLLM (CPU build) tokens/s": {"bench e2e": lambda f: _anchor_modes(f, "vllm"), "bench serve": _vllm_serving},
+}
+
+
+def summary(records: list[dict]) -> dict[str, dict[str, tuple[str, dict]]]:
+    """Per machine kind (``_kind``), per headline figure (``SUMMARY``): its value in the newest record of that kind
+    that holds it, and that record. Newest by date, a tie by file name (the later name wins), so the choice depends on
+    the records alone; a record without the figure (a run at 8 clients only, drafters without a float mode) leaves an
+    older one's value standing. A figure no record holds is absent."""
+    table: dict[str, dict[str, tuple[str, dict]]] = {}
+    for record in sorted(records, key=lambda r: (r["date"], r["file"])):
+        row = table.setdefault(_kind(record), {})
+        for figure, readers in SUMMARY.items():
+            read = readers.get(record["command"])
+            value = read(record["figures"]) if read else None
+            if value is not None:
+                row[figure] = (value, record)
+    return table
+
+
+def _summary_lines(records: list[dict]) -> list[str]:
+    """The page's opening table: one row per machine kind, each cell a headline figure and the record it came from."""
+    lines = [
+        "## Summary",
+        "",
+        "Per machine kind, each figure from the newest record that holds it (named beside it; — where none does).",
+        "",
+        "| machine | " + " | ".join(SUMMARY) + " |",
+        "|---" * (len(SUMMARY) + 1) + "|",
+    ]
+    for kind, figures in sorted(summary(records).items()):
+        cells = [kind] + [f"{figures[f][0]} (`{figures[f][1]['file']}`)" if f in figures else "—" for f in SUMMARY]
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    return lines
 
 
 def _set(options: dict) -> list[tuple[str, object]]:
@@ -237,7 +357,8 @@ def _last_parts(value: object) -> object:
 
 
 def render(records: list[dict]) -> str:
-    """``docs/benchmarks.md``: per machine, a table of the current value of every quantity, each naming its record."""
+    """``docs/benchmarks.md``: the summary per machine kind, then per machine a table of the current value of every
+    quantity, each naming its record."""
     lines = [
         "# Benchmarks",
         "",
@@ -245,6 +366,8 @@ def render(records: list[dict]) -> str:
         "(each written by the `quasar-deploy bench ... --json` command it names); edit the records, never this page.",
         "A quantity measured again replaces its older value. Ratios are medians of per-pair or per-prompt ratios measured",
         "in one run, so they hold up on a busy machine better than the absolute times, which the load beside them qualifies.",
+        "",
+        *_summary_lines(records),
     ]
     for kind, quantities in sorted(current(records).items()):
         lines += ["", f"## {kind}", "", "| quantity | value | date | load | version | record |", "|---|---|---|---|---|---|"]

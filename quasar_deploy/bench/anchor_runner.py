@@ -1,24 +1,9 @@
 """Runs one anchor engine (llama.cpp or vLLM's CPU build) on token-id prompts, inside that engine's own virtual environment.
 
-``bench e2e`` starts this file with the anchor venv's python (``python -I anchor_runner.py``),
-never importing the engine into its own process: vLLM's CPU build pins its own torch, and
-neither engine may be installed beside quasar-deploy. So this file imports nothing from
-quasar-deploy and only the standard library at module level.
-
-Protocol: one JSON request on stdin::
-
-    {"engine": "llamacpp" | "vllm", "model": PATH, "prompts": [[ids...], ...],
-     "max_new_tokens": N, "stop_ids": [ids], "threads": T, "context": C,
-     "speculative": null | {"num_draft": K, "ngram_min": MIN, "ngram_max": MAX},
-     "warmup_tokens": W, "dtype": "bfloat16" | "float32" (vLLM's activations and float weights)}
-
-(``model``: a GGUF file for llama.cpp, a Hugging Face or compressed-tensors directory for vLLM),
-and one JSON response on stdout: ``{"engine", "version", "runs": [{"tokens", "wall_s"}],
-"details"}`` or ``{"error": ONE_LINE}``. A request ``{"engine": "llamacpp", "convert": {"converter",
-"checkpoint", "outfile", "outtype"}}`` instead runs llama.cpp's ``convert_hf_to_gguf.py`` (see
-``_convert``) and replies ``{"converted": OUTFILE, "pre_tokenizer": NAME}``. The engines' own logs, C-level prints included, go to
-stderr: file descriptor 1 is pointed at stderr before any engine loads.
-"""
+Started by ``bench e2e`` with the anchor venv's python (vLLM's CPU build pins its own torch), it imports only the standard
+library at top. Protocol: one JSON request on stdin (``anchors.request``, or ``{"engine": "llamacpp", "convert": {...}}``
+for ``_convert``); one JSON response on stdout: ``{"engine", "version", "runs": [{"tokens", "wall_s"}], "details"}``,
+``{"converted", "pre_tokenizer"}`` or ``{"error": ONE_LINE}``. Engine logs, C-level prints included, go to stderr."""
 
 from __future__ import annotations
 
@@ -64,19 +49,13 @@ def _llamacpp(request: dict) -> dict:
 
 def _vllm(request: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default would take a large share of a small machine
-    # vLLM keeps one core for its scheduler process by default: on a 2-core machine the model would get one thread
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # by default vLLM keeps a core for its scheduler process
     import vllm
     from vllm import LLM, SamplingParams
 
     spec = request["speculative"]
     options: dict[str, Any] = dict(
-        model=request["model"],
-        dtype=request["dtype"],
-        max_model_len=request["context"],
-        enforce_eager=True,
-        seed=0,
-        max_num_seqs=1,
+        model=request["model"], dtype=request["dtype"], max_model_len=request["context"], enforce_eager=True, seed=0, max_num_seqs=1
     )
     if spec:
         options["speculative_config"] = {
@@ -113,13 +92,8 @@ def _byte_level_gpt2(checkpoint: str) -> bool:
 
 
 def _convert(job: dict) -> dict:
-    """llama.cpp's converter on ``job["checkpoint"]``, in this process.
-
-    The converter names a BPE tokenizer's pre-tokenizer by hashing how it splits a test text, and refuses
-    hashes it does not list: any checkpoint with its own vocabulary (the demo model) is refused even when
-    its pre-tokenizer is exactly GPT-2's. Then, and only when tokenizer.json says so (``_byte_level_gpt2``),
-    the pre-tokenizer is declared as ``gpt-2``; the benchmark hands llama.cpp token ids, never text.
-    """
+    """llama.cpp's converter on ``job["checkpoint"]``, in this process; a pre-tokenizer it does not know by hash but that is
+    GPT-2's (``_byte_level_gpt2``, the demo model's) is declared ``gpt-2`` (the benchmark hands llama.cpp ids, never text)."""
     import runpy
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(job["converter"])))

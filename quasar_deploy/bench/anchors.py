@@ -1,13 +1,7 @@
 """Anchors: the CPU engines a user would pick instead (llama.cpp, vLLM's CPU build), timed on the benchmark's prompts.
 
-Neither engine is a dependency, and neither may share quasar-deploy's environment (vLLM's CPU
-build pins its own torch). Each runs in its own virtual environment: the benchmark starts
-``anchor_runner.py`` with that environment's python, hands it the token ids as JSON and reads back
-the generated ids and wall times (protocol in ``anchor_runner``). A mode whose python is not
-configured, lacks its engine or fails gets a one-line reason in the report instead of figures.
-
-Torch-free: ``modes`` reads the mode names from here for ``--help``.
-"""
+Each runs ``anchor_runner.py`` under its own venv's python (neither may share our environment); a mode that cannot run
+gets a one-line reason in the report instead of figures. Torch-free: ``modes`` reads the mode names for ``--help``."""
 
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ CONVERTER_VARIABLE = "QUASAR_LLAMACPP_CONVERTER"
 RUNNER = Path(__file__).with_name("anchor_runner.py")
 GGUF_TYPE = "q8_0"
 TIMEOUT_S = 3600
-# vLLM's CPU build computes in bfloat16 or float32; a float16 checkpoint (the demo model) falls back to slow linears
-VLLM_DTYPE = "bfloat16"
+VLLM_DTYPE = "bfloat16"  # vLLM's CPU build computes in bf16 or float32; a float16 checkpoint would fall back to slow linears
 
 
 @dataclass(frozen=True)
@@ -94,11 +87,7 @@ def python_for(engine: str, configured: Mapping[str, str]) -> Path:
 
 
 def _clean_environment(python: Path | None = None) -> dict[str, str]:
-    """Ours minus what would point the anchor's python at another environment's packages.
-
-    With ``python`` (vLLM's): tcmalloc (when the system has it) and Intel's OpenMP from that venv preloaded, as vLLM's
-    CPU install guide asks (without the latter vLLM warns that n-gram speculation loses much of its speed).
-    """
+    """Ours minus other environments' packages; with ``python`` (vLLM's), tcmalloc and its Intel OpenMP preloaded (vLLM asks)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
     if python is not None:
         iomp = python.parent.parent / "lib" / "libiomp5.so"
@@ -117,7 +106,6 @@ def request(
     threads: int,
     num_draft: int,
     ngram: tuple[int, int],
-    warmup_tokens: int = 4,
 ) -> dict:
     """The runner's request for ``mode`` on ``model`` (a GGUF file or a model directory): greedy, batch 1, our token ids."""
     anchor = ANCHOR_MODES[mode]
@@ -132,7 +120,7 @@ def request(
         "threads": threads,
         "context": max(256, context),
         "speculative": speculative,
-        "warmup_tokens": warmup_tokens,
+        "warmup_tokens": 4,
         "dtype": VLLM_DTYPE,
     }
 
@@ -199,8 +187,7 @@ def converter_for(python: Path) -> Path:
 
 
 def gguf_for(python: Path, checkpoint: Path, cache: Path) -> Path:
-    """The float checkpoint converted to GGUF q8_0 by the runner, once: cached under ``cache`` by the checkpoint's and the
-    converter's bytes, written into a temporary directory renamed into place, never into the model directory."""
+    """The float checkpoint converted to GGUF q8_0 by the runner once, cached under ``cache`` by its and the converter's bytes."""
     converter = converter_for(python)
     weights = sorted(checkpoint.glob("*.safetensors"))
     if not weights:
@@ -229,11 +216,7 @@ def anchor_phase(
     options: dict,
     cache: Path,
 ) -> tuple[dict[str, AnchorResult], dict[str, str]]:
-    """Every anchor mode in ``modes``, one runner process each, one after another; what ran, and why the others did not.
-
-    ``models``: our float checkpoint and W8A8 artifact on disk (None for synthetic weights, which have no files
-    to hand over). ``options``: ``request``'s settings (max_new_tokens, threads, num_draft, ngram).
-    """
+    """Every anchor mode in ``modes`` on our (float, W8A8) ``models``, one runner each: what ran, and why the others did not."""
     results: dict[str, AnchorResult] = {}
     skipped: dict[str, str] = {}
     for mode in modes:
@@ -251,18 +234,9 @@ def anchor_phase(
     return results, skipped
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def token_match(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> dict:
     """How far an anchor's greedy tokens follow ours: the share equal at the same position, and the mean common prefix."""
     total = sum(len(r) for r in reference)
     same = sum(sum(x == y for x, y in zip(t, r)) for t, r in zip(tokens, reference))
-    prefixes = [_common_prefix(t, r) for t, r in zip(tokens, reference)]
+    prefixes = [next((i for i, (x, y) in enumerate(zip(t, r)) if x != y), min(len(t), len(r))) for t, r in zip(tokens, reference)]
     return {"share": same / total if total else 1.0, "mean_common_prefix": sum(prefixes) / len(prefixes) if prefixes else 0.0}

@@ -1,13 +1,8 @@
 """``bench batched-step``: a serving step on each backend that batches, for 1 and for N sequences at once, and a
 prompt piece's prefill.
 
-A server's round is one forward over every running sequence's verify block (``BatchVerifyingLM.verify_batch``), so
-what a backend gives a server is the cost of that forward for one sequence (the step a lone client waits for) and for
-N (the weights read once for all). A new request's first token waits for its prompt's prefill, a piece of up to
-``PREFILL_CHUNK`` tokens a round, so that piece's forward is timed too. The backends take turns, round robin, each
-call settled as ``bench onnx step``'s are (``micro.settled``: on a few cores another pool's threads still spinning
-cost the next call more than the backends differ), and each figure is a median.
-"""
+A server's round is one forward over every running sequence's verify block (``BatchVerifyingLM.verify_batch``), and a
+new request's first token waits for its prompt's prefill, a piece a round. Backends take turns, each call ``micro.settled``."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ from .memory import check_fits
 from .micro import settled
 
 BACKENDS = ("cpu", "onnxruntime")
-# the layer graphs attending with ORT's GroupQueryAttention instead of the C kernel (what ``onnxruntime`` serves with
-# where no kernel build runs): the kernel's gain, in the same run
+# the layer graphs with ORT's GroupQueryAttention instead of the C kernel (onnxruntime without a kernel build)
 GQA_CONTENDER = "onnxruntime-gqa"
 CONTENDERS = (*BACKENDS, GQA_CONTENDER)
 
@@ -75,9 +69,7 @@ def batched_step(
     progress: bool = True,
     prefill: int = PREFILL_CHUNK,
 ) -> BatchedStepResult:
-    """Each backend's ``verify_batch`` of ``n`` sequences x ``tokens`` rows, each sequence on its own ``context``-token
-    cache (random ids, seeded), for every ``n`` of ``sequences``; and a fresh sequence's prefill of ``prefill`` prompt
-    tokens (at most ``PREFILL_CHUNK``, a server round's piece; 0: not timed)."""
+    """Each backend's ``verify_batch`` of ``n`` x ``tokens`` rows for each ``n`` of ``sequences``, and a ``prefill`` piece."""
     if not 0 <= prefill <= PREFILL_CHUNK:
         raise QuasarError(f"a prefill piece is 0 to {PREFILL_CHUNK} tokens (a server round's), not {prefill}")
     from ..artifact import open_model_files
@@ -100,21 +92,12 @@ def batched_step(
         for sequence, prompt in zip(opened[backend], prompts):
             sequence.prefill(prompt)
 
-    def step(backend: str, n: int) -> float:
-        lm, seqs = models[backend], opened[backend][:n]
+    def step(lm: BatchVerifyingLM, seqs: list, rows: list, *flags: list[bool], length: int) -> float:
         start = time.perf_counter()
-        lm.verify_batch(seqs, blocks[:n])
+        lm.verify_batch(seqs, rows, *flags)
         elapsed = time.perf_counter() - start
         for sequence in seqs:
-            sequence.truncate(context)
-        return elapsed
-
-    def prefill_piece(backend: str) -> float:
-        lm, sequence = models[backend], fresh[backend]
-        start = time.perf_counter()
-        lm.verify_batch([sequence], [piece], [True])
-        elapsed = time.perf_counter() - start
-        sequence.truncate(0)
+            sequence.truncate(length)
         return elapsed
 
     times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in sequences} for b in backends}
@@ -122,9 +105,9 @@ def batched_step(
     for _ in tqdm(range(repeats), desc="batched steps", disable=not progress):
         for backend in backends:
             for n in sequences:
-                times[backend][n].append(settled(partial(step, backend, n)))
+                times[backend][n].append(settled(partial(step, models[backend], opened[backend][:n], blocks[:n], length=context)))
             if prefill:
-                prefills[backend].append(settled(partial(prefill_piece, backend)))
+                prefills[backend].append(settled(partial(step, models[backend], [fresh[backend]], [piece], [True], length=0)))
     return BatchedStepResult(
         artifact=str(artifact),
         sequences=list(sequences),

@@ -1,13 +1,7 @@
 """Real-size Hugging Face checkpoints of published shapes with random weights, written without holding the model.
 
-Calibrating, exporting and serving an 8B model must be testable without downloading one, and
-``synthetic.py``'s in-memory decoders skip the part that hurts at that size: reading shards
-from disk. So this writes what ``save_pretrained`` would (``config.json`` for the real
-architecture, HF-named shards and their index) plus the demo model's tokenizer, whose 4096
-tokens are a subset of every shape's vocabulary. Weights are normal(0, 0.02), norms are ones,
-from one seeded generator in a fixed order; each tensor goes to the ``ShardWriter`` in row
-blocks, so memory stays at one block however large the model. The outputs mean nothing.
-"""
+An 8B model's calibration, export and serving must be testable without downloading one, reading shards included: this
+writes what ``save_pretrained`` would, plus the demo tokenizer (in every shape's vocabulary). Outputs mean nothing."""
 
 from __future__ import annotations
 
@@ -30,41 +24,15 @@ from .synthetic import synthetic_spec
 
 BLOCK_BYTES = 1 << 26  # float32 bytes generated at a time
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1_000_000.0,
-    "max_position_embeddings": 40960,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-}
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0}
+_QWEN3 |= {"max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645}
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5}
 # the config fields beyond the dimensions (which come from synthetic.SHAPES), as the published configs give them
 FAMILIES = {
-    "qwen3-0.6b": _QWEN3,
-    "qwen3-1.7b": _QWEN3,
-    "qwen3-4b": _QWEN3,
-    "qwen3-8b": _QWEN3,
-    "llama-3-8b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500_000.0,
-        "max_position_embeddings": 8192,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-    },
-    # Llama layout (openPangu's own PanguEmbeddedForCausalLM is Llama-like); the 32k context is published, rope_theta,
-    # eps and token ids are assumptions
-    "openpangu-7b-like": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 16_000_000.0,
-        "max_position_embeddings": 32768,
-        "bos_token_id": 1,
-        "eos_token_id": 45892,
-    },
+    **dict.fromkeys(("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"), _QWEN3),
+    "llama-3-8b": {**_LLAMA, "rope_theta": 500_000.0, "max_position_embeddings": 8192, "bos_token_id": 128000, "eos_token_id": 128001},
+    # Llama layout (openPangu's own class is Llama-like); the 32k context is published, rope_theta, eps and ids assumed
+    "openpangu-7b-like": {**_LLAMA, "rope_theta": 16_000_000.0, "max_position_embeddings": 32768, "bos_token_id": 1, "eos_token_id": 45892},
 }
 
 
@@ -145,10 +113,9 @@ def write_synthetic_checkpoint(
     total = checkpoint_bytes(spec, dtype)
     _refuse_if_no_space(output, total + min(total, max_shard_size))  # a shard's scratch bytes sit beside it until it closes
     generator = torch.Generator().manual_seed(seed)
-    shapes = tensor_shapes(spec)
     with atomic_directory(output) as tmp:
         writer = ShardWriter(tmp, max_shard_size)
-        for name, tensor_shape in tqdm(shapes.items(), desc=f"writing {shape}", unit="tensor", disable=not progress):
+        for name, tensor_shape in tqdm(tensor_shapes(spec).items(), desc=f"writing {shape}", unit="tensor", disable=not progress):
             writer.add_blocks(name, DTYPES[dtype], tensor_shape, _blocks(tensor_shape, DTYPES[dtype], generator))
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config(shape, spec, dtype), indent=2))

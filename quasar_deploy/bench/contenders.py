@@ -28,12 +28,7 @@ from .synthetic import RandomTensors, engines_peak_bytes, synthetic_decoders, sy
 
 @dataclass
 class Contenders:
-    """What the modes run on: two engines (float and W8A8 verifier), built on first use, and, when asked for,
-    Hugging Face's float model, loaded by ``load_hf`` for a phase of its own.
-
-    The benchmark runs transformers' model before it touches the engines and frees it after, so
-    the two never hold memory at once: peak stays near the largest single contender.
-    """
+    """What the modes run on: float and W8A8 engines, built on first use, and Hugging Face's float model (``load_hf``)."""
 
     build_engines: Callable[[], tuple[Engine, Engine]]
     tokenizer: Any
@@ -57,9 +52,7 @@ class Contenders:
         return self._engines[1]
 
     def exact_engine(self, pair: str = "cpu") -> ExactEngine:
-        """Exact mode over the float and W8A8 engines' own models (``modes.EXACT_MODES``: "cpu", "ort" for the ONNX ones,
-        "ort-draft" for the cpu float verifier with ONNX Runtime's W8A8): no third copy of either; the modes take turns,
-        and each generation starts both caches afresh."""
+        """Exact mode over the float and W8A8 engines' own models, no third copy (``pair``: a ``modes.EXACT_MODES`` value)."""
         if pair not in self._exact:
             verifier = self.ort_engines["float"] if pair == "ort" else self.float_engine
             middle = self.w8a8_engine if pair == "cpu" else self.ort_engines["w8a8"]
@@ -81,7 +74,7 @@ def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[
     if unavailable("onnxruntime") is not None:
         return {}
     float_dir = export(model, "onnx", workdir / "float-onnx", precision="float")
-    # as auto exports it on this CPU: on a bf16 CPU without the float head, which runs in bf16 beside the graph
+    # as auto exports it here: on a bf16 CPU, without the float head (run in bf16 beside the graph)
     w8a8_dir = export(artifact, "onnx", workdir / "w8a8-onnx", precision="w8a8", head_outside=head_outside(Path(artifact)))
     return {"float": load(float_dir, backend="onnxruntime"), "w8a8": load(w8a8_dir, backend="onnxruntime")}
 
@@ -108,20 +101,9 @@ def _hf_twin(spec: DecoderSpec, tensors: Mapping[str, torch.Tensor]):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    s = spec
-    config = Qwen3Config(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_layers,
-        num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        rms_norm_eps=s.rms_norm_eps,
-        rope_theta=s.rope_theta,
-        max_position_embeddings=s.max_position_embeddings,
-        tie_word_embeddings=s.tie_word_embeddings,
-    )
+    same = ("vocab_size", "hidden_size", "intermediate_size", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    renamed = dict(num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads)
+    config = Qwen3Config(**{name: getattr(spec, name) for name in (*same, "tie_word_embeddings")}, **renamed)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model.load_state_dict(dict(tensors), assign=True, strict=False)

@@ -1,12 +1,7 @@
 """End-to-end benchmark: every decoding mode on the same prompts, interleaved prompt by prompt, in one process.
 
-Machines drift (thermal, neighbours), so modes take turns on each prompt and
-speed-ups are medians of per-prompt ratios measured seconds apart, never ratios
-of runs made minutes apart. The one exception is transformers' prompt lookup: its model
-would be a second float copy beside our engines, so it runs in a phase of its own first
-(the report lists it under ``timed_in_own_phase``). So do the anchors, other engines in their
-own processes (``anchors``), before everything else.
-"""
+Modes take turns on each prompt, so speed-ups are medians of per-prompt ratios measured seconds apart, whatever the drift;
+transformers' prompt lookup and the anchors each run first in a phase of their own (the report's ``timed_in_own_phase``)."""
 
 from __future__ import annotations
 
@@ -113,6 +108,9 @@ class PrunedLM:
         return self.lm.length
 
 
+_DRAFTER_SETTINGS = {"ngram": ("ngram_min", "ngram_max"), "suffix": ("suffix_min_prob",), "layerskip": ("skip_fraction",)}
+
+
 def _engine_run(engine, ids: list[int], settings: BenchSettings, draft: str, **extra) -> Run:
     options = dict(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=settings.seed, draft=draft)
     if draft != "none":
@@ -120,12 +118,7 @@ def _engine_run(engine, ids: list[int], settings: BenchSettings, draft: str, **e
         if k is not None:
             options["num_draft"] = k
         options["adaptive_k"] = extra.pop("adaptive_k", False)
-    if draft == "ngram":
-        options.update(ngram_min=settings.ngram_min, ngram_max=settings.ngram_max)
-    if draft == "suffix":
-        options["suffix_min_prob"] = settings.suffix_min_prob
-    if draft == "layerskip":
-        options["skip_fraction"] = settings.skip_fraction
+    options.update({name: getattr(settings, name) for name in _DRAFTER_SETTINGS.get(draft, ())})
     result = engine.generate(ids, **options)
     return Run(result.tokens, result.stats.tokens_per_s, result.stats.wall_s, result.stats)
 
@@ -148,8 +141,7 @@ def _hf_run(model, ids: list[int], settings: BenchSettings, eos: list[int]) -> R
 
 
 def hf_phase(contenders: Contenders, encoded: list[list[int]], settings: BenchSettings, progress: bool) -> list[Run]:
-    """transformers' prompt lookup on every prompt, in a phase of its own: its model is loaded, warmed, run and freed
-    before the engines load, so the benchmark's peak memory is the larger of the two, not their sum."""
+    """transformers' prompt lookup on every prompt, its model loaded, run and freed before the engines load (peak memory)."""
     model = contenders.load_hf()
     eos = sorted(contenders.stop_ids) or [0]
     _hf_run(model, encoded[0], BenchSettings(**{**asdict(settings), "max_new_tokens": 4}), eos)  # one-time costs
@@ -176,8 +168,7 @@ def run_mode(mode: str, contenders: Contenders, ids: list[int], settings: BenchS
 
 
 def median_run(attempts: Sequence[T], speed: Callable[[T], float] = attrgetter("tokens_per_s")) -> T:
-    """The run of median ``speed`` among repeated runs of one thing (the slower middle one of an even count): one whole
-    run, so its tokens, time and loop statistics stay together."""
+    """The whole run (tokens, time, statistics) of median ``speed`` among repeats (the slower middle one of an even count)."""
     return sorted(attempts, key=speed)[(len(attempts) - 1) // 2]
 
 
@@ -210,21 +201,18 @@ def _summary(runs: list[Run], baseline: dict[str, list[Run]]) -> dict:
     }
     for name, base in baseline.items():
         figures[f"speedup_vs_{name}"] = _median([r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, base) if b.tokens_per_s > 0])
-    if steps:  # a step's cost without the prefill: what one verify step and its draft cost, whatever they accept
+    if steps:  # a verify step and its draft without the prefill, whatever they accept
         figures["step_ms"] = 1000 * sum(s.verify_s + s.draft_s for s in loops) / steps
         figures["tokens_per_s_at_paper_acceptance"] = PAPER_ACCEPTANCE / (figures["step_ms"] / 1000) if figures["step_ms"] else None
     return figures
 
 
-# The acceptance length the Quasar paper measured with n-gram drafting on real chat (Qwen3-8B, OpenPangu-7B: 1.33-1.40).
-# Code-heavy prompts of a small model accept far more; each speculative mode's speed is also modelled at this one, from
-# its measured step cost, so that nobody reads a high acceptance as the general case.
+# every speculative mode is also modelled at the Quasar paper's n-gram acceptance on real chat (1.33-1.40): code accepts more
 PAPER_ACCEPTANCE = 1.4
 
 
 def _at_paper_acceptance(figures: dict[str, dict], float_modes: list[str]) -> None:
-    """Each mode's speed-up over the best float mode, all modelled at ``PAPER_ACCEPTANCE`` tokens per speculative step
-    (autoregressive modes keep their measured speed: they accept no draft)."""
+    """Each mode's speed-up over the best float mode, all modelled at ``PAPER_ACCEPTANCE`` (autoregressive ones as measured)."""
 
     def modelled(m: dict) -> float | None:
         return m.get("tokens_per_s_at_paper_acceptance") if (m.get("acceptance_length") or 1.0) > 1.0 else m["tokens_per_s"]
@@ -233,32 +221,25 @@ def _at_paper_acceptance(figures: dict[str, dict], float_modes: list[str]) -> No
     if not floats:
         return
     for m in figures.values():
-        if m.get("acceptance_length") is None:  # another engine (an anchor, transformers): its step cost is unknown
-            continue
-        value = modelled(m)
-        m["speedup_vs_best_float_at_paper_acceptance"] = value / max(floats) if value else None
+        if m.get("acceptance_length") is not None:  # else another engine (an anchor, transformers): its step cost is unknown
+            value = modelled(m)
+            m["speedup_vs_best_float_at_paper_acceptance"] = value / max(floats) if value else None
 
 
 def _exact_at_paper_acceptance(figures: dict, policy: RoundPolicy, plain: dict | None) -> None:
-    """Exact mode at ``PAPER_ACCEPTANCE``: a cascade step is not a verify of PAPER_ACCEPTANCE tokens, so its speed is
-    modelled by its own speed model (``RoundPolicy.gain_at``) from what the run measured: W8A8 round and float step
-    costs, the inner drafter's proposal length, the float model's acceptance of W8A8's tokens. It is the gain of the
-    rounds the policy would choose there over plain float n-gram verification on the same float model (r = 0), times
-    that mode's own modelled speed (``plain``, when it ran; else the policy's fitted float step)."""
+    """Exact mode at ``PAPER_ACCEPTANCE`` by its own speed model (``RoundPolicy.gain_at``), against ``plain`` float n-gram."""
     modelled = policy.gain_at(PAPER_ACCEPTANCE)
     if modelled is None:
         return
     rounds, gain = modelled
-    figures["rounds_at_paper_acceptance"] = rounds
-    figures["gain_over_float_ngram_at_paper_acceptance"] = gain
+    figures.update(rounds_at_paper_acceptance=rounds, gain_over_float_ngram_at_paper_acceptance=gain)
     figures["float_acceptance_of_w8a8_tokens"] = policy.acceptance
     base = plain.get("tokens_per_s_at_paper_acceptance") if plain else None
     figures["tokens_per_s_at_paper_acceptance"] = gain * (base or PAPER_ACCEPTANCE / policy.verify_cost(1 + policy.proposal_length))
 
 
 def _cascade_figures(loops: list[GenerationStats]) -> dict:
-    """Exact mode's measured step costs and choices: a W8A8 round's time (c, beside ``verify_step_ms``, the float step's
-    C), W8A8 rounds per float step, and the share of float steps that verified n-gram drafts directly (r = 0)."""
+    """Exact mode's W8A8 round time (c; the float step's C is ``verify_step_ms``), rounds per float step, share at r = 0."""
     cascades = [s.loop for s in loops if isinstance(s.loop, CascadeStats)]
     rounds = sum(s.middle_rounds for s in cascades)
     steps = sum(s.verify_steps for s in cascades)
@@ -273,11 +254,7 @@ def _cascade_figures(loops: list[GenerationStats]) -> dict:
 
 def _agreement(runs: list[Run], reference: list[Run]) -> float:
     """Share of the float model's greedy tokens reproduced at the same position."""
-    same = total = 0
-    for run, ref in zip(runs, reference):
-        total += len(ref.tokens)
-        same += sum(a == b for a, b in zip(run.tokens, ref.tokens))
-    return same / total if total else 1.0
+    return anchors.token_match([r.tokens for r in runs], [r.tokens for r in reference])["share"]
 
 
 def environment() -> dict:
@@ -337,10 +314,9 @@ def benchmark(settings: BenchSettings, contenders: Contenders, progress: bool = 
         "environment": environment(),
         "modes": {m: _summary(r, baselines) for m, r in runs.items()},
     }
-    for mode in runs:
-        if mode in EXACT_MODES:
-            plain = report["modes"].get("ngram-float-ort" if EXACT_MODES[mode] == "ort" else "ngram-float")
-            _exact_at_paper_acceptance(report["modes"][mode], contenders.exact_engine(EXACT_MODES[mode]).round_policy(), plain)
+    for mode in [m for m in runs if m in EXACT_MODES]:
+        plain = report["modes"].get("ngram-float-ort" if EXACT_MODES[mode] == "ort" else "ngram-float")
+        _exact_at_paper_acceptance(report["modes"][mode], contenders.exact_engine(EXACT_MODES[mode]).round_policy(), plain)
     _at_paper_acceptance(report["modes"], float_modes)
     report["settings"]["float_dtype"] = dtype_name(default_float_dtype("cpu"))
     if anchor_results:
@@ -383,8 +359,7 @@ def _anchor_phase(
 
 
 def _anchor_report(results: dict[str, anchors.AnchorResult], runs: dict[str, list[Run]], w8a8_modes: list[str]) -> dict:
-    """Per anchor: its engine and version, what it computes, our best W8A8 mode's speed over its own (median of per-prompt
-    ratios, the best of ``w8a8_modes`` on each prompt), and how far its greedy tokens follow our float and W8A8 ones."""
+    """Per anchor: engine, version, numerics, our best W8A8 mode over it (per-prompt median) and how its tokens follow ours."""
     references = {name: next((m for m in candidates if m in runs), None) for name, candidates in _REFERENCES.items()}
     report = {}
     for mode, result in results.items():
@@ -418,11 +393,8 @@ _REFERENCES = {"float": ("ar-float", "ngram-float"), "w8a8": ("ar-w8a8", "ngram-
 def sweep_k(settings: BenchSettings, contenders: Contenders, encoded: list[list[int]], progress: bool) -> list[dict]:
     rows = []
     for k in tqdm(settings.sweep_k, desc="sweep k", disable=not progress):
-        pairs = []
-        for ids in encoded:
-            f = _engine_run(contenders.float_engine, ids, settings, "ngram", num_draft=k)
-            q = _engine_run(contenders.w8a8_engine, ids, settings, "ngram", num_draft=k)
-            pairs.append((f, q))
+        engines = (contenders.float_engine, contenders.w8a8_engine)
+        pairs = [[_engine_run(engine, ids, settings, "ngram", num_draft=k) for engine in engines] for ids in encoded]
         rows.append(
             {
                 "k": k,

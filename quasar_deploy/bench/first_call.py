@@ -1,10 +1,6 @@
 """The first generation after ``load`` against the next ones: ``quasar-deploy bench first-call``.
 
-``load`` ends with ``engine.warm_up`` so that one-time costs (kernel and primitive creation, allocator growth, ORT's
-first runs) land in it and the first ``generate`` already runs at the steady state. This checks that claim on any
-model and backend: one load (timed, warm-up included), then ``calls`` rounds of the same prompts, each round's decode
-speed, and the first round as a share of the median of the others (the target: at least 90%).
-"""
+``load`` ends with a warm-up so that the first ``generate`` runs at the steady state (target: 90% of the others' median)."""
 
 from __future__ import annotations
 
@@ -61,8 +57,7 @@ def first_call(
     prompts: str | Path | None = None,
     limit: int = 1,
 ) -> FirstCallResult:
-    """Load ``path`` once, then generate the first ``limit`` prompts of ``prompts`` (Spec-Bench JSONL; default: the
-    package's) ``calls`` times, greedy; every round's decode speed."""
+    """Load ``path`` once, then generate the first ``limit`` of ``prompts`` ``calls`` times, greedy: each round's decode speed."""
     if calls < 2:
         raise QuasarError("--calls must be at least 2: the first call is compared with the later ones")
     texts = read_prompts(prompts or BUILTIN["prompts"], limit)

@@ -1,16 +1,8 @@
 """The GPU measurements (``quasar-deploy bench gpu``, ``tools/gpu_check.sh``): one run, one table.
 
-Every ratio compares the cuda backend's W8A8 path with the same backend's bf16 path (cuBLAS,
-same CUDA graphs), measured in the same process, interleaved:
-
-- verify step: k+1 tokens on a warm cache of synthetic published shapes, median of per-pair
-  ratios, next to the ideal ratio of weight bytes each step reads (``micro.weight_bytes``);
-- int8 GEMM: ``torch._int_mm`` at M rows (padded to the CUDA minimum of 17), weight bytes per
-  second as a fraction of the copy bandwidth measured in the same run, bf16 ``F.linear`` alongside;
-  each timing replays a CUDA graph over enough weight copies to stream from HBM, not L2;
-- end to end: the n-gram drafter on the demo model (float checkpoint vs its W8A8 artifact) and on
-  a synthetic shape (demo tokenizer, random weights: timing only), tokens/s via ``e2e.benchmark``.
-"""
+Every ratio is the cuda backend's W8A8 path against its bf16 path (cuBLAS, same CUDA graphs), in one process: the verify
+step beside the ideal bytes ratio, GEMMs against the copy bandwidth (CUDA graphs over weight copies streaming from HBM, not
+L2), n-gram drafting end to end on the demo model and a synthetic shape."""
 
 from __future__ import annotations
 
@@ -158,8 +150,7 @@ def _ngram_benchmark(label: str, float_lm, quant_lm, tokenizer, weights: str, se
         num_draft=settings.num_draft,
         modes=("ngram-float", "ngram-w8a8"),
     )
-    report = benchmark(bench, Contenders(lambda: (engines[0], engines[1]), tokenizer, frozenset(), None, weights), progress=False)
-    modes = report["modes"]
+    modes = benchmark(bench, Contenders(lambda: (engines[0], engines[1]), tokenizer, frozenset(), None, weights), progress=False)["modes"]
     return {
         "model": label,
         "weights": weights,

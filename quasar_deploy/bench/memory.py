@@ -1,8 +1,6 @@
 """Whether a benchmark fits in this machine's memory, asked before it allocates anything.
 
-A benchmark of a published shape that does not fit is killed by the kernel's OOM killer minutes
-in, with nothing to say why; the estimate (from the shape's tensor sizes) refuses it up front.
-"""
+A published shape that does not fit is killed by the OOM killer minutes in, silently; the estimate refuses it up front."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Benchmarks. Every speed claim in the docs comes from a function here, reported as a ratio measured in one run.
 
-``verify_step``: the cost of one speculative verify forward (k+1 tokens on a warm
-KV cache), float vs W8A8, interleaved pair by pair so machine drift cancels, next
-to the ideal ratio of weight bytes each step must read.
-"""
+``verify_step``: one verify forward, float vs W8A8 interleaved so that machine drift cancels, beside the ideal ratio."""
 
 from __future__ import annotations
 
@@ -26,14 +23,9 @@ from .synthetic import LIBRARIES_BYTES, RandomTensors, engines_peak_bytes, step_
 
 
 def weight_bytes(decoder: Decoder) -> int:
-    """Bytes of weights one forward step reads (linears and lm_head, a float one in the dtype it computes in or as its
-    kernel keeps it, ``Linear.read_itemsize``; the embedding lookup is negligible)."""
-    total = 0
-    for module in [m for _, m in decoder.linears()] + [decoder.lm_head]:
-        total += module.weight.numel() * module.read_itemsize
-        if module.weight_scale is not None:
-            total += module.weight_scale.numel() * 4
-    return total
+    """Bytes of weights one forward step reads: linears and lm_head as their kernels read them (``Linear.read_itemsize``)."""
+    modules = [m for _, m in decoder.linears()] + [decoder.lm_head]
+    return sum(m.weight.numel() * m.read_itemsize + (0 if m.weight_scale is None else 4 * m.weight_scale.numel()) for m in modules)
 
 
 @dataclass
@@ -78,16 +70,13 @@ def verify_step(
     tokens: int = 6,
     context: int = 128,
     repeats: int = 20,
-    float_kernel: str | None = None,
     int8_kernel: str | None = None,
     progress: bool = True,
     int8_lm_head: bool = False,
     float_dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> VerifyStepResult:
-    """Synthetic weights of a published shape; W8A8 quantized without calibration (timing only); ``int8_lm_head``
-    quantizes the W8A8 twin's head too. Every float contender (``float_contenders``) and the W8A8 twin take turns
-    each round; the ratio is against the fastest float, whose bytes give the ideal ratio."""
-    float_kernel = float_kernel or default_float_kernel()
+    """Synthetic weights of a published shape: every float contender and the W8A8 twin take turns; ratios against the fastest."""
+    float_kernel = default_float_kernel()
     int8_kernel = int8_kernel or default_int8_kernel()
     float_dtypes = float_dtypes or float_contenders()
     head_dtype = float_dtypes[-1]
@@ -116,8 +105,7 @@ def verify_step(
     medians = {name: 1000 * statistics.median(t) for name, t in times.items()}
     best = min((n for n in contenders if n != "w8a8"), key=medians.__getitem__)
     ratios = [f / q for f, q in zip(times[best], times["w8a8"])]
-    best_model = next(m for d, m in models.items() if dtype_name(d) == best)
-    ideal = weight_bytes(best_model) / weight_bytes(quant_model)
+    ideal = weight_bytes(next(m for d, m in models.items() if dtype_name(d) == best)) / weight_bytes(quant_model)
     ratio = statistics.median(ratios)
     return VerifyStepResult(
         shape=shape,
@@ -160,8 +148,7 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     src = torch.ones(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * src.numel() * 4 / best
+    return 2 * src.numel() * 4 / min(timed(lambda: dst.copy_(src)) for _ in range(repeats))
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -170,16 +157,13 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-# ORT's pools and torch's OpenMP threads spin for a while after a call. A contender timed right after another
-# runtime's call shares the cores with those spinning threads, and one timed after a pause first wakes its own sleeping
-# threads: a generation sees neither (one runtime, steps back to back). So each contender waits this long (the others'
-# threads go to sleep), runs once untimed (its own threads wake), then runs the timed call.
+# ORT's and OpenMP's threads spin a while after a call and wake slowly after a pause; a generation sees neither, so a
+# contender waits this long (the others' threads sleep), runs once untimed (its own wake), then is timed
 SETTLE_S = 0.25
 
 
 def settled(run: Callable[[], float]) -> float:
-    """One timed call of ``run`` as ``SETTLE_S`` describes: after the pause, an untimed call wakes this runtime's own
-    threads, as the previous step of a generation leaves them; seconds of the call after it."""
+    """Seconds of one call of ``run`` settled as ``SETTLE_S`` describes."""
     time.sleep(SETTLE_S)
     run()
     return run()
@@ -205,10 +189,8 @@ def _copies(out_features: int, in_features: int) -> int:
 
 
 def kernels_peak_bytes(sizes: list[tuple[int, int]]) -> int:
-    """Peak of ``linear_kernels``: one size at a time, its float copies while packed (4 + 4 bytes) and quantized (1),
-    the two 512 MiB bandwidth buffers and the libraries."""
-    largest = max(_copies(o, i) * o * i for o, i in sizes)
-    return 9 * largest + 2 * 512 * 2**20 + LIBRARIES_BYTES
+    """Peak of ``linear_kernels``: the largest size's copies packed (4 + 4 bytes) and quantized (1), bandwidth buffers, libraries."""
+    return 9 * max(_copies(o, i) * o * i for o, i in sizes) + 2 * 512 * 2**20 + LIBRARIES_BYTES
 
 
 def linear_kernels(
@@ -218,12 +200,7 @@ def linear_kernels(
     progress: bool = True,
     int8_kernels: tuple[str, ...] = (),
 ) -> dict:
-    """Each distinct linear size of ``shape``: float vs W8A8 kernel time per M, and both as a fraction of the bandwidth bound.
-
-    Enough distinct weight copies are cycled (>= 256 MB of float weights) that every call
-    streams its weights from memory, as in a real decode step. ``int8_kernels``: the W8A8 kernels to time, the first
-    one reported in full, the others' times beside it (default: this CPU's default kernel).
-    """
+    """Each linear size of ``shape``: float vs W8A8 time per M against the bandwidth bound, weights streamed from memory."""
     from ..cpu.linears import float_linear, int8_linear
     from ..scheme import quantize_weight
 

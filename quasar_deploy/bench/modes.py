@@ -1,12 +1,7 @@
 """The end-to-end benchmark's mode names, read off the drafter table so that ``--modes`` help lists them without torch.
 
-A mode is ``<drafter>-<precision>`` on the cpu backend (drafter "none" reads "ar", for
-autoregressive), the same with ``-adaptive`` for a draft length that follows acceptance (``ADAPTIVE_MODES``), the same
-with ``-ort`` on exported ONNX graphs, exact mode (``exact-ngram``: the
-float model's output, n-gram drafts through W8A8 rounds; both engines' weights, shared), or one of the
-two comparisons that are not a drafter on our engine (transformers' prompt lookup, a pruned verifier).
-``ANCHOR_MODES`` are other engines in their own environments (``anchors``): llama.cpp and vLLM's CPU build.
-"""
+A mode is ``<drafter>-<precision>`` on the cpu backend ("ar": no drafter), with ``-adaptive`` (k follows acceptance) or
+``-ort`` (exported ONNX graphs), exact mode, a comparison (transformers, a pruned verifier) or another engine (``anchors``)."""
 
 from __future__ import annotations
 
@@ -14,13 +9,11 @@ from ..speculative.registry import DRAFTERS, default_num_draft
 from .anchors import ANCHOR_MODES
 
 PRECISIONS = ("float", "w8a8")
-# a draft model is a second checkpoint, which the benchmark does not take
-_DRAFTERS = tuple(name for name in DRAFTERS if name != "model")
+_DRAFTERS = tuple(name for name in DRAFTERS if name != "model")  # a draft model is a second checkpoint, not taken here
 _AR = "ar"
 
 ORT_MODES = ("ar-float-ort", "ngram-float-ort", "ngram-w8a8-ort", "exact-ngram-ort", "exact-ngram-ort-draft")
-# exact mode's float verifier and W8A8 drafter: both on the cpu backend, both on ONNX Runtime, or the cpu backend's float
-# verifier (bf16 where the CPU computes it) with ONNX Runtime's W8A8 drafting, the pair "auto" loads on a bf16 CPU
+# exact mode's float verifier and W8A8 drafter: both on cpu, both on ONNX Runtime, or cpu's float with ORT's W8A8 (auto's on a bf16 CPU)
 EXACT_MODES = {"exact-ngram": "cpu", "exact-ngram-ort": "ort", "exact-ngram-ort-draft": "ort-draft"}
 # the model-free drafters with k per sequence (``speculative.draft_length``), on the W8A8 verifier Quasar deploys
 ADAPTIVE_MODES = ("ngram-w8a8-adaptive", "suffix-w8a8-adaptive")
@@ -64,8 +57,7 @@ def ort_precisions(mode: str) -> tuple[str, ...]:
 
 
 def k_text(num_draft: int | None, drafter: str | None = None) -> str:
-    """A report's words for the draft length asked: one k for every drafter, or None for each drafter's own
-    (``drafter``'s, where the report is of one)."""
+    """A report's words for the draft length asked (None: each drafter's own, ``drafter``'s where the report is of one)."""
     if num_draft is not None:
         return f"k={num_draft}"
     if drafter is not None:

@@ -1,17 +1,8 @@
 """Timing the exported ONNX forms on ONNX Runtime: ``quasar-deploy bench onnx layers|step|fidelity``.
 
-``layers``: the exported W8A8 linear in both forms (``integer``: ``onnx_graph.w8a8_linear``, per-token
-scales; ``qdq``: ``onnx_graph.qdq_linear``, static scales) against a float32 MatMul of the same shape,
-a chain of distinct weights (ORT shares identical initializers, which would put every layer's
-weights in cache), plus a check of each form against ``scheme.reference_linear``.
-``fidelity``: an exported directory on the onnxruntime backend against the torch decoder with the
-exact reference int8 kernel (or float), teacher-forced logits and greedy continuations.
-``step``: a k+1-token verify on a warm cache of a published shape with synthetic weights, on ONNX
-Runtime's float and W8A8 graphs (streamed to disk layer by layer, as an export is) and the torch
-cpu backend's float and W8A8 decoders, timed round robin; speed-ups against the best float
-contender of each round. docs/onnx.md records what they gave here. Each yields its report line
-by line, since a run takes minutes.
-"""
+``layers``: the W8A8 linear's ``integer`` and ``qdq`` forms against a float32 MatMul, on a chain of distinct weights (ORT
+shares identical initializers); ``step``: a verify step on ONNX Runtime's graphs and the cpu backend's decoders, round
+robin; ``fidelity``: an export against the torch decoder. Each yields its report line by line (a run takes minutes)."""
 
 from __future__ import annotations
 
@@ -20,7 +11,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -50,7 +40,7 @@ from ..exporters import ONNX_HEAD_FILE, ONNX_HIDDEN_OUTPUT
 from ..exporters.onnx import source_graph, write_graph
 from ..exporters.onnx_graph import LINEAR_FORMATS, GraphBuilder
 from ..memory import EMBEDDINGS, return_freed_memory
-from ..model import Decoder, Linear
+from ..model import Decoder
 from ..scheme import QMAX, quantize_weight, reference_linear
 from ..speculative.cascade import StepCost, modelled_gain
 from .e2e import PAPER_ACCEPTANCE
@@ -73,8 +63,7 @@ from .synthetic import (
 def _session(
     model_or_path: Path | onnx.ModelProto, threads: int, precise: bool = False, head_on_torch: bool = False
 ) -> ort.InferenceSession:
-    """A CPU session with the backend's options (``head_on_torch``: as for a graph whose head runs on torch); ``precise``
-    forces ORT's u8 x u8 re-encoding of int8 weights (where the backend's options do not hold it already)."""
+    """A CPU session with the backend's options; ``precise`` forces ORT's u8 x u8 re-encoding of int8 weights."""
     options = session_options(threads, head_on_torch)
     if precise and PRECISE_INT8_OPTION not in exact_int8_entries():
         options.add_session_config_entry(*PRECISE_INT8_OPTION)
@@ -83,19 +72,12 @@ def _session(
 
 
 def _median_ms(sess: ort.InferenceSession, feed: dict, repeats: int) -> float:
-    """One warm-up call, then the median of ``repeats`` timed ones."""
     sess.run(None, feed)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        sess.run(None, feed)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(timed(partial(sess.run, None, feed)) for _ in range(repeats))
 
 
 def _chain(weights: list[tuple[torch.Tensor, torch.Tensor]], form: str, input_scales: list[float]) -> onnx.ModelProto:
-    """y = linear_n(...linear_1(x)) with the given (int8 weight, scale) pairs: dequantized ``fp32`` MatMuls, or W8A8 in
-    the ``integer`` form (per-token scales) or the ``qdq`` form (``input_scales``, one static scale per layer)."""
+    """y = linear_n(...linear_1(x)): dequantized ``fp32`` MatMuls, or W8A8 ``integer`` or ``qdq`` (``input_scales``) linears."""
     g, x = GraphBuilder(), "x"
     for i, ((wq, scale), input_scale) in enumerate(zip(weights, input_scales)):
         if form == "fp32":
@@ -103,8 +85,7 @@ def _chain(weights: list[tuple[torch.Tensor, torch.Tensor]], form: str, input_sc
         else:
             x = LINEAR_FORMATS[form](g, x, wq.numpy(), scale.numpy(), input_scale if form == "qdq" else None, f"layer{i}")
     g.op("Identity", x, outputs=["y"])
-    size = weights[0][0].shape[1]
-    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["m", size]) for n in ("x", "y")]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["m", weights[0][0].shape[1]]) for n in ("x", "y")]
     return g.model("chain", io[:1], io[1:])
 
 
@@ -160,28 +141,20 @@ def _ort_feed(spec, ids: np.ndarray, context: int, rng: np.random.Generator) -> 
 
 
 def _graph_bytes(spec) -> tuple[int, int]:
-    """The float and W8A8 graphs' weights: float32 or int8 linears, plus each graph's float32 embedding table and
-    transposed lm_head (an int8 head is smaller: this bounds it)."""
-    shapes = expected_shapes(spec)
-    linears = sum(math.prod(shape) for name, shape in shapes.items() if is_layer_linear(name))
+    """The float and W8A8 graphs' weights: float32 or int8 linears, float32 embedding table and lm_head (bounding an int8 one)."""
+    linears = sum(math.prod(shape) for name, shape in expected_shapes(spec).items() if is_layer_linear(name))
     table = 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     return 4 * linears + table, linears + table
 
 
-# Measured (resident set per phase; Qwen3-0.6B and 1.7B, docs/onnx.md): a streamed graph build peaks at 2.8x its largest
-# tensor, the embedding table (drawn, scaled, and mapped into the weights file), whatever the layer count; an ORT
-# session then holds 1.2x (float) to 1.5x (W8A8) its graph's weights, the pages it maps from the weights file included,
-# and its build peaks at up to 1.6x them.
+# measured peaks (docs/onnx.md): a graph build's of its embedding table, a session's and its build's of the graph's weights
 GRAPH_BUILD_FACTOR = 3
 SESSION_FACTOR = 1.2
 SESSION_BUILD_FACTOR = 1.6
 
 
 def step_peak_bytes(spec: DecoderSpec, with_torch: bool, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
-    """The float graph is built, then its session; then the W8A8 graph and its session beside the float session (a graph
-    build holds ``GRAPH_BUILD_FACTOR`` times the embedding table; a graph whose head is outside holds less, with its
-    head beside it); then the torch engines (float linears of ``float_itemsize`` bytes), when they run too, beside
-    both sessions."""
+    """Peak of ``step`` together: each graph's build and session in turn, then ``with_torch`` the engines beside the sessions."""
     float_graph, w8a8_graph = _graph_bytes(spec)
     build = GRAPH_BUILD_FACTOR * 4 * spec.vocab_size * spec.hidden_size
     float_session = SESSION_FACTOR * float_graph
@@ -191,35 +164,13 @@ def step_peak_bytes(spec: DecoderSpec, with_torch: bool, int8_lm_head: bool = Fa
 
 
 def write_synthetic_graph(directory: Path, spec: DecoderSpec, source: RandomTensors, name: str, head_outside: bool = False) -> None:
-    """The graph of ``source``'s random weights in ``directory``, streamed as an export is: one layer at a time, each
-    initializer in ``model.onnx.data`` as it is made, so the build holds about the embedding table, not the model.
-    ``head_outside``: without its float lm_head (the graph the backend runs where the CPU float is bf16)."""
+    """The graph of ``source``'s random weights in ``directory``, streamed layer by layer as an export is."""
     write_graph(directory, lambda data: source_graph(spec, source, name, data, head_outside=head_outside)[0], external=True)
 
 
-def _step_with_head(session: ort.InferenceSession, feed: dict, head: Linear) -> Callable[[], float]:
-    """A step of a graph ending in ``hidden_states`` followed by ``head``, as the backend runs it: seconds."""
-
-    def run() -> float:
-        start = time.perf_counter()
-        head(torch.from_numpy(session.run([ONNX_HIDDEN_OUTPUT], feed)[0][0]))
-        return time.perf_counter() - start
-
-    return run
-
-
-def _ort_session(directory: Path, threads: int, head_on_torch: bool = False) -> ort.InferenceSession:
-    """A session of the graph in ``directory``, the heap its build freed handed back (the next graph is built beside it)."""
-    session = _session(directory / "model.onnx", threads, head_on_torch=head_on_torch)
-    return_freed_memory()
-    return session
-
-
-# exact mode's model at the paper's acceptance needs the float step's cost at a cascade draft's lengths: up to 8 rounds
-# of 1.4 tokens, timed beside the k+1 of the table
+# exact mode's model needs the float step's cost at a cascade draft's lengths too (up to 8 rounds of 1.4 tokens)
 EXACT_FLOAT_POSITIONS = (2, 4, 8, 12)
-# the float model's per-token acceptance of its W8A8 artifact's greedy tokens: random weights cannot measure it; the
-# inflated demo's, measured by `bench e2e`'s exact modes (float_acceptance_of_w8a8_tokens), the issue's 0.985 near it
+# the float model's per-token acceptance of W8A8's greedy tokens, which random weights cannot measure (bench e2e's can)
 EXACT_ACCEPTANCE = 0.985
 
 
@@ -230,13 +181,15 @@ _Built = tuple[Callable[[], float], dict[int, Callable[[], float]]]
 def _ort_contender(
     directory: Path, label: str, source_spec: DecoderSpec, source: RandomTensors, head_outside: bool, feed: dict, threads: int
 ) -> _Built:
-    """The graph of ``source`` written to ``directory`` and its session: its timed step (seconds)."""
+    """The graph of ``source`` written to ``directory`` and its session: its timed step (with the head beside, as the backend)."""
     directory.mkdir()
     write_synthetic_graph(directory, source_spec, source, label, head_outside=head_outside)
     return_freed_memory()
-    session = _ort_session(directory, threads, head_outside)
+    session = _session(directory / "model.onnx", threads, head_on_torch=head_outside)
+    return_freed_memory()
     if head_outside:
-        return _step_with_head(session, feed, _synthetic_head(source_spec, source)), {}
+        head = head_beside(source.tensor(EMBEDDINGS if source_spec.tie_word_embeddings else "lm_head.weight"))
+        return partial(timed, lambda: head(torch.from_numpy(session.run([ONNX_HIDDEN_OUTPUT], feed)[0][0]))), {}
     return partial(timed, partial(session.run, None, feed)), {}
 
 
@@ -260,22 +213,14 @@ def step(
     w8a8_acceptance: float | None = None,
     progress: bool = True,
 ) -> Iterator[str]:
-    """Every CPU path's verify step on the same synthetic weights: ONNX Runtime's float and exact integer W8A8 graphs (the
-    graphs ``auto`` runs on a CPU) and, ``with_torch``, the cpu backend's float (oneDNN) and W8A8 decoders;
-    ``int8_lm_head``: both W8A8 contenders with an int8 head. Timed round robin where they fit in memory together: each
-    round times every contender once (see ``micro.SETTLE_S``), so machine drift hits all of them alike, and the speed-ups are
-    medians of per-round ratios against the round's fastest float contender. Where they do not (an 8B shape on 24 GB),
-    one at a time, each freed before the next is built, those that do not fit even alone left out: the speed-ups are
-    then ratios of medians, and the report says so. ``with_torch`` also models exact mode at the paper's acceptance
-    (``_exact_mode``), the float model keeping ``w8a8_acceptance`` (default ``EXACT_ACCEPTANCE``) of W8A8's tokens.
-    ``progress``: a bar on stderr (an 8B shape takes minutes before its first line)."""
+    """Every CPU path's verify step on the same synthetic weights (ONNX Runtime's float and integer-exact W8A8 graphs, the cpu
+    backend's decoders ``with_torch``), round robin where they fit in memory together, else one at a time."""
     spec = synthetic_spec(shape)
     dtype = default_float_dtype("cpu")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, tokens)
     feed = _ort_feed(spec, ids, context, rng)
-    # the W8A8 graph ONNX Runtime runs here: without its float head where that runs better on torch beside it (in bf16
-    # on a bf16 CPU, else read as drawn, bf16, by quasar-half)
+    # the W8A8 graph ONNX Runtime runs here: without its float head where that runs better on torch beside it
     outside = head_beside_graph(STORED_DTYPE) and not int8_lm_head
     kernels = default_float_kernel(), default_int8_kernel()
     # "(auto)" marks the W8A8 contender auto gives an artifact here (where memory allows): ``registry.cpu_runs_better``
@@ -325,8 +270,7 @@ def step(
 def _graph_contenders(
     tmp: Path, spec: DecoderSpec, graphs: dict[str, tuple[DecoderSpec, RandomTensors, bool]], feed: dict, threads: int
 ) -> list[_Contender]:
-    """ONNX Runtime's contenders, label -> (spec, source, head outside the graph): each graph is streamed to its own
-    directory of ``tmp`` when built; alone, its build or its session (``SESSION_BUILD_FACTOR``) is what it holds."""
+    """ONNX Runtime's contenders, label -> (spec, source, head outside the graph), each built in a directory of ``tmp``."""
     float_graph, w8a8_graph = _graph_bytes(spec)
     build = GRAPH_BUILD_FACTOR * 4 * spec.vocab_size * spec.hidden_size
     return [
@@ -340,16 +284,9 @@ def _graph_contenders(
 
 
 def _torch_contenders_alone(
-    spec: DecoderSpec,
-    shape: str,
-    dtype: torch.dtype,
-    labels: tuple[str, ...],
-    int8_lm_head: bool,
-    steps: Callable[..., _Built],
+    spec: DecoderSpec, shape: str, dtype: torch.dtype, labels: tuple[str, ...], int8_lm_head: bool, steps: Callable[..., _Built]
 ) -> list[_Contender]:
-    """The cpu backend's float and W8A8 decoders (``labels``; none without them), each to be built alone, the W8A8 one with
-    its own head; ``steps(make, positions=...)`` builds one and gives its steps (``_torch_contender``), the float one's at
-    exact mode's longer positions too."""
+    """The cpu backend's float and W8A8 decoders (``labels``), each to be built alone by ``steps``, the W8A8 one's own head."""
     if not labels:
         return []
     alone = partial(engine_alone_bytes, spec, int8_lm_head=int8_lm_head, float_itemsize=dtype.itemsize)
@@ -362,8 +299,7 @@ def _torch_contenders_alone(
 
 
 def _speedup(times: dict[str, list[float]], floats: list[str], series: list[float], round_robin: bool) -> float:
-    """Round robin: the median of per-round ratios against the round's fastest float. One at a time, no round is shared:
-    the fastest float's median over this contender's."""
+    """Round robin: the median of per-round ratios against the round's fastest float; else a ratio of medians."""
     if not round_robin:
         return min(statistics.median(times[label]) for label in floats) / statistics.median(series)
     best_float = [min(times[label][i] for label in floats) for i in range(len(series))]
@@ -384,9 +320,7 @@ def _round_robin(
     repeats: int,
     progress: bool,
 ) -> dict[str, list[float]]:
-    """Every contender built beside the others (the torch twins sharing one packed head, ``synthetic_decoders``), then
-    ``repeats`` rounds each timing all of them once; the float decoder's longer steps after (``float_at``). ``labels``:
-    the torch decoders' (float, W8A8), none without them."""
+    """Every contender built beside the others, then ``repeats`` rounds timing each once; the longer float steps after."""
     built = {c.label: c.build() for c in contenders}
     if labels:
         decoders = synthetic_decoders(shape, kernels=kernels, int8_lm_head=int8_lm_head, dtype=dtype)
@@ -407,8 +341,7 @@ def _round_robin(
 def _one_at_a_time(
     contenders: Iterable[_Contender], float_at: dict[int, list[float]], repeats: int
 ) -> tuple[dict[str, list[float]], list[str]]:
-    """Each contender that fits alone built, timed ``repeats`` times (the float decoder's longer steps too, into
-    ``float_at``) and freed before the next: their times, and a report line for each one left out."""
+    """Each contender that fits alone built, timed and freed before the next: their times, and a line per one left out."""
     times: dict[str, list[float]] = {}
     left_out = []
     for contender in contenders:
@@ -427,8 +360,7 @@ def _one_at_a_time(
 
 
 def _decoder_steps(decoder: Decoder, context: int, ids: np.ndarray, longer: torch.Tensor, positions: Collection[int]) -> _Built:
-    """A prepared decoder's verify step of ``ids`` on a cache of ``context`` random tokens, and its steps at each of
-    ``positions`` (exact mode's longer float steps) on the same cache."""
+    """A prepared decoder's verify step of ``ids`` on a ``context``-token cache, and its steps at each of ``positions``."""
     cache = decoder.new_cache(context + max(len(ids), *EXACT_FLOAT_POSITIONS))
     decoder(torch.randint(0, decoder.spec.vocab_size, (context,), generator=torch.Generator().manual_seed(0)), cache)
     at = {n: partial(time_step, decoder, cache, context, longer[:n]) for n in positions}
@@ -466,8 +398,7 @@ def _exact_mode(
     tokens: int,
     acceptance: float,
 ) -> Iterator[str]:
-    """Exact mode's speed model (``cascade.modelled_gain``) at the paper's acceptance from this run's step costs: the float
-    step (``float_label``) timed at ``EXACT_FLOAT_POSITIONS`` too, each W8A8 contender at ``tokens`` as the middle level."""
+    """Exact mode's speed model (``cascade.modelled_gain``) at the paper's acceptance, each W8A8 contender as the middle."""
     verify_cost = StepCost()
     for seconds in float_times:
         verify_cost.observe(tokens, seconds)
@@ -486,11 +417,6 @@ def _exact_mode(
         yield f"    W8A8 rounds on {label:<28} {rounds} per float step: {gain:.2f}x plain float n-gram verification"
 
 
-def _synthetic_head(spec: DecoderSpec, source: RandomTensors) -> Linear:
-    """The float lm_head of ``source`` (its table where tied), built as the backend builds an export's head file."""
-    return head_beside(source.tensor(EMBEDDINGS if spec.tie_word_embeddings else "lm_head.weight"))
-
-
 def _greedy(lm, prompt: list[int], steps: int) -> list[int]:
     logits, tokens = lm.prefill(prompt), []
     for _ in range(steps):
@@ -502,9 +428,7 @@ def _greedy(lm, prompt: list[int], steps: int) -> list[int]:
 def fidelity(
     exported: Path, source: Path, steps: int, threads: int, prompts: Path | None = None, limit: int | None = None
 ) -> Iterator[str]:
-    """Per prompt, then over all: ONNX Runtime's greedy decode of ``exported`` against the torch reference of ``source``,
-    and both teacher-forced on the reference's text (max logit difference, top-1 agreement). ``prompts``: a JSONL or text
-    file (``calibration.data.read_texts``; default: three short built-in prompts), the first ``limit`` of them."""
+    """Per prompt, then over all: ``exported`` on ONNX Runtime against ``source`` on torch, greedy and teacher-forced."""
     from ..backends.onnxruntime import load_onnx
     from ..backends.torch_backend import load_cpu
     from ..calibration.data import read_texts

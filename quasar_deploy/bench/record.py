@@ -1,12 +1,7 @@
 """The one result record every ``quasar-deploy bench`` subcommand prints with ``--json``, and the page rendered from them.
 
-A record says what was run (command and options), by which version, on what machine (CPU model, the probes that
-choose kernels and backends, the load while it ran), with which dtypes, when, and what it measured (``figures``: the
-subcommand's own result). Records are committed under ``bench/results/``; ``quasar-deploy bench report`` renders
-``docs/benchmarks.md`` from them: a summary of the headline figures per machine kind, then the newest value of each
-quantity per CPU model, so a figure the docs cite always names the run it came from and is replaced, not appended to,
-when it is measured again.
-"""
+``bench report`` renders ``docs/benchmarks.md`` from ``bench/results/``, the newest value of each quantity per machine, so
+a figure the docs cite names its run and is replaced, not appended to, when measured again."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ from .anchors import ANCHOR_MODES
 from .modes import ADAPTIVE_MODES, k_text
 
 RECORD_VERSION = 1
-# set by tools/avx2_view.sh ("avx2"): a record made under the view is of that view of the CPU, not of the CPU itself,
-# and the page keeps it apart
+# set by tools/avx2_view.sh ("avx2"): a record made under the view is of that view of the CPU, and the page keeps it apart
 VIEW_ENV = "QUASAR_CPU_VIEW"
 VIEW_KEY = "view"
 FIELDS = ("record", "command", "options", "version", "date", "machine", "dtypes", "figures")
@@ -44,16 +38,8 @@ def make_record(command: str, options: dict, dtypes: dict[str, str], figures: di
     """A record of ``figures`` measured just now by ``command`` (e.g. ``bench verify-step``) run with ``options``."""
     from .._version import __version__
 
-    return {
-        "record": RECORD_VERSION,
-        "command": command,
-        "options": options,
-        "version": __version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "dtypes": dtypes,
-        "figures": figures,
-    }
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return dict(zip(FIELDS, (RECORD_VERSION, command, options, __version__, date, machine(), dtypes, figures)))
 
 
 def read_records(paths: Iterable[str | Path]) -> list[dict]:
@@ -88,14 +74,8 @@ def _verify_step(f: dict) -> list[Quantity]:
     head = _head(f)
     what = f"verify step, {f['shape']} (synthetic weights), {f['tokens']} tokens on a {f['context']}-token cache, {f['threads']} threads"
     floats = [(f"{what}: float {dtype} ({f['float_kernel']})", f"{ms:.1f} ms") for dtype, ms in f["float_ms"].items()]
-    return [
-        *floats,
-        (f"{what}: W8A8 ({f['int8_kernel']}, {head} lm_head)", f"{f['w8a8_ms']:.1f} ms"),
-        (
-            f"{what}: W8A8 ({head} lm_head) speed-up over the best float, {f['best_float']} (ideal by bytes read {f['ideal_ratio']:.2f}x)",
-            f"{f['ratio']:.2f}x",
-        ),
-    ]
+    ratio = f"{what}: W8A8 ({head} lm_head) speed-up over the best float, {f['best_float']} (ideal by bytes read {f['ideal_ratio']:.2f}x)"
+    return [*floats, (f"{what}: W8A8 ({f['int8_kernel']}, {head} lm_head)", f"{f['w8a8_ms']:.1f} ms"), (ratio, f"{f['ratio']:.2f}x")]
 
 
 def _e2e(f: dict) -> list[Quantity]:
@@ -180,8 +160,7 @@ def _kernels(f: dict) -> list[Quantity]:
 
 
 def _lines(f: dict) -> list[Quantity]:
-    """Subcommands that report lines of text (``bench onnx``): the first line says what ran; each later one is a
-    contender's figure (its label, then two spaces or more, then the figure) or a ``name: value`` line."""
+    """``bench onnx``'s lines: the first says what ran, each later one a label, then two spaces or more or ": ", a figure."""
     what, *rest = (line.strip() for line in f["lines"])
     what = what.split(";")[0]
     rows = []
@@ -215,11 +194,8 @@ HEADLINES: dict[str, Callable[[dict], list[Quantity]]] = {
 def current(records: list[dict]) -> dict[str, dict[str, tuple[str, dict]]]:
     """Per machine (CPU model, or the GPU for ``bench gpu``), per quantity: the newest record's value and that record."""
     table: dict[str, dict[str, tuple[str, dict]]] = {}
-    for record in sorted(records, key=lambda r: r["date"]):
-        headline = HEADLINES.get(record["command"])
-        if headline is None:
-            continue
-        for quantity, value in headline(record["figures"]):
+    for record in sorted((r for r in records if r["command"] in HEADLINES), key=lambda r: r["date"]):
+        for quantity, value in HEADLINES[record["command"]](record["figures"]):
             table.setdefault(_machine_name(record), {})[quantity] = (value, record)
     return table
 
@@ -233,15 +209,13 @@ def _machine_name(record: dict) -> str:
 
 
 def _kind(record: dict) -> str:
-    """The machine kind the summary files a record under: a CPU's name also by the instruction sets it listed, since
-    one model name covers kinds that differ there (an AMD EPYC with AVX2 only, another with AVX-512 VNNI)."""
+    """The summary's machine kind: a CPU's name with the ISA flags it listed (one name covers AVX2-only and AVX-512 kinds)."""
     flags = ", ".join(record["machine"].get("isa") or ())
     return _machine_name(record) + (f" ({flags})" if flags and record["command"] != "bench gpu" else "")
 
 
 def _e2e_ratio(f: dict) -> str | None:
-    """The best of our W8A8 modes against the best float mode (the ratio the record keeps), the mode named: best
-    against best, as the anchors page compares too."""
+    """The best of our W8A8 modes against the best float mode (best against best, as the anchors page too), named."""
     ratios = {
         mode: m["speedup_vs_best-float"]
         for mode, m in f["modes"].items()
@@ -262,7 +236,6 @@ def _gpu_ratios(entries: list[dict], name: str) -> str | None:
 
 
 def _serve_tokens_per_s(f: dict) -> dict[int, float]:
-    """Our server's output tokens/s by the number of clients."""
     return {level["concurrency"]: level["tokens_per_s"] for level in f["levels"]}
 
 
@@ -309,10 +282,7 @@ SUMMARY: dict[str, dict[str, Callable[[dict], str | None]]] = {
 
 
 def summary(records: list[dict]) -> dict[str, dict[str, tuple[str, dict]]]:
-    """Per machine kind (``_kind``), per headline figure (``SUMMARY``): its value in the newest record of that kind
-    that holds it, and that record. Newest by date, a tie by file name (the later name wins), so the choice depends on
-    the records alone; a record without the figure (a run at 8 clients only, drafters without a float mode) leaves an
-    older one's value standing. A figure no record holds is absent."""
+    """Per machine kind, per headline figure: its value in the newest record (by date, then file) holding it, and that record."""
     table: dict[str, dict[str, tuple[str, dict]]] = {}
     for record in sorted(records, key=lambda r: (r["date"], r["file"])):
         row = table.setdefault(_kind(record), {})
@@ -341,8 +311,7 @@ def _summary_lines(records: list[dict]) -> list[str]:
 
 
 def _set(options: dict) -> list[tuple[str, object]]:
-    """The options a run set (flags off and empty values left out), a path by its last part: where it lay on the
-    measuring machine says nothing to a reader."""
+    """The options a run set (flags off and empty values left out), a path by its last part (only that tells a reader)."""
     return [(k, _last_parts(v)) for k, v in options.items() if v not in (None, False, (), [], "")]
 
 
@@ -357,8 +326,7 @@ def _last_parts(value: object) -> object:
 
 
 def render(records: list[dict]) -> str:
-    """``docs/benchmarks.md``: the summary per machine kind, then per machine a table of the current value of every
-    quantity, each naming its record."""
+    """``docs/benchmarks.md``: the summary per machine kind, then per machine the current value of every quantity."""
     lines = [
         "# Benchmarks",
         "",

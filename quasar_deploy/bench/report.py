@@ -67,8 +67,7 @@ def markdown(report: dict) -> str:
 
 
 def _exact_lines(report: dict) -> list[str]:
-    """Exact mode's measured step costs (docs/architecture.md, "Exact mode": C a float step, c a W8A8 round) and what
-    its adaptive choice made of them."""
+    """Exact mode's measured step costs (C a float step, c a W8A8 round) and what its adaptive choice made of them."""
     exact = {mode: m for mode, m in report["modes"].items() if "middle_rounds_per_step" in m}
     if not exact:
         return []
@@ -136,42 +135,37 @@ def plots(report: dict, out: Path) -> list[Path]:
     written = []
     modes = list(report["modes"])
     figures = report["modes"]
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        written.append(out / name)
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(9, 4))
     medians = [figures[m]["tokens_per_s"] for m in modes]
     low = [medians[i] - figures[m]["tokens_per_s_min"] for i, m in enumerate(modes)]
     high = [figures[m]["tokens_per_s_max"] - medians[i] for i, m in enumerate(modes)]
     ax.bar(modes, medians, yerr=[low, high], capsize=4, color=["#4c72b0" if "w8a8" in m else "#999999" for m in modes])
-    ax.set_ylabel("tokens/s (median, min-max)")
-    ax.set_title("Decoding speed per mode")
+    ax.set(ylabel="tokens/s (median, min-max)", title="Decoding speed per mode")
     ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    written.append(out / "tokens_per_s.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "tokens_per_s.png")
 
     drafting = [m for m in modes if figures[m]["acceptance_length"] is not None and not m.startswith("ar-")]
     if drafting:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.hist([figures[m]["acceptance_lengths"] for m in drafting], label=drafting, bins=10)
-        ax.set_xlabel("acceptance length per prompt (tokens per verify step)")
-        ax.set_ylabel("prompts")
+        ax.set(xlabel="acceptance length per prompt (tokens per verify step)", ylabel="prompts")
         ax.legend()
-        fig.tight_layout()
-        written.append(out / "acceptance_length.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        save(fig, "acceptance_length.png")
 
     if report.get("sweep_k"):
         rows = report["sweep_k"]
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o")
-        ax.set_xlabel("draft length k")
-        ax.set_ylabel("ngram-w8a8 / ngram-float tokens/s")
+        ax.set(xlabel="draft length k", ylabel="ngram-w8a8 / ngram-float tokens/s")
         ax.axhline(1.0, color="#999999", linewidth=1)
-        fig.tight_layout()
-        written.append(out / "speedup_vs_k.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        save(fig, "speedup_vs_k.png")
     return written
 
 

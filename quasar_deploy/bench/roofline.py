@@ -1,7 +1,5 @@
 """One generation on the cpu backend set against the memory-bandwidth bound: a verify step must read every weight
-once, so it cannot beat (bytes per step) / (copy bandwidth). Both are measured in the same run, on the real model
-(an 8B artifact, say), which is what the synthetic verify-step bench cannot show: loading, cache growth, drafting.
-"""
+once, so it cannot beat (bytes per step) / (copy bandwidth), both measured in the same run on the real model."""
 
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ def roofline(path: str | Path, prompt: str, max_new_tokens: int = 32, draft: str
     bandwidth = memory_bandwidth()
     result = engine.generate(prompt, max_new_tokens=max_new_tokens, draft=draft, num_draft=num_draft)
     stats, decoder = result.stats, engine.lm.decoder
-    tokens = result.prompt_tokens + len(result.tokens)
-    step_bytes = weight_bytes(decoder) + kv_cache_bytes(decoder.spec, tokens, decoder.dtype.itemsize)
+    step_bytes = weight_bytes(decoder) + kv_cache_bytes(decoder.spec, result.prompt_tokens + len(result.tokens), decoder.dtype.itemsize)
     step_s = stats.verify_s / stats.verify_steps if stats.verify_steps else float("nan")
     bound_s = step_bytes / bandwidth
     return RooflineResult(

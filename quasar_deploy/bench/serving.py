@@ -1,19 +1,12 @@
 """``bench serve``: our server on 127.0.0.1 under closed-loop streaming clients, at each concurrency in turn.
 
-At every level, ``concurrency`` clients share the prompts (greedy, streamed), each sending
-its next prompt as soon as its last one has finished, and the report says what clients
-saw: output tokens per second over the level's wall time, time to first token, and the
-gaps between streamed chunks (inter-token latency; a chunk is one verify step's text, 1 to
-k+1 tokens, as vLLM's serving benchmark counts it), plus the server's own mean acceptance
-length over the level (from /metrics). Throughput at each level over throughput at
-concurrency 1 is what batched verify steps are for. The clients are threads of this process
-and mostly wait; the server runs in a process of its own (``quasar_server``), except on a
-synthetic model, which exists only here.
-"""
+At every level, ``concurrency`` clients share the prompts, each sending its next one when its last has finished; the server
+runs in a process of its own (``quasar_server``), except on a synthetic model, which exists only here."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -65,8 +58,7 @@ class ServeBenchSettings:
 
 
 def variant_options(variant: str) -> dict[str, Any]:
-    """The request fields of a drafting variant: ``"suffix"`` -> draft suffix with a fixed k, ``"ngram-adaptive"`` ->
-    draft ngram with a k per sequence (``adaptive_k``); one line for a name that is neither."""
+    """The request fields of a drafting variant (``"suffix"``, ``"ngram-adaptive"``: a k per sequence)."""
     from ..serve.needs import REQUEST_DRAFTERS
 
     draft, _, kind = variant.partition("-")
@@ -86,11 +78,8 @@ class RequestTiming:
 
 
 class WideVocabulary:
-    """The demo tokenizer for a synthetic model with a larger vocabulary: an id past the tokenizer's reads as `` <id>``.
-
-    Random weights mostly pick such ids, which the tokenizer decodes to nothing, so no
-    step would stream any text and a client could time nothing. Timing only: the text means nothing.
-    """
+    """The demo tokenizer for a synthetic model with a larger vocabulary: an id past the tokenizer's reads as `` <id>``, so
+    that random weights, which mostly pick such ids, still stream text a client can time (the text means nothing)."""
 
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
@@ -100,18 +89,10 @@ class WideVocabulary:
         return getattr(self._tokenizer, name)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        parts: list[str] = []
-        run: list[int] = []
-        for token in [*ids, None]:
-            if token is not None and token < self._known:
-                run.append(token)
-                continue
-            if run:
-                parts.append(self._tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
-                run = []
-            if token is not None:
-                parts.append(f" <{token}>")
-        return "".join(parts)
+        return "".join(
+            self._tokenizer.decode(list(run), skip_special_tokens=skip_special_tokens) if known else "".join(f" <{t}>" for t in run)
+            for known, run in itertools.groupby(ids, lambda token: token < self._known)
+        )
 
 
 def synthetic_engine(shape: str) -> tuple[Engine, str]:
@@ -145,8 +126,7 @@ def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: 
             usage = chunk.get("usage") or usage
     if usage is None or not arrivals:
         raise QuasarError("a streamed completion ended without text or usage")
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return RequestTiming(arrivals[0] - sent, gaps, usage["completion_tokens"])
+    return RequestTiming(arrivals[0] - sent, [b - a for a, b in zip(arrivals, arrivals[1:])], usage["completion_tokens"])
 
 
 def acceptance_totals(client: httpx.Client, base: str) -> tuple[float, float]:
@@ -202,10 +182,7 @@ def run_level(
         "output_tokens": tokens,
         "wall_s": wall_s,
         "tokens_per_s": tokens / wall_s,
-        "ttft_ms_p50": percentile(ttft, 50),
-        "ttft_ms_p99": percentile(ttft, 99),
-        "itl_ms_p50": percentile(gaps, 50),
-        "itl_ms_p99": percentile(gaps, 99),
+        **{f"{name}_ms_p{p}": percentile(values, p) for name, values in (("ttft", ttft), ("itl", gaps)) for p in (50, 99)},
         "acceptance_length": (accepted_after - accepted_before) / steps if steps else None,
     }
 
@@ -213,8 +190,7 @@ def run_level(
 def run_levels(
     base: str, prompts: Sequence[str], settings: ServeBenchSettings, name: str, progress: bool, options: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """A warm-up round at the widest concurrency (every batch size's kernels built before timing), then each level;
-    ``options``: request fields for all of them (none: the server's defaults)."""
+    """A warm-up round at the widest concurrency (every batch size's kernels built), then each level, requests ``options``."""
     widest = max(settings.concurrency)
     levels = []
     options = options or {}
@@ -236,34 +212,22 @@ def against_one_client(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def interleaved(names: Sequence[str], rounds: int, run: Callable[[str], list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
-    """``run(name)`` (one run's levels) for each of ``names``, ``rounds`` times, the order rotated each round so that no
-    name always runs first or last (on a shared machine later runs can be slower); per name, at each level, the run of
-    median tokens/s (the slower middle one of an even count), with every run's tokens/s beside it."""
+    """``run(name)`` for each of ``names``, ``rounds`` times in a rotated order; per name and level, the median run."""
     runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
     for turn in range(rounds):
         shift = turn % len(names)
         for name in [*names[shift:], *names[:shift]]:
             runs[name].append(run(name))
-    picked: dict[str, list[dict[str, Any]]] = {}
-    for name, attempts in runs.items():
-        levels = []
-        for at_level in zip(*attempts):
-            level = dict(median_run(at_level, itemgetter("tokens_per_s")))
-            if rounds > 1:
-                level["tokens_per_s_rounds"] = [attempt["tokens_per_s"] for attempt in at_level]
-            levels.append(level)
-        picked[name] = against_one_client(levels)
-    return picked
+
+    def pick(at_level: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+        every = {"tokens_per_s_rounds": [attempt["tokens_per_s"] for attempt in at_level]} if rounds > 1 else {}
+        return dict(median_run(at_level, itemgetter("tokens_per_s"))) | every
+
+    return {name: against_one_client([pick(at_level) for at_level in zip(*attempts)]) for name, attempts in runs.items()}
 
 
 def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_python: Path | None = None) -> dict[str, Any]:
-    """Serve the model, warm the batched path up, then run each concurrency level in turn; the report (JSON-ready).
-
-    An artifact is served as a user deploys it, by ``quasar-deploy serve`` in a process of its own (``quasar_server``),
-    as vLLM's server is: the clients' threads then share neither its interpreter nor its OpenMP threads. A synthetic
-    model exists only in this process, so its server runs here, in threads beside the clients.
-    ``vllm_python``: then vLLM's CPU build serves the same artifact the same way afterwards (``vllm_server``), and the
-    report compares the two level by level."""
+    """Serve the model, warm the batched path up, then run each concurrency level in turn (then vLLM's, with ``vllm_python``)."""
     if not settings.concurrency or min(settings.concurrency) < 1:
         raise QuasarError("--concurrency takes integers >= 1, e.g. 1,4,8")
     if settings.rounds < 1:
@@ -275,15 +239,13 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
     widest = max(settings.concurrency)
     load_average = os.getloadavg()
     alone = None if settings.synthetic else generate_alone(settings, prompts, progress)
-    server = synthetic_server(settings, widest) if settings.synthetic else quasar_server(settings, widest)
-    with server as (base, label, backend):
+    with (synthetic_server if settings.synthetic else quasar_server)(settings, widest) as (base, label, backend):
         runs = interleaved(
             ["", *variants],
             settings.rounds,
             lambda v: run_levels(base, prompts, settings, f"quasar-deploy {v}".strip(), progress, variants.get(v)),
         )
-        levels = runs.pop("")
-        compared = runs
+        levels, compared = runs.pop(""), runs
     report = {
         "settings": {**asdict(settings), "concurrency": list(settings.concurrency), "model": label, "prompt_count": len(prompts)},
         "environment": {**environment(), "load_average_at_start": list(load_average)},
@@ -310,10 +272,7 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
 
 
 def generate_alone(settings: ServeBenchSettings, prompts: Sequence[str], progress: bool) -> dict[str, Any]:
-    """``generate`` on the same prompts and settings, one at a time in this process, on the backend it gets by default
-    (``auto``, no needs): what a lone user gets without the server, which the server at one client should match. Its
-    output tokens over its wall time, prefills included, as the server's levels count them. The engine is gone before
-    the server starts."""
+    """``generate`` on the same prompts one at a time, on the default backend: what a lone user gets without the server."""
     import gc
 
     from ..api import load
@@ -347,15 +306,8 @@ def synthetic_server(settings: ServeBenchSettings, max_sequences: int) -> Iterat
     from ..serve.local import serving_in_thread
 
     engine, label = synthetic_engine(settings.synthetic)
-    config = ServeConfig(
-        MODEL_NAME,
-        max_sequences=max_sequences,
-        max_queue=max_sequences,
-        draft=settings.draft,
-        num_draft=settings.num_draft,
-        prefill_tokens=settings.prefill_tokens,
-        row_budget=settings.row_budget,
-    )
+    same = {name: getattr(settings, name) for name in ("draft", "num_draft", "prefill_tokens", "row_budget")}
+    config = ServeConfig(MODEL_NAME, max_sequences=max_sequences, max_queue=max_sequences, **same)
     with serving_in_thread(create_app(engine, config)) as base:
         yield base, label, engine.lm.description
 
@@ -366,8 +318,7 @@ STARTED = f"serving {MODEL_NAME} on "  # the start of the line `quasar-deploy se
 
 @contextmanager
 def quasar_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str, str]]:
-    """``quasar-deploy serve`` on the artifact (the demo model's by default) on ``settings.backend``, in its own process:
-    its base URL, the artifact and the backend its startup line names."""
+    """``quasar-deploy serve`` in its own process: its base URL, the artifact, and the backend its startup line names."""
     artifact = settings.artifact or _demo_artifact()
     port = free_port()
     argv = [sys.executable, "-c", "from quasar_deploy.cli import main; main()", "serve", artifact, "--backend", settings.backend]
@@ -385,8 +336,7 @@ VLLM_START_S = 900  # vLLM's CPU build compiles and warms up its kernels at star
 
 @contextmanager
 def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str]]:
-    """vLLM's OpenAI server (its CPU build, in its own venv: docs/anchors.md) on a free 127.0.0.1 port, serving
-    ``settings.artifact`` in bf16 with the same n-gram drafting; yields its base URL and version, and stops it after."""
+    """vLLM's OpenAI server (its CPU build, docs/anchors.md) on ``settings.artifact`` in bf16: its base URL and version."""
     from ..artifact import open_model_files
     from .anchors import _clean_environment
 
@@ -398,8 +348,7 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
     argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
     context = min(4096, open_model_files(settings.artifact).spec.max_position_embeddings)
     argv += ["--max-num-seqs", str(max_sequences), "--max-model-len", str(context), "--seed", "0"]
-    # every level sends the warm-up's prompts again: with its prefix cache (on by default) vLLM would prefill each prompt
-    # once per run instead of once per request, which distinct requests do not get and our server does not do
+    # every level sends the same prompts again: vLLM's prefix cache would prefill each once per run, not once per request
     argv += ["--no-enable-prefix-caching"]
     if settings.draft == "ngram":
         k = settings.num_draft or default_num_draft("ngram")
@@ -414,8 +363,7 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
 
 @contextmanager
 def server_process(argv: list[str], env: dict[str, str], port: int, start_s: float, name: str) -> Iterator[tuple[str, Any]]:
-    """``argv`` serving on ``port`` in a process of its own, until it answers /health (or fails in one line, quoting its
-    log); yields its base URL and a function returning its log lines so far, and stops it after."""
+    """``argv`` serving on ``port`` in its own process once it answers /health: its base URL and its log lines so far."""
     from ..serve.local import wait_healthy
 
     with tempfile.TemporaryFile("w+") as log:
@@ -442,9 +390,7 @@ STOP_S = 30
 
 
 def stop_process_group(process: subprocess.Popen, timeout_s: float = STOP_S) -> None:
-    """SIGTERM to the server's whole process group, then wait until none of it is left (SIGKILL after ``timeout_s``).
-    vLLM runs its engine in a child process of its API server, which outlived the API server by seconds: measured on
-    2 cores, our cpu server benched right after a vLLM run stepped at 107-110 ms instead of 50-68 ms."""
+    """SIGTERM to the whole process group, then SIGKILL after ``timeout_s``: vLLM's engine process outlives its API server."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -1,9 +1,6 @@
 """Random-weight decoders of published shapes, for timing only (their outputs mean nothing).
 
-Weights stream from memory at these sizes, which is where int8 pays: a timing on
-the tiny demo model (all in cache) would understate it. Reports that use these
-say "synthetic weights".
-"""
+Weights stream from memory at these sizes, where int8 pays (the demo model sits in cache); reports say "synthetic weights"."""
 
 from __future__ import annotations
 
@@ -54,17 +51,9 @@ def is_layer_linear(name: str) -> bool:
 
 
 class RandomTensors:
-    """A ``TensorSource`` that invents each tensor on request, on ``device``: normal(0, 0.02) weights, unit norms, stored
-    as bfloat16 as published checkpoints are (so a decoder keeps what it keeps of a real one: a bf16 table).
-
-    Each tensor is drawn from its own generator, seeded by ``seed`` and its name, so any subset in
-    any order holds the same values: the float decoder, its W8A8 twin and transformers' twin can be
-    built apart (or one after another is freed) and still hold identical weights. ``quantized``
-    hands out layer linears as int8 with their ``weight_scale`` (one float tensor alive at a time), and with
-    ``int8_lm_head`` the head too (drawn as the float twin's head, which is the embedding table where ``spec`` ties
-    them; the decoder reading it must then be untied, see ``synthetic_decoders``); ``shared`` tensors are handed out
-    as they are (the float twin's embedding and norms: one copy).
-    """
+    """A ``TensorSource`` inventing each tensor on request (normal(0, 0.02), unit norms; bf16 as published), each from its
+    own generator seeded by ``seed`` and its name, so that any subset in any order holds the same values; ``quantized``:
+    layer linears (and an ``int8_lm_head``) as int8 with their scales; ``shared`` tensors handed out as they are."""
 
     def __init__(
         self,
@@ -120,20 +109,9 @@ def synthetic_decoders(
     device: torch.device | str = "cpu",
     int8_lm_head: bool = False,
 ) -> tuple[Decoder, Decoder]:
-    """(float, W8A8) decoders with identical random weights; W8A8 is quantized without smoothing (timing only). The float
-    decoder computes in ``dtype``; the W8A8 one, as the backends build it, computes its head in ``dtype`` and its activations
-    in float32 on a CPU (``load_cpu``), in ``dtype`` on an accelerator.
-
-    Built lean, so a shape fits where its two engines fit: the W8A8 decoder shares the float one's
-    embedding and norms and is quantized tensor by tensor. With ``kernels`` (float, int8) both are
-    prepared (fused; on a CPU, attending as the cpu backend does, ``bind_cpu_attention``), the float one first so that
-    its unpacked weights are gone before the W8A8 one is built, and both run one packed lm_head (their heads hold the
-    same weights), unless ``int8_lm_head``: the W8A8 twin then has its own int8 head, quantized from the same values
-    (and is untied, as an artifact with one is).
-
-    ``device``: where the weights are drawn and quantized (a GPU makes an 8B shape in seconds; the
-    decoder's small buffers stay on the host until ``Decoder.move_to``).
-    """
+    """(float, W8A8) decoders with identical random weights (W8A8 unsmoothed, activations float32 on a CPU), built lean: the
+    W8A8 one shares the float one's embedding, norms and packed head (unless ``int8_lm_head``: its own, untied) and is
+    quantized tensor by tensor; ``kernels`` (float, int8) prepares both, the float one first."""
     spec = synthetic_spec(name)
     float_model = Decoder(spec, RandomTensors(spec, seed, device), dtype)
     on_cpu = torch.device(device).type == "cpu"
@@ -154,7 +132,7 @@ def synthetic_decoders(
     return float_model, quant_model
 
 
-LIBRARIES_BYTES = 10**9  # the libraries (torch + transformers imported: 0.35 GB resident here), kernel scratch, allocator slack
+LIBRARIES_BYTES = 10**9  # the libraries (torch, transformers), kernel scratch, allocator slack
 
 
 def _linear_bytes(spec: DecoderSpec) -> tuple[int, int]:
@@ -166,10 +144,7 @@ def _linear_bytes(spec: DecoderSpec) -> tuple[int, int]:
 
 
 def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
-    """Bytes of weights one step of the float (or the W8A8) twin reads: its linears and lm_head, as
-    ``micro.weight_bytes`` counts them on a prepared decoder, from the shape alone (no decoder built); float weights (the
-    float twin's, a float head) of ``float_itemsize`` bytes (4: float32, 2: bf16), a float head read as drawn (bf16)
-    where ``quasar-half`` runs it (``head_read_itemsize``)."""
+    """Bytes of weights one step of the float (or the W8A8) twin reads, as ``micro.weight_bytes`` counts, from the shape."""
     float_linears, int8_linears = _linear_bytes(spec)
     head = spec.vocab_size * spec.hidden_size * head_read_itemsize(float_itemsize)
     if not quantized:
@@ -178,8 +153,7 @@ def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = Fal
 
 
 def head_read_itemsize(float_itemsize: int) -> int:
-    """Bytes per value a prepared synthetic twin's float head reads (drawn ``STORED_DTYPE``, computing in the float
-    dtype of ``float_itemsize`` bytes): as drawn where ``kernels.half_weights`` sends it to ``quasar-half``."""
+    """Bytes per value a synthetic twin's float head reads: as drawn where ``half_weights`` sends it to ``quasar-half``."""
     from ..cpu.linears import half_weights
 
     dtype = torch.float32 if float_itemsize == 4 else torch.bfloat16
@@ -187,12 +161,8 @@ def head_read_itemsize(float_itemsize: int) -> int:
 
 
 def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
-    """Peak resident bytes of ``synthetic_decoders(kernels=...)``, plus the libraries: packed float linears and head (of
-    ``float_itemsize`` bytes: 4 float32, 2 bf16), the one bf16 table and the int8 linears (the float twin's build
-    holds less: its head is packed a block of rows at a time from the bf16 table, ``model.Linear``). An int8 head is
-    drawn (bf16) and quantized through three float32 copies at once (``scheme.quantize_weight``), more than the int8
-    head it leaves.
-    """
+    """Peak resident bytes of ``synthetic_decoders(kernels=...)`` plus the libraries (an int8 head is drawn, then quantized
+    through three float32 copies at once, ``scheme.quantize_weight``)."""
     float_linears, int8_linears = _linear_bytes(spec)
     table = spec.vocab_size * spec.hidden_size
     stored = STORED_DTYPE.itemsize
@@ -203,16 +173,13 @@ def engines_peak_bytes(spec: DecoderSpec, int8_lm_head: bool = False, float_item
 
 
 def engine_alone_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = False, float_itemsize: int = 4) -> int:
-    """Peak resident bytes of one synthetic engine built alone, plus the libraries: the float one (``engines_peak_bytes``
-    without the int8 linears), or the W8A8 one with its own head (a float head of ``float_itemsize`` bytes, or an int8
-    head quantized as ``engines_peak_bytes`` says) beside its bf16 table."""
+    """Peak resident bytes of one synthetic engine built alone (the W8A8 one with its own head), plus the libraries."""
     int8_linears = _linear_bytes(spec)[1]
     table = spec.vocab_size * spec.hidden_size
     stored = STORED_DTYPE.itemsize
     if not quantized:
         return engines_peak_bytes(spec, float_itemsize=float_itemsize) - int8_linears
-    head = (stored + 3 * 4) * table if int8_lm_head else float_itemsize * table
-    return int8_linears + stored * table + head + LIBRARIES_BYTES
+    return int8_linears + stored * table + ((stored + 3 * 4) * table if int8_lm_head else float_itemsize * table) + LIBRARIES_BYTES
 
 
 def w8a8_source(name: str, seed: int = 0, int8_lm_head: bool = False) -> tuple[DecoderSpec, RandomTensors]:

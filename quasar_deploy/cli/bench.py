@@ -66,25 +66,7 @@ def bench() -> None:
 )
 @click.option("-o", "--output", default="bench-out", show_default=True, type=click.Path(file_okay=False), help="Report directory.")
 @json_option
-def e2e(
-    artifact,
-    reference,
-    synthetic,
-    prompts,
-    limit,
-    repeats,
-    max_new_tokens,
-    temperature,
-    num_draft,
-    ngram_min,
-    ngram_max,
-    suffix_min_prob,
-    modes,
-    sweep_k,
-    anchor_pythons,
-    output,
-    as_json,
-):
+def e2e(artifact, reference, synthetic, prompts, modes, sweep_k, anchor_pythons, output, as_json, **options):
     """Every decoding mode on the same prompts, interleaved prompt by prompt (float vs W8A8 verifier, n-gram, layer-skip...)."""
     import tempfile
 
@@ -107,17 +89,10 @@ def e2e(
         model=reference,
         artifact=artifact,
         synthetic=synthetic,
-        limit=limit,
-        repeats=repeats,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        num_draft=num_draft,
-        ngram_min=ngram_min,
-        ngram_max=ngram_max,
-        suffix_min_prob=suffix_min_prob,
         modes=tuple(m.strip() for m in modes.split(",")) if modes else ALL_MODES,
         sweep_k=sweep_k or (),
         anchor_pythons=_engine_paths(anchor_pythons),
+        **options,  # the other options are the settings' fields by name (limit, repeats, ..., suffix_min_prob)
     )
     with_hf = "hf-prompt-lookup" in settings.modes
     with tempfile.TemporaryDirectory() as work:
@@ -160,10 +135,7 @@ def _emit(figures: dict, text: Callable[[], str], as_json: bool, dtypes: dict[st
 
 
 def _float_vs_int8(int8_lm_head: bool = False, head_stored: str = "BF16", head_dtype: str | None = None) -> dict[str, str]:
-    """What the float and W8A8 contenders compute in here: the CPU's float dtype (``kernels.default_float_dtype``), which
-    is also the W8A8 model's float lm_head's (``head_dtype`` where another was asked for; unless ``int8_lm_head``), read
-    as stored where its weights are 16-bit (``head_stored``, a safetensors dtype name: the synthetic shapes' BF16 by
-    default) and ``quasar-half`` runs it."""
+    """What the float and W8A8 contenders compute in here: the CPU's float dtype, also the W8A8 float lm_head's."""
     from ..cpu.linears import FLOAT_DTYPES, default_float_dtype, dtype_name, half_weights
     from ..shards import TORCH_DTYPES
 
@@ -175,8 +147,7 @@ def _float_vs_int8(int8_lm_head: bool = False, head_stored: str = "BF16", head_d
 
 
 def _head_stored(path: str | None) -> str:
-    """The safetensors dtype name of the lm_head (or the table it is tied to) of the model at ``path``; None: a
-    synthetic shape's (drawn BF16) or the default demo artifact's (F16), 16-bit either way."""
+    """The safetensors dtype name of the lm_head (or its tied table) of the model at ``path``; None: a synthetic shape's."""
     if path is None:
         return "BF16"
     from ..artifact import open_model_files
@@ -188,11 +159,9 @@ def _head_stored(path: str | None) -> str:
 def _dtypes_of(path: str) -> dict[str, str]:
     """What a run of the model at ``path`` computes in: an artifact's W8A8, or a float checkpoint's float dtype."""
     from ..artifact import open_model_files
-    from ..memory import head_dtype_name
 
-    files = open_model_files(path)
-    dtypes = _float_vs_int8(head_stored=head_dtype_name(files.checkpoint.dtypes))
-    return {"w8a8": dtypes["w8a8"]} if files.is_artifact else {"float": dtypes["float"]}
+    dtypes = _float_vs_int8(head_stored=_head_stored(path))
+    return {"w8a8": dtypes["w8a8"]} if open_model_files(path).is_artifact else {"float": dtypes["float"]}
 
 
 @bench.command("roofline")
@@ -327,8 +296,7 @@ def batched_step(artifact, sequences, tokens, context, repeats, prefill, backend
     from ..bench.batched_step import batched_step as measure
 
     names = tuple(b.strip() for b in backends.split(",") if b.strip())
-    unknown = [b for b in names if b not in CONTENDERS]
-    if not names or unknown:
+    if not names or any(b not in CONTENDERS for b in names):
         raise QuasarError(f"--backends takes names of {', '.join(CONTENDERS)}, not {backends!r}")
     if not sequences or min(sequences) < 1:
         raise QuasarError("--sequences takes integers >= 1, e.g. 1,8")
@@ -363,8 +331,7 @@ def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, floa
     result = micro.verify_step(
         shape, tokens, context, repeats, int8_kernel=int8_kernel, progress=not as_json, int8_lm_head=int8_lm_head, float_dtypes=dtypes
     )
-    w8a8 = _float_vs_int8(int8_lm_head, head_dtype=result.head_dtype)["w8a8"]
-    dtypes = {"float": ", ".join(result.float_ms), "w8a8": w8a8}
+    dtypes = {"float": ", ".join(result.float_ms), "w8a8": _float_vs_int8(int8_lm_head, head_dtype=result.head_dtype)["w8a8"]}
     _emit(result.to_dict(), lambda: micro.describe_verify_step(result), as_json, dtypes)
 
 
@@ -401,22 +368,12 @@ def kernels(shape, repeats, int8_kernels, as_json):
 @click.option("--num-draft", default=5, show_default=True, type=click.IntRange(min=1))
 @click.option("--quantizer", default="triton", show_default=True, type=click.Choice(["triton", "torch"]), help="Activation quantization.")
 @json_option
-def gpu(shapes, tokens, context, repeats, rows, e2e_shape, prompts, max_new_tokens, num_draft, quantizer, as_json):
+def gpu(shapes, rows, as_json, **options):
     """On a CUDA GPU: verify step bf16 vs W8A8, int8 GEMM bandwidth, n-gram end to end; one table (tools/gpu_check.sh)."""
     from ..bench import gpu as gpu_bench
 
-    settings = GpuSettings(
-        shapes=tuple(s.strip() for s in shapes.split(",") if s.strip()),
-        tokens=tokens,
-        context=context,
-        repeats=repeats,
-        rows=tuple(rows),
-        e2e_shape=e2e_shape,
-        prompts=prompts,
-        max_new_tokens=max_new_tokens,
-        num_draft=num_draft,
-        quantizer=quantizer,
-    )
+    # the other options are the settings' fields by name (tokens, context, ..., quantizer)
+    settings = GpuSettings(shapes=tuple(s.strip() for s in shapes.split(",") if s.strip()), rows=tuple(rows), **options)
     result = gpu_bench.run(settings, log=lambda line: None if as_json else click.echo(line, err=True))
     _emit(result, lambda: gpu_bench.table(result), as_json, gpu_bench.GPU_DTYPES)
 
@@ -477,8 +434,7 @@ def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head
     at the paper's acceptance from those step costs."""
     from ..bench.onnx import step
 
-    lines = step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, w8a8_acceptance)
-    _lines(lines, as_json, _float_vs_int8(int8_lm_head))
+    _lines(step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, w8a8_acceptance), as_json, _float_vs_int8(int8_lm_head))
 
 
 @onnx.command("fidelity")

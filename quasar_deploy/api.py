@@ -1,6 +1,5 @@
 """``load``: a model directory in, an engine out, the verify mode dispatched here (above the engine and exact mode's
-engine, which builds on it).
-"""
+engine, which builds on it)."""
 
 from __future__ import annotations
 
@@ -26,12 +25,7 @@ def load(
 ) -> Engine:
     """An engine for a W8A8 artifact (W8A8 verifier), a plain Hugging Face checkpoint (float verifier) or an export at ``path``.
 
-    ``backend="auto"`` picks the fastest backend here that provides ``needs`` (``backends.registry.CAPABILITIES``:
-    "layer_skip" for the layerskip drafter). ``backend_options`` go to the backend's factory (e.g. ``threads``,
-    ``int8_kernel`` for cpu; ``quantizer``, ``graphs`` for cuda; ``provider`` for onnxruntime).
-    ``verify="exact"``: ``path`` is an artifact and the output is its float model's own (``exact_mode.load_exact``), the
-    float checkpoint being ``exact_source`` or, by default, the source the artifact records.
-    """
+    ``backend="auto"``: the fastest backend here that provides ``needs``; ``verify="exact"``: ``exact_mode.load_exact``."""
     if verify not in VERIFY_MODES:
         raise QuasarError(f"unknown verify mode {verify!r}; choose from {', '.join(VERIFY_MODES)}")
     if verify == "exact":

@@ -1,12 +1,6 @@
 """Exact mode's engine: the float model verifies and its output is returned; its W8A8 artifact drafts through a cascade.
 
-``load(artifact, verify="exact")`` loads both weight sets on one backend: the float checkpoint
-(``exact_source``, by default the source the artifact's manifest records) as the verifier, whose
-greedy output, or sampled distribution, is what generation returns, and the artifact as the middle
-level of the cascade (``speculative.cascade``). Each generation gets its own W8A8 sequence, so the
-server's scheduler drives exact generations like any other: the float blocks of many requests still
-verify in one batched forward, each request's W8A8 rounds run on its own cache.
-"""
+Each generation gets its own W8A8 sequence, so the scheduler batches exact generations like any others."""
 
 from __future__ import annotations
 
@@ -31,12 +25,7 @@ from .tokenizer import load_tokenizer
 class ExactEngine(Engine):
     """An ``Engine`` whose verifier ``lm`` is the float model and whose drafts come from W8A8 rounds on ``middle``.
 
-    ``rounds``: W8A8 rounds before each float step, fixed; None chooses them as it runs from the measured step
-    costs and acceptance (``cascade.RoundPolicy``). ``num_draft`` of a generation is the inner drafter's k per
-    round; a float step may take all the rounds made, up to the room left. A fixed ``rounds`` makes a seeded
-    sampled generation reproducible; adaptive rounds follow timing, so the same seed may draw other tokens
-    (each run still has the float model's distribution).
-    """
+    ``rounds`` per float step, or None: chosen by timing (``cascade.RoundPolicy``), so a seed may not reproduce."""
 
     middle: CausalLM | None = None
     rounds: int | None = None
@@ -44,11 +33,8 @@ class ExactEngine(Engine):
     _chosen_rounds: RoundPolicy | None = field(default=None, init=False, repr=False)
 
     def round_policy(self) -> RoundPolicy:
-        """Fixed ``rounds``: a policy of the generation's own. Chosen rounds: one policy for all this engine's generations.
-        The step costs and the float model's acceptance of W8A8's tokens belong to the models and the machine, not to a
-        prompt, so what earlier generations measured decides a new one's first proposals: where W8A8 rounds do not pay,
-        a generation never runs one, nor prefills its W8A8 cache for one (measured: that prefill alone cost a
-        128-token generation about a tenth of its time)."""
+        """Fixed ``rounds``: a policy per generation. Else one for all this engine's generations (costs and acceptance
+        belong to the models, not a prompt), so where rounds do not pay a new generation never runs one."""
         if self.rounds is not None:
             return RoundPolicy(self.rounds)
         if self._chosen_rounds is None:
@@ -80,7 +66,7 @@ class ExactEngine(Engine):
         stats = CascadeStats()
         drafter = CascadeDrafter(middle, inner, options.num_draft, self.stop_ids, self.round_policy(), stats)
         sampler = Sampler(options.sampling, options.seed)
-        # the float step may take every token the rounds made: the loop caps a draft at the room left, not at k
+        # the float step may take every token the rounds made: the loop caps a draft at the room left
         return Speculation(lm, drafter, prompt, sampler, lm.max_length, options.max_new_tokens, self.stop_ids, stats)
 
 
@@ -105,10 +91,8 @@ def load_exact(
     needs: tuple[str, ...] | list[str] = (),
     **backend_options: Any,
 ) -> ExactEngine:
-    """Both weight sets resident: the float checkpoint (``float_source``) verifying, the artifact at ``path`` drafting;
-    they must share the tokenizer and the context window. Both go on one backend: ``backend``, or with "auto" the one
-    auto picks for the float checkpoint (on a CPU with native bf16, the cpu backend). The artifact alone would go to ONNX
-    Runtime there, but exact mode measured no faster with it: docs/architecture.md, "Exact mode", Backends."""
+    """Both weight sets on one backend (with "auto", the float checkpoint's): the float checkpoint (``float_source``)
+    verifying, the artifact at ``path`` drafting; they must share tokenizer and context window."""
     source = float_source(path, source)
     name = resolve_backend(backend, source, needs, backend_options)
     verifier = create_backend(name, source, **backend_options)

@@ -1,6 +1,5 @@
 """Text around the token ids: input checked before the tokenizer sees it, output decoded token by token without
-splitting a character, and cut at stop strings. The engine's generations use these; the speculative loop knows only ids.
-"""
+splitting a character, and cut at stop strings. The engine's generations use these; the speculative loop knows only ids."""
 
 from __future__ import annotations
 
@@ -18,13 +17,8 @@ def check_text(text: str, what: str) -> None:
 
 
 class Detokenizer:
-    """Decodes token by token without splitting a multi-byte character across pieces.
-
-    Decoding a short window (the tail of what was already shown plus the new
-    tokens) keeps each step O(1) and gives tokenizers that drop a leading space
-    at the start of a text their context; text that ends in a partial UTF-8
-    sequence is held back until the next token completes it.
-    """
+    """Decodes token by token without splitting a multi-byte character across pieces: a short window (the tail shown
+    plus the new tokens) keeps a step O(1) and gives the tokenizer context; a partial character is held back."""
 
     def __init__(self, tokenizer, prompt: Sequence[int], context: int = 6):
         self.tokenizer = tokenizer
@@ -42,8 +36,7 @@ class Detokenizer:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        piece = self._new_text()
-        if not piece or piece.endswith("\ufffd"):
+        if not (piece := self._new_text()) or piece.endswith("\ufffd"):
             return ""
         self.shown, self.read = self.read, len(self.ids)
         return piece
@@ -59,16 +52,14 @@ class StopStrings:
     """Cuts the text before the first stop string, holding back any tail that might become one."""
 
     def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stops)
-        self.held = ""
+        self.stops, self.held = tuple(stops), ""
 
     def push(self, piece: str) -> tuple[str, bool]:
         """The text now safe to show, and whether a stop string was reached."""
         if not self.stops:
             return piece, False
         text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        if hits := [i for i in (text.find(s) for s in self.stops) if i >= 0]:
             self.held = ""
             return text[: min(hits)], True
         safe = next((i for i in range(len(text)) if any(s.startswith(text[i:]) for s in self.stops)), len(text))

@@ -1,9 +1,6 @@
 """Messages between the server's process and its chat-template renderer: a tag, a length, then that many bytes.
 
-A pipe carries bytes, not messages: one read may return part of a message or several, so ``FrameReader`` keeps what
-has arrived until a frame is whole. A length past the reader's limit is refused before anything is buffered, so a
-length field can never make the reader allocate what it names.
-"""
+``FrameReader`` refuses a length past its limit before buffering anything: a length field never makes it allocate."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ SETUP = 0
 
 
 def reply_limit(max_chars: int) -> int:
-    """The largest reply a render may send: its ids as JSON, at most one token per UTF-8 byte of a text of ``max_chars``
-    characters (4 bytes each at most), each id at most 12 bytes with its separator; or an error's one line."""
+    """The largest reply a render may send: a token per UTF-8 byte (4 a character), 12 bytes an id, or an error line."""
     return 4 * 12 * max_chars + (1 << 16)
 
 
@@ -40,8 +36,7 @@ class FrameReader:
     """Frames out of a byte stream, each at most ``limit`` bytes of payload."""
 
     def __init__(self, limit: int):
-        self.limit = limit
-        self._buffer = bytearray()
+        self.limit, self._buffer = limit, bytearray()
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         """The frames that ``data`` completes, in order, as (tag, payload)."""

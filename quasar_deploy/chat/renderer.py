@@ -1,11 +1,6 @@
 """Chat messages to prompt ids through the tokenizer's chat template, rendered in a process of their own (``worker``).
 
-``ChatRenderer.render`` (the API, ``generate --chat``) and ``render_async`` (the server's handlers, off the scheduler's
-thread) send the messages to the renderer's process and wait for the ids, or for the one-line reason there are none.
-The template is read from the tokenizer at each call, so one set after loading (``serve --chat-template``) is the one
-that renders. The process starts on the first render (or at ``start``) with a copy of the tokenizer, and again after
-it has gone.
-"""
+The template is read at each render, so one set after loading is used; the process starts again after it has gone."""
 
 from __future__ import annotations
 
@@ -50,8 +45,7 @@ class _Process:
         command = [sys.executable, "-m", "quasar_deploy.chat.worker"]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.pending: dict[int, concurrent.futures.Future] = {}
-        self.lock = threading.Lock()
-        self.stopped = False
+        self.lock, self.stopped = threading.Lock(), False
         self.failure: str | None = None
         self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         setup = lambda: frame(SETUP, pickle.dumps({"tokenizer": tokenizer, **bounds}))  # noqa: E731
@@ -145,8 +139,7 @@ def token_ids(payload: bytes) -> list[int]:
 
 
 class ChatRenderer:
-    """Renders chats with the tokenizer's template: at most ``seconds`` per render (tokenizing included), prompts of at
-    most ``max_chars`` characters, ``memory_bytes`` of address space beyond the renderer's own, ``processes`` at once."""
+    """Renders chats with the tokenizer's template, within ``seconds``, ``max_chars``, ``memory_bytes``, ``processes``."""
 
     def __init__(
         self,

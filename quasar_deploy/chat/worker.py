@@ -1,17 +1,7 @@
 """The chat-template renderer's process: ``python -m quasar_deploy.chat.worker``, started by ``renderer.ChatRenderer``.
 
-A chat template is a program that comes with the model, written by whoever wrote the model's directory. Rendered in
-the server's process it could loop on the thread that steps every sequence, or build gigabytes that the process then
-keeps. Here it runs apart, and this process never renders either: for each request it forks a child, which applies
-the template, refuses a text longer than ``max_chars``, tokenizes it and writes the ids back under an address-space
-limit of ``memory_bytes`` beyond what it was forked with, then exits, so that whatever a render allocated leaves with
-it. A child still running ``seconds`` after its fork is killed. At most ``processes`` children run at once, later
-requests wait in arrival order, and all run at a lower priority than the server (``RENDER_NICE``): a template that
-spins gets a CPU only where the server leaves one idle.
-
-The process stays single-threaded (its environment keeps the math libraries' thread pools from starting), as a
-process that forks must: a child gets only the forking thread, and a lock another thread held stays held in it.
-"""
+A template is the model author's program: each render runs in a forked child, bounded in memory and time, at a lower
+priority, ``processes`` at once. The process stays single-threaded, as one that forks must."""
 
 from __future__ import annotations
 
@@ -59,8 +49,7 @@ def main() -> None:
     reader = FrameReader(SETUP_LIMIT)
     frames: list[tuple[int, bytes]] = []
     while not frames:
-        data = os.read(0, READ_SIZE)
-        if not data:
+        if not (data := os.read(0, READ_SIZE)):
             return
         frames = reader.feed(data)
     try:
@@ -92,8 +81,7 @@ class Renders:
                 if key.data is not None:
                     self._read(key.data)
                     continue
-                data = os.read(0, READ_SIZE)
-                if not data:  # the server has gone, and its renders with it
+                if not (data := os.read(0, READ_SIZE)):  # the server has gone, and its renders with it
                     for child in list(self.running.values()):
                         self._kill(child)
                     return
@@ -121,17 +109,14 @@ class Renders:
         while self.waiting and len(self.running) < self.bounds["processes"]:
             tag, request = self.waiting.popleft()
             read_end, write_end = os.pipe()
-            pid = os.fork()
-            if pid == 0:
+            if (pid := os.fork()) == 0:
                 render_in_child(write_end, self.tokenizer, self.bounds, request)
             os.close(write_end)
-            child = Child(tag, pid, read_end, time.monotonic() + self.bounds["seconds"])
-            self.running[tag] = child
+            self.running[tag] = child = Child(tag, pid, read_end, time.monotonic() + self.bounds["seconds"])
             self.selector.register(read_end, selectors.EVENT_READ, child)
 
     def _read(self, child: Child) -> None:
-        data = os.read(child.fd, READ_SIZE)
-        if not data:  # its output is complete: it is exiting
+        if not (data := os.read(child.fd, READ_SIZE)):  # its output is complete: it is exiting
             self._close(child)
         elif len(child.output) + len(data) > self.max_reply:
             self._kill(child)

@@ -1,12 +1,6 @@
 """The HTTP side: OpenAI's routes over the scheduler, API-key and body-size guards, errors always in OpenAI's shape.
 
-Handlers only parse, submit and relay: every model call happens on the scheduler's thread, a chat's template
-renders in the renderer's process (``chat/``) and a completion's text is tokenized on a worker thread: the event
-loop stays responsive, neither a model step nor a template holds it, and no prompt's tokenizing holds the model steps.
-A request's events arrive on an asyncio queue; from the moment its body is in, a ``ClientWatch`` notices its client
-going, and whatever the request then waits for (its render or tokenizing, its turn, its next step) ends, its sequence
-cancelled. A request whose client went away is counted as status 499 (``CLIENT_CLOSED``).
-"""
+Handlers only parse, submit and relay; a ``ClientWatch`` ends whatever a request waits for when its client goes."""
 
 from __future__ import annotations
 
@@ -15,7 +9,7 @@ import dataclasses
 import hmac
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,19 +33,15 @@ from .scheduler import PREFILL_TOKENS, Done, Event, Failed, QueueFull, Scheduler
 
 RETRY_AFTER_S = "1"  # what 429 and 503 tell a client to wait: admission frees up as sequences finish, a drain ends soon
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (before its response was complete): the metrics' label
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away before its response was complete
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     """What ``quasar-deploy serve`` decides besides the engine: the served name, limits, security, default drafting.
 
-    ``request_timeout``: seconds from arrival after which a request is ended (504), queueing included;
-    ``body_timeout``: seconds for its body to arrive (408);
-    ``kv_cache_bytes``: the KV cache all running requests may hold together (None: no accounting); ``prefill_tokens``:
-    prompt tokens prefilled per round (``scheduler.PREFILL_TOKENS``); ``row_budget``: batched steps leave out the drafted
-    rows not worth their time (``serve.row_budget``); ``suffix_cache_tokens``: earlier outputs kept for
-    suffix drafts across requests (0: none; ``speculative.output_cache``); ``limits``: what one request may ask for."""
+    ``request_timeout``: seconds from arrival (queueing included) to 504; ``body_timeout``: to 408; ``kv_cache_bytes``
+    None: no accounting."""
 
     model: str
     api_key: str | None = None
@@ -81,9 +71,8 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 class Guard:
-    """ASGI middleware: the API key on every route but /health, and the request counter (a plain ASGI layer, not
-    ``BaseHTTPMiddleware``, so streams and their cancellation pass through untouched). A request whose client
-    disconnected before its response was complete counts as ``CLIENT_CLOSED``, whatever was sent to nobody."""
+    """ASGI middleware (plain, so streams pass through): the API key on every route but /health, the request counter
+    (a client gone before its response was complete counts as ``CLIENT_CLOSED``)."""
 
     def __init__(self, app, api_key: str | None, metrics: Metrics):
         self.app, self.api_key, self.metrics = app, api_key, metrics
@@ -112,20 +101,16 @@ class Guard:
             await send(message)
 
         try:
-            if self.api_key and scope["path"] != "/health" and not self._authorized(scope):
-                await error_response(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)"))(
-                    scope, receive_watching, send_counting
-                )
-            else:
-                await self.app(scope, receive_watching, send_counting)
+            refused = self.api_key and scope["path"] != "/health" and not self._authorized(scope)
+            app = error_response(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)")) if refused else self.app
+            await app(scope, receive_watching, send_counting)
         finally:
             endpoint = scope["path"] if scope["path"] in ROUTES else "other"
             self.metrics.requests.labels(endpoint=endpoint, status=str(CLIENT_CLOSED if gone else status)).inc()
 
 
 async def read_json(request: HttpRequest, limit: int, timeout_s: float) -> Any:
-    """The body as JSON, refused with 413 past ``limit`` bytes before it is all read (a declared or a streamed length),
-    and with 408 when it has not all arrived within ``timeout_s`` (a client trickling bytes holds a connection)."""
+    """The body as JSON: 413 past ``limit`` bytes (declared or streamed), 408 if not all in within ``timeout_s``."""
     too_large = ApiError(413, f"the request body is larger than the limit of {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -149,7 +134,7 @@ async def read_json(request: HttpRequest, limit: int, timeout_s: float) -> Any:
 def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     """The server's app; the scheduler's worker runs for the app's lifespan. ``app.state.draining`` refuses new work (503)."""
     metrics = Metrics()
-    # set either way: an engine served before with a cache does not keep sharing outputs under a config without one
+    # set either way: an engine served before with a cache must not keep it under a config without one
     engine.output_cache = OutputCache(config.suffix_cache_tokens) if config.suffix_cache_tokens else None
     scheduler = Scheduler(
         engine,
@@ -178,8 +163,7 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         return scheduler.busy + engine.renderer.busy
 
     def end_in_flight() -> None:
-        """A drain's deadline (from another thread): every request in flight ends now with 503, a stream with its error
-        event and ``[DONE]``; a render still running ends with it."""
+        """A drain's deadline (from another thread): every request in flight ends now with 503."""
         scheduler.end_all(ApiError(503, "the server is shutting down"))
         app.state.loop.call_soon_threadsafe(app.state.ended.set)
 
@@ -221,10 +205,8 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
             loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
             def deliver(event: Event) -> None:
-                try:
+                with suppress(RuntimeError):  # the event loop has closed (server stopped): nobody is waiting for this event
                     loop.call_soon_threadsafe(events.put_nowait, event)
-                except RuntimeError:  # the event loop has closed (server stopped): nobody is waiting for this event
-                    pass
 
             ticket = Ticket(parsed, deliver)
             try:
@@ -248,17 +230,14 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
                 watch.close()
 
     async def tokenize(text: str) -> list[int]:
-        """A completion's prompt ids, encoded on a worker thread: a 1 MiB prompt takes seconds to encode, which on the
-        scheduler's thread held every running sequence (the tokenizer lets go of the GIL while it works); 400 for a
-        prompt the engine refuses."""
+        """A completion's prompt ids, encoded on a worker thread (off the scheduler's); 400 if the engine refuses it."""
         try:
             return await asyncio.to_thread(engine.encode, text)
         except QuasarError as exc:
             raise ApiError(400, str(exc), "prompt") from None
 
     async def render(messages: list[dict[str, str]]) -> list[int]:
-        """The chat's prompt ids, rendered in the renderer's process: 400 when the template refuses the messages or
-        passes a bound, 500 when the renderer itself fails."""
+        """The chat's prompt ids: 400 when the template refuses or passes a bound, 500 when the renderer fails."""
         try:
             return await engine.renderer.render_async(engine.chat_messages(messages))
         except RendererError as exc:
@@ -274,8 +253,7 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         return event
 
     async def stream(ticket: Ticket, events: asyncio.Queue, shaper: Shaper, include_usage: bool, watch: ClientWatch) -> AsyncIterator[str]:
-        """SSE chunks until ``[DONE]``; a failure (the server ending its requests too) is the last event before it, and the
-        client going ends the stream at once. Either way the sequence is cancelled."""
+        """SSE chunks until ``[DONE]``, a failure the last before it; the client going ends it at once."""
         try:
             if shaper.chat:
                 yield sse(shaper.chunk("", include_usage=include_usage))

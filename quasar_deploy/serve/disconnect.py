@@ -1,10 +1,6 @@
 """Noticing that a request's client has gone, whatever the request is waiting for at that moment.
 
-Once a request's body has been read, the next message ASGI's ``receive`` gives is ``http.disconnect``: when the
-client closes its connection, or once the response is complete. ``ClientWatch`` waits for it from the moment the
-body is in, so that every wait of a request (its chat template's render, its place in the queue, each step of its
-generation, streamed or not) ends as soon as its client goes, instead of at its next token or a polling interval.
-"""
+After the body, ASGI's next ``receive`` message is ``http.disconnect``: ``ClientWatch`` waits for it."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ class ClientWatch:
         self._gone.set()
 
     async def until_gone(self, awaitable: Awaitable[T]) -> T:
-        """What ``awaitable`` gives, unless the client goes first (``ClientGone``) or the server ends its requests first
-        (503); either way ``awaitable`` is then cancelled."""
+        """What ``awaitable`` gives, unless first the client goes (``ClientGone``) or the server ends requests (503)."""
         work = asyncio.ensure_future(awaitable)
         stops = [asyncio.ensure_future(self._gone.wait()), asyncio.ensure_future(self._ended.wait())]
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-# emitted tokens per verify step: 1 (everything rejected) up to k+1
 ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

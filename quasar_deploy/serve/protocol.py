@@ -1,9 +1,6 @@
 """The OpenAI request fields we accept, checked before any work, and the OpenAI error shape.
 
-Parsing is pure Python and strict where a silent default would change the output
-(``n``, ``logprobs``, penalties): a field we cannot honour is a 400 that names it,
-never a quietly different completion. Fields that change nothing (``user``) are ignored.
-"""
+A field we cannot honour (``n``, ``logprobs``, penalties) is a 400 that names it, never a quietly different completion."""
 
 from __future__ import annotations
 
@@ -26,9 +23,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one request may ask of the server (``serve`` flags): each bounds the work a single client can cause,
-    so that one request cannot stall the others (a verify block of a million drafts, 60,000 stop strings to scan
-    at every token, a chat running to the end of the context window)."""
+    """What one request may ask of the server (``serve`` flags), so that one request cannot stall the others."""
 
     max_num_draft: int = 16
     max_stop: int = 16
@@ -45,9 +40,8 @@ class ApiError(Exception):
 
     @property
     def type(self) -> str:
-        return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
-            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
-        )
+        default = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {401: "authentication_error", 404: "not_found_error"}.get(self.status, default)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -59,9 +53,7 @@ def bad(param: str, message: str) -> ApiError:
 
 @dataclass(frozen=True)
 class Request:
-    """One checked completion request: ``prompt`` is text, token ids or chat messages; ``options`` are
-    ``GenerationOptions`` fields except ``max_new_tokens``; ``max_tokens`` is capped at the context window later;
-    ``include_usage``: a stream ends with a usage-only chunk (``stream_options.include_usage``)."""
+    """One checked completion request; ``options`` are ``GenerationOptions`` fields but ``max_new_tokens``."""
 
     prompt: str | list[int] | list[dict[str, str]]
     chat: bool
@@ -72,8 +64,7 @@ class Request:
 
 
 def parse_json(body: bytes) -> Any:
-    """The body as JSON, or a 400: invalid, or nested deeper than ``MAX_JSON_DEPTH`` (the parser's own recursion
-    limit included, which a body of 100,000 ``[`` reaches)."""
+    """The body as JSON, or a 400: invalid, or nested deeper than ``MAX_JSON_DEPTH`` (or the parser's recursion limit)."""
     try:
         value = json.loads(body)
     except RecursionError:
@@ -90,8 +81,7 @@ def parse_json(body: bytes) -> Any:
 
 
 def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
+    if (value := body.get(name)) is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -100,8 +90,7 @@ def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None
 
 
 def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
-    value = body.get(name)
-    if value is None:
+    if (value := body.get(name)) is None:
         return None
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value > high or value < low or (low_open and value == low):
@@ -110,8 +99,7 @@ def _number(body: dict, name: str, low: float, high: float, low_open: bool = Fal
 
 
 def _stop(body: dict, limits: RequestLimits) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
+    if (stop := body.get("stop")) is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
@@ -132,8 +120,7 @@ def _temperature(body: dict) -> float | None:
 
 def _include_usage(body: dict) -> bool:
     """``stream_options.include_usage``, as OpenAI defines it: allowed only with ``stream``, a boolean."""
-    options = body.get("stream_options")
-    if options is None:
+    if (options := body.get("stream_options")) is None:
         return False
     if not body.get("stream"):
         raise bad("stream_options", "stream_options is only allowed when stream is true")
@@ -178,9 +165,7 @@ def _messages(body: dict) -> list[dict[str, str]]:
 
 
 def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], limits: RequestLimits = RequestLimits()) -> Request:
-    """Check a decoded JSON body for /v1/completions (``chat`` False) or /v1/chat/completions; ``defaults``: draft, num_draft,
-    adaptive_k, verify (the modes the engine offers, its default first);
-    ``limits``: the server's bounds on one request."""
+    """Check a JSON body for /v1/completions or (``chat``) /v1/chat/completions; ``defaults["verify"]``: default first."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") not in (None, model):
@@ -189,13 +174,11 @@ def parse_request(body: Any, chat: bool, model: str, defaults: dict[str, Any], l
         raise bad("n", f"n must be 1 (one completion per request), got {body['n']!r}")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of", f"best_of must be 1, got {body['best_of']!r}")
-    unsupported = next((name for name in UNSUPPORTED if body.get(name)), None)
-    if unsupported is not None:
+    if (unsupported := next((name for name in UNSUPPORTED if body.get(name)), None)) is not None:
         raise bad(unsupported, f"{unsupported} is not supported by this server")
     if not isinstance(body.get("stream", False), bool):
         raise bad("stream", "stream must be true or false")
-    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
-    max_tokens = max_tokens or _int(body, "max_tokens", 1)
+    max_tokens = (_int(body, "max_completion_tokens", 1) if chat else None) or _int(body, "max_tokens", 1)
     if max_tokens is None:
         max_tokens = limits.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
     draft = body.get("draft", defaults["draft"])

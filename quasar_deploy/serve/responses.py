@@ -45,10 +45,7 @@ class Shaper:
         return {**body, "usage": usage(result)}
 
     def chunk(self, text: str | None = None, result: GenerationResult | None = None, include_usage: bool = False) -> dict[str, Any]:
-        """A stream chunk with new ``text``; the last one has no text, and the ``finish_reason`` of ``result``.
-
-        For chat, the first chunk (``text`` "") announces the assistant's role as OpenAI's does. With
-        ``include_usage`` (``stream_options``) every chunk carries ``usage: null`` and ``usage_chunk`` follows the last."""
+        """A stream chunk with new ``text`` (a chat's first, "", announces the role); the last has ``result`` instead."""
         finish = result.finish_reason if result is not None else None
         if self.chat:
             delta = {} if text is None else {"role": "assistant", "content": ""} if text == "" else {"content": text}

@@ -1,20 +1,7 @@
 """Which drafted rows a batched serving step computes: rows whose expected tokens pay for their time.
 
-Under batching every row of a forward costs time, and where the int8 arithmetic binds a step (AVX2 CPUs, or many
-sequences on any CPU) eight sequences' six-row blocks cost several times one sequence's block. A drafted token at
-position ``j`` (from 1) of a sequence whose drafts are kept at rate ``r`` (``DraftLength.rate``) is accepted with
-about ``r ** j``. A row worth ``p`` expected tokens that costs ``c`` seconds raises the steps' tokens per second only
-if ``p / c`` is above the tokens per second they already make, so a drafted row past a sequence's first is computed
-only where ``r ** j >= c * tokens_per_second``. The first drafted token is always computed: it is what keeps measuring
-a sequence's rate (a sequence that drafted nothing would never show that its drafts got better).
-
-``c`` is what one more row adds to a forward of the same sequences: the coefficient of rows in a least-squares fit of
-a forward's seconds as ``fixed + per_sequence * sequences + c * rows`` over the server's own forwards of verify blocks
-(decayed sums). Sequences carry their own costs (attention over their caches, the lm_head's row, drafting and
-settling), which a fit on rows alone would charge to the drafted rows. Until the fit has seen enough forwards, and
-enough spread in rows for the same sequences, nothing is cut. Cutting only shortens drafts, so decoding stays
-lossless (``Speculation.trim``).
-"""
+A drafted token past a sequence's first, at position ``j`` (kept with about ``r ** j``, ``DraftLength.rate``), is computed
+if ``r ** j >= c * tokens_per_second``, ``c`` a row's cost in a decayed least-squares fit of seconds on (1, sequences, rows)."""
 
 from __future__ import annotations
 
@@ -53,8 +40,7 @@ class RowBudget:
         covariance = self._against[1:] / weight - self._moments[0, 1:] * self._against[0] / weight**2
         if centred[0, 0] < 1e-9:  # one number of sequences throughout: rows alone
             return None if centred[1, 1] < MIN_SPREAD**2 else max(0.0, float(covariance[1] / centred[1, 1]))
-        # the variance of rows left once sequences explain what they can: the spread the slope is measured over
-        if np.linalg.det(centred) / centred[0, 0] < MIN_SPREAD**2:
+        if np.linalg.det(centred) / centred[0, 0] < MIN_SPREAD**2:  # rows' variance once sequences explain theirs
             return None
         return max(0.0, float(np.linalg.solve(centred, covariance)[1]))
 

@@ -1,26 +1,7 @@
 """One worker thread runs every admitted request's generation, each on its own sequence, one verify step per round.
 
-Each round admits waiting requests into free slots, drops cancelled sequences, then
-takes one step of every running sequence (``_step_all``): admitted ones not yet prefilled
-prefill, the fewest prompt tokens left first (within ``PASS_LIMIT``), up to ``PREFILL_TOKENS``
-prompt tokens a round (at least one prompt; on a backend that prefills in pieces,
-``prefill_chunk``, a long prompt takes a piece per round); every
-other one drafts its block (pending token plus k_i drafts, with its own drafter, so
-layerskip drafts on its own cache). On a backend that batches (``BatchVerifyingLM``: cpu
-with row-invariant kernels, ONNX Runtime's layer graphs) the prompts and the blocks run in
-one forward over their stacked rows, the weights read once for all sequences; elsewhere (a
-whole ONNX graph, npu, wrappers) one ``prefill`` or ``verify`` per sequence, round-robin.
-On an exact-mode engine a request may ask for the W8A8 model's own output: its sequence
-verifies on the W8A8 model, whose blocks make a forward of their own. Each sequence then
-accepts and rolls back on its own (``Generation.settle``, its own seeded sampler). No
-request waits for another to finish, a new one starts within a round or a few (a burst of
-arrivals is spread over rounds), and every sequence's output is what it would be alone:
-its own KV cache and sampler, and kernels whose rows do not depend on their neighbours
-(docs/architecture.md, "Serving").
-
-The scheduler knows nothing of HTTP or asyncio: each ticket carries a ``deliver``
-callable that the server points at the request's event queue.
-"""
+Where the backend batches, a round's blocks run in one forward per verifying model; each sequence settles on its own
+(its cache, its seeded sampler), so its output is what it would be alone (docs/architecture.md, "Serving")."""
 
 from __future__ import annotations
 
@@ -68,16 +49,8 @@ class Failed:
 Event = Started | Text | Done | Failed
 T = TypeVar("T")
 
-# Prompt tokens prefilled per round (at least one prompt, or one piece of it where the backend prefills in pieces). A
-# prefill's cost per row stays flat while the forward's activations fit in the CPU caches and grows once they outgrow
-# them (docs/serving.md), and every running sequence waits for the round's prefills: a burst of arrivals, and a long
-# prompt's pieces, are spread over rounds instead.
-PREFILL_TOKENS = 256
-# rounds a prompt waiting for its prefill may be passed over by prompts admitted after it with fewer tokens left: the
-# shortest go first, which brings a burst's first tokens sooner, and past this bound the passed-over go first in
-# admission order, so a long prompt is not held back by a stream of short ones (a burst of max_sequences at the default
-# is ordered wholly by length)
-PASS_LIMIT = 8
+PREFILL_TOKENS = 256  # prompt tokens prefilled per round (at least one piece): the running sequences wait for them
+PASS_LIMIT = 8  # rounds a waiting prompt may be passed over by later, shorter ones before it goes first
 
 
 class QueueFull(Exception):
@@ -89,8 +62,7 @@ DEVICE_KV_SHARE = 0.9  # of a CUDA device's free memory: activations and graphs 
 
 
 def default_kv_cache_bytes(lm) -> int | None:
-    """What ``serve`` lets running requests' KV caches hold when ``--kv-cache-mib`` is not given: a share of the memory
-    the caches live in, measured after loading (None: a device we cannot measure, no accounting)."""
+    """The KV cache running requests may hold without ``--kv-cache-mib``: a share of memory free after loading, or None."""
     device = str(getattr(lm, "device", "cpu"))
     if device == "cpu":
         return int(memory_available() * HOST_KV_SHARE)
@@ -119,8 +91,7 @@ class Ticket:
 
 @dataclass(eq=False)
 class Running:
-    """A sequence being generated (``done`` once finished or failed), with the loop counters last seen (to turn totals
-    into per-step acceptance lengths)."""
+    """A sequence being generated (``done`` once finished or failed), with the loop counters last seen."""
 
     ticket: Ticket
     generation: Generation
@@ -136,8 +107,7 @@ class Running:
 
 
 class Scheduler:
-    """Admission (``max_sequences`` running, ``max_queue`` waiting, ``kv_cache_bytes`` of KV cache for the running ones),
-    cancellation, the per-request deadline (``deadline_s`` from arrival) and the worker that steps every sequence."""
+    """Admission (``max_sequences``, ``max_queue``, ``kv_cache_bytes``), cancellation, deadlines and the worker."""
 
     def __init__(
         self,
@@ -156,13 +126,10 @@ class Scheduler:
         self.deadline_s, self.kv_cache_bytes = deadline_s, kv_cache_bytes
         self._waiting: deque[Ticket] = deque()
         self._running: list[Running] = []
-        self._wake = threading.Condition()
-        self._stopping = False
+        self._wake, self._stopping = threading.Condition(), False
         self._ending: ApiError | None = None  # set by ``end_all``: every request ends with it
         self._thread = threading.Thread(target=self._work, name="quasar-scheduler", daemon=True)
-        # this thread loaded the model; the worker thread runs it from here on, at full speed only once this thread's
-        # OpenMP pool is gone (cpu/threads.py)
-        release_openmp_pool()
+        release_openmp_pool()  # the worker runs the model at full speed only once this thread's pool is gone
 
     def start(self) -> None:
         self._thread.start()
@@ -191,8 +158,7 @@ class Scheduler:
             self._wake.notify()
 
     def cancel(self, ticket: Ticket) -> None:
-        """The client went away: a waiting ticket leaves the queue now, a running sequence at the next round (a no-op
-        once it has finished)."""
+        """The client went away: a waiting ticket leaves the queue now, a running sequence at the next round."""
         with self._wake:
             ticket.cancelled = True
             if ticket in self._waiting:
@@ -201,8 +167,7 @@ class Scheduler:
             self._wake.notify()
 
     def end_all(self, error: ApiError) -> None:
-        """Every request here ends now with ``error`` (a drain's deadline: a stream gets it as its last event), and every
-        one submitted from now on is refused with it; the worker drops their sequences at its next round."""
+        """Every request here ends now with ``error`` (a drain's deadline), and every one submitted later is refused."""
         with self._wake:
             self._ending = error
             for ticket in [*self._waiting, *(running.ticket for running in self._running)]:
@@ -223,9 +188,7 @@ class Scheduler:
                 self._wake.wait_for(lambda: self._stopping or self._waiting or self._running)
                 if self._stopping:
                     break
-            # requests that arrive while the admitted ones open join this round too: a burst's first round then sees
-            # the whole burst (whose shortest prompts go first), not just the request that woke the worker
-            opened = 0  # bounded: a flood of requests that fail to open (400) cannot hold the running ones
+            opened = 0  # a burst joins this round, but a flood of requests that fail to open (400) cannot hold the others
             while opened < self.max_sequences + self.max_queue and (admitted := self._admit()):
                 opened += len(admitted)
                 for ticket in admitted:
@@ -234,8 +197,7 @@ class Scheduler:
             if self._ending is not None:  # those admitted while ``end_all`` ran
                 for running in self._running:
                     self._end(running.ticket, self._ending)
-            self._drop_cancelled()
-            self._end_expired()
+            self._drop_ended()
             self._step_all()
         for ticket in self._waiting:
             ticket.deliver(Failed(ApiError(503, "the server is shutting down")))  # the app adds Retry-After
@@ -263,11 +225,8 @@ class Scheduler:
             kv_bytes = self._admit_kv(self.engine.cached_models(options), len(ids) + max_tokens)
             generation = self.engine.open(ids, options)
             verifier = self.engine.verifier(options)
-        except QuasarError as exc:
-            ticket.deliver(Failed(ApiError(400, str(exc), "messages" if request.chat else "prompt")))
-            return
-        except ApiError as error:
-            ticket.deliver(Failed(error))
+        except (QuasarError, ApiError) as exc:
+            ticket.deliver(Failed(exc if isinstance(exc, ApiError) else ApiError(400, str(exc), "messages" if request.chat else "prompt")))
             return
         batcher = verifier if isinstance(verifier, BatchVerifyingLM) else None
         self._running.append(Running(ticket, generation, kv_bytes, batcher))
@@ -275,14 +234,11 @@ class Scheduler:
         ticket.deliver(Started(len(ids), max_tokens))
 
     def _admit_kv(self, models: tuple, tokens: int) -> int:
-        """The KV cache bytes a generation's caches (one per model of ``models``) of ``tokens`` positions may grow to, if
-        they fit beside the running ones' reservations (``kv_cache_bytes``): 429 while they do not fit now, 400 if they
-        could never fit."""
+        """The KV cache bytes to reserve for ``tokens`` positions of ``models``: 429 if they do not fit now, 400 if never."""
         known = [size for size in (kv_cache_bytes(model, tokens) for model in models) if size is not None]
-        need = sum(known) if known else None
-        if need is None or self.kv_cache_bytes is None:
+        if not known or self.kv_cache_bytes is None:
             return 0
-        mib = 1 << 20
+        need, mib = sum(known), 1 << 20
         if need > self.kv_cache_bytes:
             raise ApiError(
                 400,
@@ -304,19 +260,13 @@ class Scheduler:
         ticket.deliver(Failed(ApiError(504, f"the request ran past the server's limit of {self.deadline_s:g} s", code="timeout")))
         return True
 
-    def _end_expired(self) -> None:
-        """Running sequences past their deadline end (504 event), so one long request cannot hold a slot forever."""
-        self._running = [r for r in self._running if not self._expired(r.ticket)]
-        self.metrics.running.set(len(self._running))
-
-    def _drop_cancelled(self) -> None:
-        self._running = [r for r in self._running if not r.ticket.cancelled]  # a dropped generation's cache goes with it
+    def _drop_ended(self) -> None:
+        """Cancelled sequences leave (their caches with them), and those past their deadline end (504)."""
+        self._running = [r for r in self._running if not r.ticket.cancelled and not self._expired(r.ticket)]
         self.metrics.running.set(len(self._running))
 
     def _step_all(self) -> None:
-        """One round: sequences admitted and not yet prefilled prefill (within the round's prompt-token budget),
-        every other one takes one verify step (all in one forward where the backend batches); finished and failed
-        ones leave."""
+        """One round: new sequences prefill, the others take one verify step; finished and failed ones leave."""
         fresh = self._prefill_turn()
         ready = [r for r in self._running if r.first_step_done]
         drafted = [(r, block) for r in ready if (block := self._attempt(r, r.generation.draft)) is not None]
@@ -335,20 +285,14 @@ class Scheduler:
         self.metrics.running.set(len(self._running))
 
     def _within_budget(self, running: Running, block: list[int]) -> list[int]:
-        """``block`` without the drafted rows the row budget does not pay for (batched sequences only: a sequence verified
-        alone pays for its own rows)."""
+        """``block`` without the drafted rows the row budget does not pay for (batched sequences only)."""
         if running.batcher is None:
             return block
         keep = self.row_budget.keep(running.generation.draft_acceptance, len(block) - 1)
         return block if keep == len(block) - 1 else running.generation.trim_draft(keep)
 
     def _prefill_turn(self) -> list[tuple[Running, list[int]]]:
-        """The prompt pieces that prefill this round, with their sequences: one piece per sequence (its whole prompt, or
-        on a backend with a ``prefill_chunk`` the next piece of that many tokens), up to ``prefill_tokens`` prompt tokens
-        in all and at least one piece (a longer one runs alone in its round). The fewest prompt tokens left go first
-        (a burst's median wait for its first token is then the shorter half's prefill, not half of everyone's), ties
-        and the sequences passed over ``PASS_LIMIT`` times (``passed_over``) in admission order, the latter ahead of
-        all others: a long prompt waits for at most that many rounds of shorter ones."""
+        """This round's prompt pieces, up to ``prefill_tokens`` (at least one): fewest left first, within ``PASS_LIMIT``."""
         waiting = [r for r in self._running if not r.first_step_done]
         order = sorted(waiting, key=lambda r: (r.passed_over < PASS_LIMIT, len(r.generation.prompt) - r.prompt_done))
         turn, tokens = [], 0
@@ -369,16 +313,14 @@ class Scheduler:
     def _step_batched(
         self, batcher: BatchVerifyingLM, fresh: list[tuple[Running, list[int]]], drafted: list[tuple[Running, list[int]]]
     ) -> None:
-        """The prompt pieces of ``fresh`` and the blocks of ``drafted`` in one forward of ``batcher``; each sequence then
-        settles on its own (a prompt once its last piece has run)."""
+        """The prompt pieces of ``fresh`` and the blocks of ``drafted`` in one forward of ``batcher``, then each settles."""
         members = [(r, piece, True) for r, piece in fresh] + [(r, block, False) for r, block in drafted]
-        sequences = [running.generation.lm for running, _, _ in members]
         blocks = [block for _, block, _ in members]
         prefills = [prefill for _, _, prefill in members]
         accepted_before = sum(running.generation.loop_stats.accepted for running, _ in drafted)
         began = time.perf_counter()
         try:
-            logits = batcher.verify_batch(sequences, blocks, prefills)
+            logits = batcher.verify_batch([running.generation.lm for running, _, _ in members], blocks, prefills)
         except Exception as exc:  # one forward for all: its failure is every one of theirs
             for running, _, _ in members:
                 self._fail(running, exc)
@@ -394,9 +336,7 @@ class Scheduler:
             running.prompt_done += len(block)
             if running.prompt_done == len(running.generation.prompt):
                 self._advance(running, lambda r=running, rows=rows: r.generation.settle_prefill(rows, r.prefill_began))
-        # the budget learns from forwards of verify blocks alone: a prompt piece's rows cost more (its attention spans the
-        # piece, its activations outgrow the caches), and those long forwards would steer the fit of a verify row's cost
-        if self.row_budget is not None and drafted and not fresh:  # each sequence emitted its accepted tokens and one more
+        if self.row_budget is not None and drafted and not fresh:  # verify blocks only: a prompt's rows cost more
             emitted = len(drafted) + sum(running.generation.loop_stats.accepted for running, _ in drafted) - accepted_before
             self.row_budget.observe(sum(map(len, blocks)), len(drafted), seconds, emitted)
 
@@ -414,15 +354,12 @@ class Scheduler:
 
     def _advance(self, running: Running, step: Callable[[], list[str]]) -> None:
         """Take one step of one sequence and deliver its text, then its result once it has finished."""
-        pieces = self._attempt(running, step)
-        if pieces is None:
+        if (pieces := self._attempt(running, step)) is None:
             return
         self._observe(running)
-        text = "".join(pieces)
-        if text:
+        if text := "".join(pieces):
             running.ticket.deliver(Text(text))
-        result = running.generation.result
-        if result is not None:
+        if (result := running.generation.result) is not None:
             running.done = True
             self.metrics.prompt_tokens.inc(result.prompt_tokens)
             self.metrics.generation_tokens.inc(len(result.tokens))

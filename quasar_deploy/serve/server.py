@@ -1,9 +1,6 @@
 """Runs the app under uvicorn with a draining shutdown: on SIGTERM, in-flight requests finish and new ones get 503.
 
-uvicorn's own SIGTERM handling stops accepting connections at once and gives
-requests a fixed grace period; a generation may need longer, and a client that
-connects meanwhile deserves a clear 503 rather than a refused connection.
-"""
+uvicorn's own gives requests a fixed grace period and refuses new connections at once."""
 
 from __future__ import annotations
 
@@ -18,17 +15,12 @@ from fastapi import FastAPI
 
 log = logging.getLogger("quasar_deploy.serve")
 DRAIN_POLL_S = 0.05
-# once the drain's time is up: for the ended requests' last bytes (a stream's error event and [DONE]) to go out
-DRAIN_FLUSH_S = 1.0
-# SIGINT or a second SIGTERM: what uvicorn gives requests in flight before it cancels them
-GRACEFUL_SHUTDOWN_S = 5
+DRAIN_FLUSH_S = 1.0  # once the drain's time is up: for the ended requests' last bytes to go out
+GRACEFUL_SHUTDOWN_S = 5  # SIGINT or a second SIGTERM: what uvicorn gives requests in flight before it cancels them
 
 
 class DrainingServer(uvicorn.Server):
-    """First SIGTERM: mark the app draining, exit once no request is in flight or ``drain_timeout`` has passed, when
-    those still in flight end with 503 (a stream: an error event, then ``[DONE]``) and the exit follows within
-    ``DRAIN_FLUSH_S``. SIGINT or a second SIGTERM: uvicorn's usual shutdown. The drained exit is a clean one (exit
-    code 0)."""
+    """First SIGTERM: drain (exit 0 once idle, or end what is in flight with 503 after ``drain_timeout``); else uvicorn's."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float):
         super().__init__(config)
@@ -56,9 +48,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def freeze_loaded_objects() -> None:
-    """Everything loaded so far (the model's modules and tensors, the tokenizer, the libraries: hundreds of thousands of
-    objects) lives as long as the server: kept out of the cyclic collector's passes, each of which walked it all, a
-    stall of every running request (docs/serving.md). Garbage is collected first, so none is kept."""
+    """Keep everything loaded so far (garbage collected first) out of the cyclic collector's passes (docs/serving.md)."""
     gc.collect()
     gc.freeze()
 

@@ -1,11 +1,6 @@
 """``serve --engine vllm``: the same deployment served by vLLM (CUDA) or vLLM-Ascend (NPU) instead of our runtime.
 
-The command line is built by a pure function (tested); running it replaces this
-process. The API key travels in ``VLLM_API_KEY``, not the argv, so ``ps`` never shows it.
-The model is served under the name our engine gives it (``served_name``), so clients do not
-break when the deployment switches engines; ``serve``'s flags that vLLM has no counterpart for
-are refused by the CLI rather than ignored, and other vLLM flags pass through ``extra``.
-"""
+The API key travels in ``VLLM_API_KEY``, not the argv (``ps`` shows argv); the model keeps our engine's name for it."""
 
 from __future__ import annotations
 
@@ -27,9 +22,7 @@ def ngram_config(num_draft: int) -> dict[str, int | str]:
 
 
 def check_head(path: Path) -> None:
-    """Refuse an artifact whose ``quantization_config`` quantizes the lm_head (``calibrate --int8-lm-head``): no vLLM
-    release is known to load a compressed-tensors int8 ``ParallelLMHead`` (docs/cuda.md), and one that does not would
-    serve garbage rather than fail."""
+    """Refuse an int8 lm_head (``calibrate --int8-lm-head``): vLLM may serve garbage from one (docs/cuda.md)."""
     try:
         quantization = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError, AttributeError):
@@ -59,8 +52,7 @@ def vllm_command(
     chat_template: str | Path | None = None,
     extra: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv of ``vllm serve`` and the environment it adds; an NPU export dir gets ``--quantization ascend``;
-    ``extra``: further vLLM arguments, appended as given (after ours, so vLLM's own parsing has the last word)."""
+    """The argv of ``vllm serve`` and the environment it adds; ``extra`` is appended after ours, as given."""
     if draft not in VLLM_DRAFTERS:
         raise QuasarError(f"--engine vllm drafts with {' or '.join(VLLM_DRAFTERS)}, not {draft!r}")
     check_head(Path(path))
@@ -80,7 +72,6 @@ def vllm_command(
 
 def exec_vllm(argv: list[str], env: dict[str, str]) -> None:
     """Replace this process with vLLM; a missing vllm is one line."""
-    executable = shutil.which(argv[0])
-    if executable is None:
+    if (executable := shutil.which(argv[0])) is None:
         raise QuasarError("vllm is not installed here (pip install vllm; on Ascend, vllm-ascend); or serve with --engine quasar")
     os.execve(executable, argv, {**os.environ, **env})

@@ -1,11 +1,6 @@
 """What the verifier's distribution is, and which drafted tokens it keeps.
 
-Every emitted token must follow the verifier exactly: under greedy decoding the
-output is token-identical to the verifier's own autoregressive decode, under
-sampling it has the verifier's distribution (speculative rejection sampling,
-Leviathan et al. 2023 / Chen et al. 2023). The drafter only changes how many
-tokens one verify forward yields, never which.
-"""
+Greedy: the verifier's own decode, token for token; sampled: its distribution (Leviathan et al. 2023 / Chen et al. 2023)."""
 
 from __future__ import annotations
 
@@ -17,9 +12,7 @@ import torch
 
 from ..errors import QuasarError
 
-# Below this, logits / temperature leave float32's range (inf - inf in the softmax: NaN probabilities, and a
-# denormal temperature is 0 in float32); 0 itself means greedy. vLLM treats temperatures under 1e-5 as greedy too.
-MIN_TEMPERATURE = 1e-5
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature leave float32's range (NaN probabilities); 0 means greedy
 
 
 @dataclass(frozen=True)
@@ -46,11 +39,7 @@ class SamplingParams:
 
 
 class Sampler:
-    """The sampling parameters and the one seeded generator every random choice of a generation draws from.
-
-    One generator for drafter and acceptance alike makes a seeded generation
-    reproducible end to end.
-    """
+    """The sampling parameters and the one seeded generator all a generation's random choices draw from."""
 
     def __init__(self, params: SamplingParams, seed: int | None = None):
         self.params = params
@@ -65,10 +54,7 @@ class Sampler:
         return self.params.greedy
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        """Probabilities after temperature, top-k and top-p (in that order, as Hugging Face applies them), row-wise.
-
-        top-p keeps at least the most probable token, as Hugging Face's does: a ``top_p`` below its probability (or
-        below float32's smallest number) means that token alone, never an empty set (whose probabilities are NaN)."""
+        """Probabilities after temperature, top-k and top-p (Hugging Face's order), row-wise; top-p keeps at least one."""
         p = self.params
         x = logits.float() / p.temperature
         if 0 < p.top_k < x.shape[-1]:
@@ -107,13 +93,7 @@ class Verdict:
 
 
 def accept(logits: torch.Tensor, draft: Sequence[int], draft_probs: torch.Tensor | None, sampler: Sampler) -> Verdict:
-    """Judge ``draft`` against the verifier's ``logits`` [len(draft)+1, vocab] (row i predicts the token after draft[:i]).
-
-    ``draft_probs`` [len(draft), vocab] is the distribution each drafted token was
-    sampled from, or None when the drafter's choice was deterministic (n-gram, greedy).
-    A non-finite logit (a float16 overflow, corrupted weights) is an error: argmax and
-    softmax would otherwise turn it into a confident wrong token.
-    """
+    """Judge ``draft`` against the verifier's ``logits`` [len(draft)+1, vocab]; ``draft_probs``: each one's q, or None."""
     if not torch.isfinite(logits).all():
         raise QuasarError("the model produced a non-finite logit (NaN or infinity); its weights or numerics are broken")
     if sampler.greedy:
@@ -130,11 +110,7 @@ def accept_greedy(logits: torch.Tensor, draft: Sequence[int]) -> Verdict:
 
 
 def accept_sampled(probs: torch.Tensor, draft: Sequence[int], draft_probs: torch.Tensor | None, sampler: Sampler) -> Verdict:
-    """Rejection sampling: keep x with probability min(1, p(x)/q(x)), else draw from the residual max(0, p - q).
-
-    A deterministic draft is the one-hot q: keep x with probability p(x), else draw
-    from p with x removed. Either way each emitted token is distributed exactly as p.
-    """
+    """Rejection sampling: keep x with probability min(1, p(x)/q(x)), else draw from max(0, p - q) (q: one-hot if None)."""
     for i, x in enumerate(draft):
         p = probs[i]
         ratio = float(p[x]) if draft_probs is None else float(p[x] / draft_probs[i, x])

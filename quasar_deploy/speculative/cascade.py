@@ -1,23 +1,7 @@
 """Exact mode: the float model's own output at speculative speed, with its W8A8 copy as the middle level of a cascade.
 
-The cascade is a drafter for the float verifier. Each proposal runs r rounds on the
-W8A8 model: the inner drafter (n-gram) proposes, W8A8 verifies as the speculative loop
-would, and its accepted tokens plus its own next token extend the draft. The float model
-then verifies the whole draft in one forward through the ordinary loop (``loop.Speculation``,
-``acceptance.accept``), so what it emits is its own: greedy, token-identical to its own
-greedy decode; sampled, rejection sampling against the distribution each drafted token was
-drawn from. W8A8's speculative output is distributed, token by token, as W8A8's own
-sampling (its ``accept`` guarantees that), so that distribution is W8A8's, and the float
-model's rejection sampling turns it into the float model's.
-
-Every proposal starts by settling the last one against the sequence the loop now holds:
-what the float model kept of the draft is final, the W8A8 cache and the inner drafter roll
-back to it. The rounds per proposal come from ``RoundPolicy``: fixed, or chosen from the
-measured step costs and the acceptance seen so far (by this generation and, through an
-engine's shared policy, the ones before it), down to r = 0 (the inner drafter's proposal goes
-to the float model directly: plain float n-gram verification) when W8A8 rounds do not pay.
-docs/architecture.md, "Exact mode", has the speed model.
-"""
+Each proposal runs r rounds of W8A8 verifying the inner drafter (``RoundPolicy``); the float model verifies the result
+through the ordinary loop, so what it emits is its own. docs/architecture.md, "Exact mode", has the speed model."""
 
 from __future__ import annotations
 
@@ -36,24 +20,14 @@ from .loop import LoopStats
 MAX_ROUNDS = 8  # the adaptive choice's ceiling: float acceptance decays geometrically with the draft's length
 SMOOTHING = 0.2  # weight of the newest observation in the running acceptance estimates
 COST_MEMORY = 0.95  # each older forward's weight in the step-cost fits: about the last 20 count
-# prior for the float model's per-token acceptance of W8A8's tokens, worth PRIOR_TOKENS observations (top-1 agreement of
-# a calibrated artifact with its float model is near 0.98; a lower prior keeps the first choices cautious)
-PRIOR_ACCEPTANCE, PRIOR_TOKENS = 0.9, 10
-# rounds must promise this much more than plain float verification of the drafts: the estimates are noisy, so a marginal
-# gain predicted is a loss measured
-ROUNDS_MARGIN = 1.1
+PRIOR_ACCEPTANCE, PRIOR_TOKENS = 0.9, 10  # prior float acceptance of W8A8's tokens, worth PRIOR_TOKENS observations
+ROUNDS_MARGIN = 1.1  # rounds must promise this much more than r = 0: the estimates are noisy
 CATCH_UP_BLOCK = 64  # W8A8 catches up on tokens it missed (rounds switched off) this many per forward, bounding the logits
 
 
 @dataclass
 class CascadeStats(LoopStats):
-    """``LoopStats`` of the float verifier (its steps, its acceptance of the drafts), plus the W8A8 middle level's share.
-
-    ``middle_rounds``: W8A8 rounds; ``middle_s``: seconds in their forwards (per round: the c of the speed
-    model); ``middle_catch_up_s``: seconds bringing the W8A8 cache up to the sequence (its prompt, tokens it
-    missed at r = 0); ``middle_tokens``: tokens W8A8 put into the float model's drafts; ``direct_steps``:
-    float steps that verified the inner drafter's proposal directly (r = 0).
-    """
+    """``LoopStats`` of the float verifier, plus the W8A8 middle level's share; ``direct_steps``: steps with r = 0."""
 
     middle_rounds: int = 0
     middle_s: float = 0.0
@@ -63,8 +37,7 @@ class CascadeStats(LoopStats):
 
 
 def expected_tokens(draft_length: float, acceptance: float) -> float:
-    """Tokens a float step emits on a draft of ``draft_length`` tokens that it accepts token by token with probability
-    ``acceptance``: the accepted prefix (its expectation is a geometric sum) plus the float model's own next token."""
+    """Tokens a float step emits on a draft of ``draft_length`` tokens, each accepted with probability ``acceptance``."""
     if acceptance >= 1:
         return 1 + draft_length
     return 1 + acceptance * (1 - acceptance**draft_length) / (1 - acceptance)
@@ -73,9 +46,7 @@ def expected_tokens(draft_length: float, acceptance: float) -> float:
 def cascade_rate(
     rounds: int, tokens_per_verify: float, proposal_length: float, acceptance: float, middle_cost: StepCost, verify_cost: StepCost
 ) -> float:
-    """The speed model (``RoundPolicy``): tokens per second with ``rounds`` W8A8 rounds per float step, each verify of
-    the inner drafter's ``proposal_length`` tokens keeping ``tokens_per_verify``, the float step accepting each W8A8
-    token with probability ``acceptance``; r = 0 is plain float verification of the inner drafter's proposals."""
+    """The speed model (``RoundPolicy``): tokens per second with ``rounds`` W8A8 rounds per float step."""
     block = 1 + proposal_length
     if rounds == 0:
         return tokens_per_verify / verify_cost(block)
@@ -92,9 +63,7 @@ def modelled_gain(
     max_rounds: int = MAX_ROUNDS,
     efficiency: float = 1.0,
 ) -> tuple[int, float]:
-    """The rounds ``RoundPolicy.choose`` would run, and their rate over r = 0's: exact mode's speed-up over plain float
-    verification of the same drafts, where these estimates hold, the rounds' rate scaled by ``efficiency``
-    (``RoundPolicy.efficiency``); rounds promising less than ``ROUNDS_MARGIN`` are not run: 0 rounds, a gain of 1."""
+    """The rounds ``RoundPolicy.choose`` would run and their rate (times ``efficiency``) over r = 0's, or (0, 1.0)."""
     args = (tokens_per_verify, proposal_length, acceptance, middle_cost, verify_cost)
     best = max(range(max_rounds + 1), key=lambda r: (cascade_rate(r, *args), -r))
     gain = efficiency * cascade_rate(best, *args) / cascade_rate(0, *args)
@@ -102,8 +71,7 @@ def modelled_gain(
 
 
 class Realized:
-    """Tokens some proposals made, and the tokens their predicted rates promised in the time they took, recent ones
-    weighing more (``COST_MEMORY``): what the speed model's predictions are worth (``RoundPolicy.efficiency``)."""
+    """Tokens proposals made against those their predicted rates promised in their time, recent ones weighing more."""
 
     def __init__(self):
         self.made = self.promised = 0.0
@@ -118,12 +86,7 @@ class Realized:
 
 
 class StepCost:
-    """A model's seconds per verify forward as ``fixed + per_position * positions``, fitted by least squares to the
-    forwards seen, recent ones weighing more (``COST_MEMORY``).
-
-    Positions matter: a float step on a long cascade draft reads the weights once, as a short one
-    does, but computes every position, and on a CPU that share is large.
-    """
+    """A model's seconds per forward as ``fixed + per_position * positions``, a least-squares fit decayed by COST_MEMORY."""
 
     def __init__(self):
         self._n = self._x = self._y = self._xx = self._xy = 0.0
@@ -133,16 +96,14 @@ class StepCost:
         return self._n > 0
 
     def observe(self, positions: int, seconds: float) -> None:
-        keep = COST_MEMORY
-        self._n = keep * self._n + 1
-        self._x = keep * self._x + positions
-        self._y = keep * self._y + seconds
-        self._xx = keep * self._xx + positions * positions
-        self._xy = keep * self._xy + positions * seconds
+        self._n = COST_MEMORY * self._n + 1
+        self._x = COST_MEMORY * self._x + positions
+        self._y = COST_MEMORY * self._y + seconds
+        self._xx = COST_MEMORY * self._xx + positions * positions
+        self._xy = COST_MEMORY * self._xy + positions * seconds
 
     def __call__(self, positions: float) -> float:
-        """Predicted seconds for ``positions``; a line through the origin where the fit's intercept comes out negative,
-        the mean where every forward had the same length or the fit's slope comes out negative."""
+        """Predicted seconds for ``positions``; through the origin for a negative intercept, the mean for no slope."""
         n, x, y = self._n, self._x, self._y
         spread = self._xx - x * x / n
         slope = (self._xy - x * y / n) / spread if spread > 1e-9 * n else 0.0
@@ -156,14 +117,9 @@ class StepCost:
 
 class RoundPolicy:
     """How many W8A8 rounds to run before each float step: ``rounds`` when fixed, else the count that maximises the
-    predicted tokens per second.
-
-    Estimates: c(n) and C(n), a W8A8 and a float forward's seconds on n positions (``StepCost``);
-    P, the inner drafter's mean proposal length; L, the tokens a verify keeps of its proposal plus its
-    own; a, the float model's per-token acceptance of W8A8's tokens. r = 0 emits L tokens per C(1 + P);
-    r rounds draft about r L tokens, of which the float step keeps ``expected_tokens(r L, a)``, for
-    r c(1 + P) + C(1 + r L). Until both costs have been measured it runs one round, to measure them.
-    """
+    predicted tokens per second (one until both costs are measured). With c(n), C(n) a W8A8 and a float forward's
+    seconds, P the proposal length, L the tokens a verify keeps and a the float acceptance of W8A8's tokens, r = 0 emits
+    L tokens per C(1 + P), r rounds ``expected_tokens(r L, a)`` per r c(1 + P) + C(1 + r L)."""
 
     def __init__(self, rounds: int | None = None, max_rounds: int = MAX_ROUNDS):
         check_rounds(rounds)
@@ -172,25 +128,18 @@ class RoundPolicy:
         self.tokens_per_verify: float | None = None
         self.proposal_length: float | None = None
         self._kept, self._tried = PRIOR_ACCEPTANCE * PRIOR_TOKENS, float(PRIOR_TOKENS)
-        self.with_rounds, self.direct = Realized(), Realized()  # proposals with W8A8 rounds, and plain float steps (r = 0)
-        # proposals in a row that ran rounds, on average: a catch-up is repaid only while rounds last
-        self.streak_length: float | None = None
+        self.with_rounds, self.direct = Realized(), Realized()  # proposals with W8A8 rounds, and r = 0 steps
+        self.streak_length: float | None = None  # mean proposals in a row with rounds: a catch-up is repaid only then
         self._streak = 0
 
     @property
     def efficiency(self) -> float:
-        """Tokens the cycles with W8A8 rounds made over those their predicted rates promised in the time they took, at
-        most 1.0 (1.0 before any): the model leaves costs out (the rounds' drafting and bookkeeping, the caches'
-        rollback, a runtime waking after another's), and its cost fits can be flat where every forward had one length.
-        A surplus does not inflate a promise: the catch-ups that follow rounds are priced apart, and cautiously."""
+        """Tokens cycles with rounds made over what their predictions promised, at most 1.0 (the model leaves costs out)."""
         return min(1.0, self.with_rounds.ratio())
 
     @property
     def direct_efficiency(self) -> float:
-        """Tokens plain float steps (r = 0) made over those their predicted rate promised in the time they took, at least
-        1.0 (1.0 before any). Rounds are weighed against r = 0's prediction: where plain steps beat it (the cost fit, pulled
-        by the longer float steps of cascade drafts, overprices a short one), rounds must beat it by as much. A shortfall
-        does not lower the bar: rounds that would only win against an underestimate of r = 0 are not taken."""
+        """Tokens r = 0 steps made over what their prediction promised, at least 1.0: rounds must beat that too."""
         return max(1.0, self.direct.ratio())
 
     @property
@@ -203,9 +152,7 @@ class RoundPolicy:
         return self.middle_cost.measured and self.verify_cost.measured and self.tokens_per_verify is not None
 
     def choose(self, behind: int = 0, remaining: int | None = None) -> int:
-        """The rounds for the next proposal. ``behind``: positions the W8A8 cache must take in before a round can run
-        (the prompt, for a generation whose W8A8 cache is empty; the tokens made while rounds were off); ``remaining``:
-        the tokens the generation may still make, over which that one-time cost is spread."""
+        """The rounds for the next proposal, ``behind`` and ``remaining`` as for ``rate``."""
         if self.rounds is not None:
             return self.rounds
         if not self.rates_known:
@@ -221,8 +168,8 @@ class RoundPolicy:
         return chosen
 
     def rate(self, rounds: int, behind: int = 0, remaining: int | None = None) -> float:
-        """Predicted tokens per second with ``rounds`` W8A8 rounds per float step (the estimates must be set), the
-        catch-up of ``behind`` positions charged to the float steps left in ``remaining`` tokens (``choose``)."""
+        """Predicted tokens per second with ``rounds`` rounds per float step, a W8A8 catch-up of ``behind`` positions
+        charged to the float steps left in ``remaining`` tokens."""
         rate = cascade_rate(rounds, self.tokens_per_verify, self.proposal_length, self.acceptance, self.middle_cost, self.verify_cost)
         if rounds == 0 or behind <= 0:  # r = 0 needs no W8A8 cache
             return rate
@@ -231,9 +178,7 @@ class RoundPolicy:
         return tokens / (tokens / rate + self.middle_cost(behind) / steps_left)
 
     def gain_at(self, tokens_per_verify: float) -> tuple[int, float] | None:
-        """``modelled_gain`` from this policy's measured step costs, proposal length, float acceptance of W8A8's tokens
-        and efficiency, at another ``tokens_per_verify`` (bench: the speed model at the paper's acceptance); None before both costs and a
-        proposal have been measured."""
+        """``modelled_gain`` from this policy's estimates at another ``tokens_per_verify``; None until they are measured."""
         if not (self.middle_cost.measured and self.verify_cost.measured and self.proposal_length is not None):
             return None
         args = (tokens_per_verify, self.proposal_length, self.acceptance, self.middle_cost, self.verify_cost)
@@ -249,19 +194,15 @@ class RoundPolicy:
         self.tokens_per_verify = _average(self.tokens_per_verify, tokens)
 
     def observe_cycle(self, predicted_rate: float, tokens: int, seconds: float) -> None:
-        """A proposal with W8A8 rounds, predicted at ``predicted_rate`` tokens per second (its catch-up left out), made
-        ``tokens`` in ``seconds``: its rounds (but their catch-up) and its float step (``efficiency``; recent cycles
-        weigh more)."""
+        """A proposal with W8A8 rounds, predicted at ``predicted_rate``, made ``tokens`` in ``seconds`` (``efficiency``)."""
         self.with_rounds.observe(predicted_rate, tokens, seconds)
 
     def observe_direct(self, predicted_rate: float, tokens: int, seconds: float) -> None:
-        """A plain float step (r = 0), predicted at ``predicted_rate`` tokens per second, made ``tokens`` in ``seconds``,
-        its inner proposal included (``direct_efficiency``; recent steps weigh more)."""
+        """An r = 0 step, predicted at ``predicted_rate``, made ``tokens`` in ``seconds`` (``direct_efficiency``)."""
         self.direct.observe(predicted_rate, tokens, seconds)
 
     def observe_step(self, positions: int, seconds: float, kept: int, drafted: int, from_middle: bool) -> None:
-        """A float step took ``seconds`` on ``positions`` and kept ``kept`` of ``drafted`` tokens, which W8A8 made
-        (``from_middle``) or the inner drafter proposed directly."""
+        """A float step took ``seconds`` on ``positions`` and kept ``kept`` of ``drafted`` tokens, W8A8's or not."""
         self.verify_cost.observe(positions, seconds)
         if from_middle:
             self._kept += kept
@@ -280,12 +221,7 @@ def check_rounds(rounds: int | None) -> None:
 
 
 class CascadeDrafter:
-    """Drafts for the float verifier with W8A8 rounds over an inner drafter's proposals (module docstring).
-
-    ``middle`` is this sequence's W8A8 model (its own cache); ``num_draft`` is the inner drafter's k per
-    round; ``k`` of ``propose`` is the most the float step may take (the loop's room). ``stats`` is the
-    loop's: the float steps' times are read from it, the middle level's share written to it.
-    """
+    """Drafts for the float verifier with W8A8 rounds on ``middle`` over the ``inner`` drafter's proposals of ``num_draft``."""
 
     def __init__(
         self,
@@ -303,9 +239,7 @@ class CascadeDrafter:
         self._draft: list[int] = []  # the last proposal
         self._from_middle = False  # whether W8A8 rounds made it
         self._seen_steps, self._seen_s = 0, 0.0  # the loop's verify counters at the last proposal
-        # the last proposal: its predicted rate (None: not yet predictable) and the seconds it took to make (its rounds'
-        # but their catch-up, or the inner drafter's)
-        self._cycle: tuple[float, float] | None = None
+        self._cycle: tuple[float, float] | None = None  # the last proposal's predicted rate and seconds (no catch-up)
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
         self._settle(tokens)
@@ -378,9 +312,7 @@ class CascadeDrafter:
         return draft, dists
 
     def _catch_up(self, sequence: list[int]) -> list[int]:
-        """The tokens of ``sequence`` but its last that the middle cache still misses, at most ``CATCH_UP_BLOCK``: the round
-        feeds them ahead of its block (one, the float model's own token, after a draft it took whole). A cache that is
-        empty is prefilled, one that fell further behind (rounds switched off) catches up a block at a time."""
+        """The tokens of ``sequence`` but its last that the middle cache misses, after catching up to ``CATCH_UP_BLOCK``."""
         if not self._cached:
             self._timed(self.middle.prefill, sequence[:-1])
             self._cached = sequence[:-1]
@@ -392,8 +324,7 @@ class CascadeDrafter:
         return missed
 
     def _timed(self, forward: Callable[[list[int]], object], block: list[int]) -> None:
-        """A catch-up forward, timed into the W8A8 cost fit: its long blocks give the fit the slope that prices the
-        next catch-up (``RoundPolicy.rate``), which short rounds alone leave to extrapolation."""
+        """A catch-up forward, timed into the W8A8 cost fit (its long blocks give the fit its slope)."""
         began = time.perf_counter()
         forward(block)
         self.policy.middle_cost.observe(len(block), time.perf_counter() - began)

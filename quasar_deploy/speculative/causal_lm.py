@@ -1,10 +1,4 @@
-"""What the speculative loop needs from a verifier (and a draft model): the ``CausalLM`` protocol.
-
-The protocol belongs to the loop, not to the backends: backends implement it, the
-loop and the drafters only ever see it. A backend owns one sequence's KV cache; the
-loop only prefills, appends a block of tokens (one for plain decoding, k+1 to verify
-a draft) and rolls the cache back after a rejection.
-"""
+"""What the speculative loop needs from a verifier (and a draft model): the ``CausalLM`` protocol."""
 
 from __future__ import annotations
 
@@ -36,11 +30,7 @@ class CausalLM(Protocol):
 
 @runtime_checkable
 class ForkingLM(CausalLM, Protocol):
-    """A verifier that can open more sequences over the same weights: what serving several requests at once needs.
-
-    Its own protocol, not part of ``CausalLM``, so that a backend that cannot share its
-    weights (or a wrapper such as a pruned model) still serves one sequence at a time.
-    """
+    """A verifier that can open more sequences over the same weights: what serving several requests at once needs."""
 
     def new_sequence(self) -> ForkingLM:
         """Another ``CausalLM`` over the same weights (decoder, session) with its own empty cache; cheap, no weights copied."""
@@ -48,11 +38,7 @@ class ForkingLM(CausalLM, Protocol):
 
 @runtime_checkable
 class LayerSkippingLM(CausalLM, Protocol):
-    """A verifier that can also run with some decoder layers switched off (self-speculative drafting).
-
-    A method of its own, not an optional argument of ``verify``, so that ``isinstance``
-    tells a backend that can skip from one that merely has layers (a whole exported graph).
-    """
+    """A verifier that can also run with some decoder layers switched off (self-speculative drafting)."""
 
     @property
     def num_layers(self) -> int:
@@ -65,35 +51,22 @@ class LayerSkippingLM(CausalLM, Protocol):
 @runtime_checkable
 class BatchVerifyingLM(ForkingLM, Protocol):
     """A verifier whose sequences can run their blocks together in one forward: what a batched serving step needs.
-
-    Each block's logits must equal, bit for bit, what ``verify`` (or ``prefill``) on that
-    sequence alone gives (row-invariant kernels), so a request's output does not depend on
-    its neighbours. Backends that cannot promise that (or cannot stack rows) leave this out
-    and are served round-robin, one ``prefill`` or ``verify`` per sequence.
-    """
+    Each block's logits must be bit-exact with ``verify`` (or ``prefill``) on that sequence alone."""
 
     prefill_chunk: int | None
-    """None: a prompt is prefilled whole. Else its pieces of this many tokens, at fixed offsets (0, chunk, 2 chunk, ...),
-    are prefilled one forward each, alone (``prefill``) and batched alike: a server can then spread a long prompt over
-    rounds, each within its prompt-token budget, while the other sequences keep stepping."""
+    """None: a prompt is prefilled whole. Else in pieces of this many tokens at fixed offsets, one forward each, alone
+    and batched alike, so a server can spread a long prompt over rounds."""
 
     def verify_batch(
         self, sequences: Sequence[BatchVerifyingLM], blocks: Sequence[Sequence[int]], prefills: Sequence[bool] = ()
     ) -> list[torch.Tensor]:
-        """For every i, in one forward, on ``sequences[i]`` (opened from this one's weights): ``prefill(blocks[i])`` (its
-        logits [vocab]) where ``prefills[i]``, else ``verify(blocks[i])`` ([len, vocab]). With a ``prefill_chunk``, a
-        prefill block is the next piece of its prompt (appended; a fresh sequence starts empty), and its logits are its
-        last row's."""
+        """In one forward, ``prefill(blocks[i])`` where ``prefills[i]``, else ``verify(blocks[i])``, on ``sequences[i]``."""
 
 
-# prompts prefill in pieces of this many tokens on a backend whose attention gives a row the same bits in any block (the
-# layer graphs; the cpu backend on the C attention kernel), alone and in a server's rounds alike: the server's
-# prompt-token budget per round (``scheduler.PREFILL_TOKENS``) holds one piece
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 256  # the prefill pieces of a backend whose attention gives a row the same bits in any block
 
 
 def split_batch(logits: torch.Tensor, blocks: Sequence[Sequence[int]], prefills: Sequence[bool]) -> list[torch.Tensor]:
-    """A batched forward's stacked logits back per sequence, as ``verify_batch`` returns them: a prefill's one row
-    ([vocab]), a verify block's rows ([len, vocab])."""
+    """A batched forward's stacked logits back per sequence, as ``verify_batch`` returns them."""
     parts = logits.split([1 if prefill else len(block) for block, prefill in zip(blocks, prefills)])
     return [part[0] if prefill else part for part, prefill in zip(parts, prefills)]

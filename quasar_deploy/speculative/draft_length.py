@@ -1,10 +1,6 @@
 """How many tokens a sequence drafts next: a fixed k (the paper's), or a k that follows the sequence's own acceptance.
 
-Under batching every drafted row costs (docs/serving.md), and a row that is rejected is pure loss. An adaptive k
-drafts about as many tokens as the sequence's recent steps kept, plus one to find out whether it keeps more: an
-exponentially weighted mean (EWMA) of the drafted tokens accepted per step, k = clamp(round(mean) + 1, 1, num_draft).
-It only changes how many tokens are verified, never which are emitted, so decoding stays lossless whatever k is.
-"""
+Adaptive: k = clamp(round(EWMA of accepted drafts) + 1, 1, num_draft), since under batching a rejected row is pure loss."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ class DraftLength:
     def __init__(self, num_draft: int, adaptive: bool):
         self.num_draft, self.adaptive = num_draft, adaptive
         self._mean = float(num_draft - 1)  # optimistic: the first step drafts the full k, as a fixed k would
-        # per drafted position: the chance it is kept, given the ones before it were (decayed counts; prior 1 of 1)
-        self._kept, self._tried = 1.0, 1.0
+        self._kept, self._tried = 1.0, 1.0  # decayed counts of drafted positions kept and judged (``rate``)
 
     @property
     def k(self) -> int:
@@ -29,8 +24,7 @@ class DraftLength:
 
     @property
     def rate(self) -> float:
-        """The estimated chance that a drafted token is accepted once the ones before it were: a position ``j`` (from 1)
-        is kept with about ``rate ** j`` (what ``serve.row_budget`` weighs a drafted row by)."""
+        """The estimated chance a drafted token is kept once those before it were: position ``j`` at ``rate ** j``."""
         return self._kept / self._tried
 
     def observe(self, drafted: int, accepted: int) -> None:

@@ -28,16 +28,10 @@ def check_same_vocabulary(verifier_vocab: dict[str, int], draft_vocab: dict[str,
 
 
 class ModelDrafter:
-    """Drafts with its own backend and KV cache, which it rolls back to the accepted prefix at the next proposal.
-
-    ``vocab_size`` is the verifier's: the draft's logits are cut or padded to it,
-    so the draft never proposes an id the verifier has no logit for and its q
-    lines up with the verifier's p.
-    """
+    """Drafts with its own model and cache; its logits are cut or padded to the verifier's ``vocab_size``."""
 
     def __init__(self, lm: CausalLM, vocab_size: int):
-        self.lm = lm
-        self.vocab_size = vocab_size
+        self.lm, self.vocab_size = lm, vocab_size
         self._cached: list[int] = []  # the tokens whose keys and values the draft cache holds
         self._agreed = 0  # a prefix of _cached known to equal the sequence (everything passed to the last propose)
 

@@ -1,10 +1,6 @@
 """The drafter protocol: anything that guesses the next tokens cheaply.
 
-A drafter is built for one generation. The loop calls ``propose(tokens, k, sampler)``
-with the whole sequence so far (prompt and accepted tokens; the last one is not
-yet in the verifier's cache) and only ever appends accepted tokens between calls,
-so a drafter may keep incremental state about ``tokens``.
-"""
+One per generation; the loop only appends to ``tokens`` between proposals, so a drafter may keep incremental state."""
 
 from __future__ import annotations
 
@@ -54,13 +50,10 @@ class Drafter(Protocol):
 
 @runtime_checkable
 class RewindableDrafter(Drafter, Protocol):
-    """A drafter that can also propose where tokens it was shown are taken back: the exact-mode cascade shows it
-    drafts that the float model may reject (``speculative.cascade``)."""
+    """A drafter that can also take back tokens it was shown: the cascade shows it drafts the float model may reject."""
 
     def rewind(self, length: int) -> None:
-        """The first ``length`` tokens of what ``propose`` was shown are final; any after them may be replaced.
-
-        Called before every proposal once proposals can be taken back (``length`` never decreases)."""
+        """The first ``length`` tokens of what ``propose`` was shown are final (``length`` never decreases)."""
 
 
 class NoDrafter:
@@ -79,11 +72,7 @@ def no_drafter(context: DrafterContext, options: Mapping[str, Any]) -> NoDrafter
 
 
 def draft_autoregressive(logits: torch.Tensor, step: Callable[[int], torch.Tensor], k: int, sampler: Sampler) -> Draft:
-    """k tokens from a language model: ``logits`` predict the first, ``step(token)`` feeds a token and predicts the next.
-
-    Sampling drafters draw with the generation's own parameters, so q is as close
-    to the verifier's p as the draft model allows (higher acceptance).
-    """
+    """k tokens from a language model: ``logits`` predict the first, ``step(token)`` feeds a token and predicts the next."""
     tokens: list[int] = []
     dists: list[torch.Tensor] = []
     for i in range(k):

@@ -1,11 +1,6 @@
 """Self-speculative drafting: the verifier itself, with some decoder layers skipped, drafts for the full model.
 
-No second model to load or keep in sync, and the draft reads the full model's
-keys and values for the whole accepted prefix. The skipped layers' cache slots
-at draft positions are left stale and every slot the draft wrote is rolled
-back before the full verify rewrites those positions, so rejections never leak
-into the verifier's cache.
-"""
+The draft reads the full model's cache for the accepted prefix; every slot it wrote is rolled back before the verify."""
 
 from __future__ import annotations
 
@@ -38,8 +33,7 @@ def check_can_skip(lm: CausalLM) -> LayerSkippingLM:
 def check_skip_layers(lm: CausalLM, layers: Iterable[int]) -> frozenset[int]:
     num_layers = check_can_skip(lm).num_layers
     chosen = frozenset(layers)
-    bad = sorted(i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers)
-    if bad:
+    if bad := sorted(i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers):
         raise QuasarError(f"skip_layers: layer {bad[0]!r} does not exist (the model has layers 0..{num_layers - 1})")
     if not chosen or len(chosen) >= num_layers:
         raise QuasarError(f"skip_layers must name between 1 and {num_layers - 1} of the model's {num_layers} layers")
@@ -65,11 +59,7 @@ class LayerSkipDrafter:
 
 
 def layerskip_drafter(context: DrafterContext, options: Mapping[str, Any]) -> LayerSkipDrafter:
-    """The registry's factory for "layerskip": explicit ``skip_layers``, or the context's choice for ``skip_fraction``.
-
-    The choice goes through the context because measuring it costs a few dozen
-    forwards: the engine does it once per fraction and remembers it.
-    """
+    """The registry's factory for "layerskip": explicit ``skip_layers``, or the context's choice for ``skip_fraction``."""
     layers, fraction = options["skip_layers"], options["skip_fraction"]
     if layers is not None and fraction is not None:
         raise QuasarError("give skip_layers or skip_fraction, not both")
@@ -79,18 +69,8 @@ def layerskip_drafter(context: DrafterContext, options: Mapping[str, Any]) -> La
 
 
 def skip_order(lm: CausalLM, ids: Sequence[int], count: int, picked: Sequence[int] = ()) -> tuple[int, ...]:
-    """The first ``count`` layers of the greedy skipping order on ``ids``, continued from ``picked`` (its first layers):
-    the layers whose skipping best keeps the full model's top-1 prediction.
-
-    Greedy forward selection (add the layer that hurts least, repeat): count passes
-    over at most num_layers candidates, against 2^num_layers for an exhaustive
-    search. Ties in agreement go to the set that gives the full model's choice
-    the higher mean log-probability. Each pick depends only on the picks before
-    it, so a shorter choice is a prefix of a longer one and a longer one continues
-    a shorter one (``Engine.choose_skip_layers`` keeps the order): a quarter and
-    then a half of a 28-layer model cost 301 forwards, not 476. Clobbers the
-    cache: call between generations.
-    """
+    """The first ``count`` layers of the greedy skipping order on ``ids`` (each keeps the top-1 prediction best), continued
+    from ``picked``. Clobbers the cache: call between generations."""
     lm = check_can_skip(lm)
     num_layers = lm.num_layers
     if not 1 <= count < num_layers:

@@ -1,13 +1,6 @@
 """The speculative loop, one for every drafter and every backend: draft, verify once, accept, roll back.
 
-The prefill of the whole prompt gives the first new token, exactly as the
-verifier's own decode does (so a backend may prefill with other numerics than it
-verifies with). From then on the verifier's cache holds every token of the
-sequence but the last, which is pending. Each step feeds the pending token and k
-drafted tokens in one verify forward (k+1 positions), keeps the cache up to the
-accepted prefix, and the verifier's own next token (corrected or bonus) becomes
-the new pending one.
-"""
+The cache holds every token but the last, pending one, which each step verifies with k drafts in one forward."""
 
 from __future__ import annotations
 
@@ -26,11 +19,7 @@ from .drafters import NO_DRAFT, Drafter
 
 @dataclass
 class LoopStats:
-    """Counters the loop fills as it runs; times are seconds of wall clock.
-
-    ``verify_steps`` counts verify forwards, not the prefill (which emits the first
-    token); each step emits its ``accepted`` drafted tokens plus one of the verifier's.
-    """
+    """Counters the loop fills as it runs; times are seconds of wall clock. ``verify_steps`` leaves out the prefill."""
 
     verify_steps: int = 0
     drafted: int = 0
@@ -46,16 +35,8 @@ class LoopStats:
 
 
 class Speculation:
-    """One sequence's speculative decoding as phases, so a caller can verify many sequences' blocks in one forward.
-
-    ``prefill`` emits the first token; then each step is ``draft`` (the block to verify:
-    the pending token and up to k drafted ones), the verifier's logits for that block
-    (``lm.verify`` here in ``step``, or a batched forward over many sequences' blocks), and
-    ``settle`` (accept, roll the cache back to the accepted prefix, count). ``finished``
-    turns true after the step that reaches ``max_new_tokens``, a stop id or the window.
-    ``adaptive_k``: each step drafts up to a k that follows this sequence's acceptance (``draft_length``), at most
-    ``num_draft``; else always up to ``num_draft``. Bad arguments raise here, before any work.
-    """
+    """One sequence's speculative decoding as phases, so a caller can verify many sequences' blocks in one forward:
+    ``prefill``, then ``draft``, the block's logits and ``settle`` until ``finished``; ``adaptive_k``: see ``draft_length``."""
 
     def __init__(
         self,
@@ -82,18 +63,12 @@ class Speculation:
         self.num_draft, self.max_new_tokens, self.stop_ids = num_draft, max_new_tokens, stop_ids
         self.draft_length = DraftLength(num_draft, adaptive_k)
         self.stats = stats if stats is not None else LoopStats()
-        self.tokens = list(prompt)
-        self.emitted = 0
-        self.finished = False
+        self.tokens, self.emitted, self.finished = list(prompt), 0, False
         self._drafted: list[int] = []
         self._probs: torch.Tensor | None = None
 
     def steps(self) -> Iterator[list[int]]:
-        """An iterator over the new tokens each verify step emits, until ``max_new_tokens``, a stop id or the context window.
-
-        A stop id is emitted, then generation ends. Stop early by closing the iterator;
-        the verifier's cache then holds a consistent prefix.
-        """
+        """The new tokens each verify step emits, until ``max_new_tokens``, a stop id (emitted) or the context window."""
         yield self.prefill()
         while not self.finished:
             yield self.step()
@@ -104,8 +79,7 @@ class Speculation:
         return self.settle_prefill(self.lm.prefill(self.tokens), began)
 
     def settle_prefill(self, logits: torch.Tensor, prefill_began: float) -> list[int]:
-        """The first new token(s) from the prompt's last ``logits`` [vocab] (``lm.prefill`` here, or a batched forward
-        that began at ``time.perf_counter()`` ``prefill_began``)."""
+        """The first new token(s) from the prompt's last ``logits`` [vocab], from a forward begun at ``prefill_began``."""
         verdict = accept(logits[None], [], None, self.sampler)
         self.stats.prefill_s += time.perf_counter() - prefill_began
         return self._emit(verdict.tokens)
@@ -113,8 +87,7 @@ class Speculation:
     def draft(self) -> list[int]:
         """The block the verifier must run next: the pending token and the drafted ones."""
         room = min(self.max_new_tokens - self.emitted, self.lm.max_length - len(self.tokens))
-        # A step emits at most k+1 tokens: never draft past the budget or the context window.
-        k = min(self.draft_length.k, room - 1)
+        k = min(self.draft_length.k, room - 1)  # a step emits at most k+1 tokens
         began = time.perf_counter()
         draft = self.drafter.propose(self.tokens, k, self.sampler) if k > 0 else NO_DRAFT
         self._drafted, self._probs = draft.tokens, draft.probs
@@ -122,18 +95,13 @@ class Speculation:
         return self.trim(k)
 
     def trim(self, keep: int) -> list[int]:
-        """The block of ``draft`` with only its first ``keep`` drafted tokens (``draft`` keeps k, a server's row budget
-        fewer): lossless, since how many drafted tokens are verified never changes which tokens are emitted, nor their
-        distribution."""
+        """The block of ``draft`` with only its first ``keep`` drafted tokens (a server's row budget): lossless."""
         self._drafted = self._drafted[:keep]
         self._probs = self._probs[:keep] if self._probs is not None else None
         return [self.tokens[-1], *self._drafted]
 
     def settle(self, logits: torch.Tensor, verify_began: float) -> list[int]:
-        """Judge the drafted block against its ``logits``, keep the cache up to the accepted prefix; the emitted tokens.
-
-        ``verify_began`` is the ``time.perf_counter()`` at which the forward for this block started.
-        """
+        """The tokens emitted by the drafted block's ``logits`` (a forward begun at ``verify_began``); rolls the cache back."""
         verdict = accept(logits, self._drafted, self._probs, self.sampler)
         self.lm.truncate(len(self.tokens) + verdict.accepted)
         self.stats.verify_s += time.perf_counter() - verify_began
@@ -150,8 +118,7 @@ class Speculation:
         return self.settle(self.lm.verify(block), began)
 
     def _emit(self, new: list[int]) -> list[int]:
-        stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
-        if stop_at is not None:
+        if (stop_at := next((i for i, t in enumerate(new) if t in self.stop_ids), None)) is not None:
             new = new[: stop_at + 1]
         self.tokens.extend(new)
         self.emitted += len(new)

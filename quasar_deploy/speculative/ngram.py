@@ -1,9 +1,4 @@
-"""Prompt lookup (n-gram) drafting: continue the text the way it continued the last time it read the same.
-
-Model-free, so drafting costs microseconds; it pays off wherever output repeats
-its context (code, edits, retrieval, summaries). Defaults follow the Quasar
-paper: k = 5, n from 3 down to 1.
-"""
+"""Prompt lookup (n-gram) drafting: continue the text the way it continued the last time it read the same."""
 
 from __future__ import annotations
 
@@ -26,24 +21,17 @@ def check_ngram_range(ngram_min: int, ngram_max: int) -> None:
 
 
 class NgramDrafter:
-    """Matches the last n tokens (longest n first) against everything before them and proposes what followed.
-
-    An index maps each n-gram to the end of its latest occurrence that has a
-    token after it, updated with only the new tokens each step, so a proposal
-    costs O(ngram_max + k) however long the context grows.
-    """
+    """Matches the last n tokens (longest n first) against everything before them and proposes what followed."""
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 3):
         check_ngram_range(ngram_min, ngram_max)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self._latest: dict[tuple[int, ...], int] = {}
         self._indexed_to = 0  # n-grams ending at or before this position are indexed
-        # (end, n-gram, the end it replaced) for each entry a rewind may take back: kept from the first ``rewind`` on
-        self._undo: list[tuple[int, tuple[int, ...], int | None]] | None = None
+        self._undo: list[tuple[int, tuple[int, ...], int | None]] | None = None  # (end, n-gram, end replaced) once rewound
 
     def _index(self, tokens: Sequence[int]) -> None:
-        # An n-gram ending at ``end`` is indexed once tokens[end] exists, so a lookup of the current
-        # suffix never finds itself and always has at least one token to propose.
+        # an n-gram ending at ``end`` is indexed once tokens[end] exists: a lookup never finds itself
         for end in range(self._indexed_to + 1, len(tokens)):
             for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
                 key = tuple(tokens[end - n : end])
@@ -53,8 +41,7 @@ class NgramDrafter:
         self._indexed_to = max(self._indexed_to, len(tokens) - 1)
 
     def rewind(self, length: int) -> None:
-        """Take back every entry whose next token sits at or past ``length`` (it may be replaced), newest first, so the
-        index is what indexing only the first ``length`` tokens would have made; the entries before are final."""
+        """Take back every entry whose next token sits at or past ``length``, as if only those tokens were indexed."""
         for end, key, previous in reversed(self._undo or []):
             if end < length:
                 break
@@ -69,12 +56,10 @@ class NgramDrafter:
         self._index(tokens)
         length = len(tokens)
         for n in range(min(self.ngram_max, length), self.ngram_min - 1, -1):
-            end = self._latest.get(tuple(tokens[length - n :]))
-            if end is not None:
+            if (end := self._latest.get(tuple(tokens[length - n :]))) is not None:
                 draft: list[int] = []
                 for j in range(k):
-                    # Copy with overlap (like LZ77): past the known text, the draft continues its own
-                    # copy, so a repeating pattern yields a full k tokens.
+                    # copy with overlap (like LZ77), so a repeating pattern yields a full k tokens
                     position = end + j
                     draft.append(tokens[position] if position < length else draft[position - length])
                 return Draft(draft)

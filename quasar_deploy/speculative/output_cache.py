@@ -1,14 +1,6 @@
 """Earlier generations' outputs, for the suffix drafter to draft from across requests (SuffixDecoding's global tree).
 
-Opt-in (``serve --suffix-cache-tokens N``, or ``engine.output_cache = OutputCache(N)``): a request's drafts may then
-copy what the model wrote for another request. Decoding stays lossless (a draft only changes how many tokens a step
-keeps, never which), but how fast a request runs says whether similar text was generated before: docs/security.md.
-
-The same depth-bounded suffix tree as ``suffix``, over each output separately (no indexed substring spans two outputs), holding
-at most ``max_tokens`` tokens of output: the oldest outputs leave first, their counts taken back, so what remains is
-the tree of the outputs kept. Of equal counts the draft takes the token first seen (the per-request tree takes the
-latest; a cache loses that order as outputs leave).
-"""
+Opt-in: lossless, but a request's speed says whether similar text was generated before (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -21,8 +13,7 @@ from .suffix_tree import DEPTH, Node, anchor, best_draft, node_of
 
 
 class OutputCache:
-    """At most ``max_tokens`` tokens of earlier outputs, indexed; ``add`` an output once its generation ends, ``propose``
-    from the context of another. Safe to share between threads (the server's scheduler and its callers)."""
+    """At most ``max_tokens`` tokens of earlier outputs, indexed; thread-safe. ``add`` an output, ``propose`` a draft."""
 
     def __init__(self, max_tokens: int, depth: int = DEPTH):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -40,8 +31,7 @@ class OutputCache:
 
     def add(self, output: Sequence[int]) -> None:
         """Index ``output`` (its last ``max_tokens`` tokens), then let the oldest outputs go until the cap holds."""
-        output = list(output)[-self.max_tokens :]
-        if not output:
+        if not (output := list(output)[-self.max_tokens :]):
             return
         with self._lock:
             self._count(output, 1)
@@ -78,10 +68,7 @@ class OutputCache:
                 node = child
 
     def propose(self, context: Sequence[int], k: int, min_prob: float, spec_factor: int) -> tuple[list[int], float]:
-        """The suffix drafter's walk (``suffix.best_draft``) over the outputs held, from each length of ``context``'s
-        end that occurred in them: the draft and the tokens it expects kept. Where a walk runs out (the tree's depth, an
-        output's end) it goes on from the longest context of ``context`` and the draft that occurred, as the
-        per-request tree does."""
+        """The suffix drafter's ``best_draft`` from ``context``'s ends over the outputs held, and its expected kept tokens."""
         tail = list(context[-self.depth :])
         with self._lock:
             matches = ((n, node_of(self._root, tail[len(tail) - n :])) for n in range(min(len(tail), self.depth - 1), 0, -1))

@@ -1,10 +1,6 @@
 """The drafters users can pick, by name: one table that the engine, the CLI and the benchmark all read.
 
-Each entry names its factory as ``"module:callable"``, imported on first use, so reading the
-table (for ``--help`` choices, say) loads no torch. ``options`` are the generation options the
-drafter reads; giving one that the chosen drafter does not read is an error. Adding a drafter
-is one module with a factory and one row here.
-"""
+Factories are ``"module:callable"``, imported on first use, so reading the table loads no torch."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DrafterEntry:
-    """``factory(context, options)`` builds a fresh drafter for one generation; ``options`` maps each name in ``options`` to its value.
-    ``num_draft`` is the k a generation drafts up to when it names none."""
+    """``factory(context, options)`` builds a drafter for one generation; ``num_draft``: its k when a generation names none."""
 
     factory: str
     options: tuple[str, ...]
@@ -39,9 +34,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
         "quasar_deploy.speculative.suffix:suffix_drafter",
         ("suffix_min_prob",),
         "suffix tree: the most frequent continuation of the longest matching context, variable length",
-        # its drafts stop where the counts or the match length say (speculative.suffix), so its cap sits higher than a
-        # fixed k's: vLLM's suffix decoding defaults to its tree depth; 16 is the deepest match this one drafts from
-        num_draft=16,
+        num_draft=16,  # its drafts stop where the counts say, so the cap is the tree's depth (as vLLM's)
     ),
     "layerskip": DrafterEntry(
         "quasar_deploy.speculative.layerskip:layerskip_drafter",
@@ -69,8 +62,7 @@ def check_drafter_options(name: str, given: Iterable[str]) -> None:
     for option in given:
         if option in reads:
             continue
-        owner = next((n for n, e in DRAFTERS.items() if option in e.options), None)
-        if owner is not None:
+        if (owner := next((n for n, e in DRAFTERS.items() if option in e.options), None)) is not None:
             raise QuasarError(f"{option} applies to draft={owner!r}, not draft={name!r}")
 
 

@@ -1,13 +1,7 @@
 """The Python API: ``load(path)`` gives an ``Engine`` whose ``generate`` and ``stream`` run the speculative loop.
 
-The engine turns text into token ids and back, picks and builds the drafter,
-and cuts the output at stop strings; the speculative loop itself knows only
-token ids. ``generate`` and ``stream`` run on the engine's own sequence (the
-verifier holds one KV cache): generations from several threads take turns on a
-lock, and a second generation started in a thread whose own stream is still
-unfinished is refused with a clear error rather than corrupting that stream.
-``open`` starts a generation on a new sequence over the same weights, for a
-caller (the server's scheduler) that interleaves many generations step by step.
+``generate`` and ``stream`` run on the engine's one sequence, taking turns on a lock; ``open`` starts a generation on
+a new sequence over the same weights, for a caller (the server's scheduler) that steps many generations itself.
 """
 
 from __future__ import annotations
@@ -68,16 +62,9 @@ Prompt = str | Sequence[Message] | Sequence[int]
 class GenerationOptions:
     """Everything ``generate`` and ``stream`` accept besides the prompt.
 
-    ``draft`` picks the drafter (a name in ``speculative.registry.DRAFTERS``) and ``num_draft`` its k (>= 1; plain
-    decoding is ``draft="none"``; None: the drafter's own, 5 as in the paper, 16 for suffix); ``adaptive_k`` makes k
-    the cap of a draft length that follows the sequence's own acceptance (``speculative.draft_length``).
-    ``ngram_min``/``ngram_max`` configure ngram, ``suffix_min_prob`` suffix, ``skip_layers`` (explicit) or
-    ``skip_fraction`` (chosen by measuring top-1 agreement, default 0.5) layerskip, ``draft_model`` (the draft model's
-    path) model; the registry says which drafter reads which, and setting another drafter's option is an error.
-    ``seed`` None draws a fresh seed; the same seed and options reproduce a sampled output.
-    ``verify`` picks whose output a generation returns on an engine loaded with ``verify="exact"``: "exact" (the float
-    model's, the default there) or "model" (the W8A8 model's own, verified on it); None is the engine's own mode.
-    """
+    ``draft`` names the drafter (plain decoding: "none"), ``num_draft`` its k (None: the drafter's own), ``adaptive_k`` makes
+    k a cap; another drafter's options are an error. The same ``seed`` and options reproduce a sampled output. ``verify``:
+    "exact" or "model" on an engine loaded with ``verify="exact"``; None is the engine's own mode."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -135,12 +122,7 @@ def _from_loop(name: str) -> property:
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """The loop's own counters plus what only the whole generation knows (tokens after stop strings, wall time).
-
-    ``acceptance_length``: mean tokens emitted per verify step (1.0 without drafting; the prefill is not a step).
-    ``wall_s`` runs from the prefill to the last token; drafter setup (loading a
-    draft model, choosing skipped layers) is a one-time cost outside it.
-    """
+    """The loop's counters plus what only the whole generation knows: tokens after stop strings, wall time from the prefill."""
 
     loop: LoopStats
     new_tokens: int
@@ -178,11 +160,7 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """``tokens`` are the new ids, a final stop token included; ``finish_reason`` is "stop" or "length".
-
-    ``context_full`` says a "length" finish came from the verifier's context window
-    rather than ``max_new_tokens``: fewer tokens than asked for, and no way to get more.
-    """
+    """``tokens``: the new ids, a final stop token included; ``finish_reason``: "stop" or "length" (``context_full``: the window cut it)."""
 
     text: str
     tokens: list[int]
@@ -192,27 +170,13 @@ class GenerationResult:
     context_full: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "text": self.text,
-            "tokens": self.tokens,
-            "stats": self.stats.to_dict(),
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens,
-            "context_full": self.context_full,
-        }
+        return {f.name: self.stats.to_dict() if f.name == "stats" else getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 class Generation:
-    """One generation over one sequence (its own ``CausalLM`` cache), advanced one verify step at a time.
-
-    Two ways to drive it. ``steps()`` yields, per verify step, the text pieces that step
-    made safe to show (``Stream`` flattens them). A scheduler that verifies many
-    sequences in one forward calls the phases itself: ``prefill()``, then per step
-    ``draft()`` (the block of token ids to verify on ``lm``) and ``settle(logits, began)``,
-    until ``finished``. Both run the same ``Speculation``. ``result`` is set once the last
-    step is taken; between steps the cache holds a consistent prefix, so dropping a
-    generation early (a cancelled request) needs no cleanup.
-    """
+    """One generation over one sequence (its own ``CausalLM`` cache), advanced one verify step at a time: ``steps()``, or
+    a scheduler's ``prefill()``, then ``draft()`` and ``settle(logits, began)`` per step until ``finished``. Between steps
+    the cache holds a consistent prefix, so dropping a generation needs no cleanup."""
 
     def __init__(self, engine: Engine, lm: CausalLM, prompt: list[int], options: GenerationOptions):
         self._engine = engine
@@ -320,8 +284,7 @@ class Stream:
 
 @dataclass(frozen=True)
 class SequenceContext:
-    """The drafter context of one sequence that is not the engine's own: drafting on ``lm`` (layerskip shares its
-    cache) and on a fresh sequence of the engine's draft model, while setup work stays cached in the engine."""
+    """The drafter context of a sequence ``lm`` other than the engine's own; setup work stays cached in the engine."""
 
     engine: Engine
     lm: CausalLM
@@ -413,8 +376,7 @@ class Engine:
         return self.renderer.render(self.chat_messages(messages))
 
     def chat_messages(self, messages: Sequence[Message]) -> list[dict[str, str]]:
-        """``messages`` checked for the chat template (a string role and content each, text that encodes) as plain dicts:
-        what ``renderer`` renders, in its own process, bounded in time, size and memory (``chat/worker.py``)."""
+        """``messages`` checked for the chat template (string role and content, text that encodes), as dicts for ``renderer``."""
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise QuasarError("each chat message needs a string 'role' and a string 'content'")
@@ -437,8 +399,7 @@ class Engine:
         )
 
     def open(self, prompt: Sequence[int], options: GenerationOptions) -> Generation:
-        """A generation of encoded ``prompt`` on a new sequence over the engine's weights, outside the engine's lock:
-        the caller drives its steps (and owns the thread it drives them from)."""
+        """A generation of encoded ``prompt`` on a new sequence over the engine's weights, outside its lock: the caller drives it."""
         return Generation(self, check_can_fork(self.verifier(options)).new_sequence(), list(prompt), options)
 
     @property
@@ -457,12 +418,7 @@ class Engine:
         return (self.verifier(options),)
 
     def choose_skip_layers(self, fraction: float, text: str = SKIP_CALIBRATION_TEXT) -> frozenset[int]:
-        """Which ``fraction`` of the layers to skip when drafting: those that keep the most top-1 agreement on ``text``.
-
-        The greedy order is measured once per text and remembered: a smaller fraction takes
-        its first layers, a larger one continues it (``skip_order``). It runs the verifier,
-        so it takes the engine's lock like a generation does.
-        """
+        """The ``fraction`` of layers to skip when drafting that keeps the most top-1 agreement on ``text`` (order kept per text)."""
         if not (isinstance(fraction, int | float) and 0 < fraction < 1):
             raise QuasarError(f"skip_fraction must be in (0, 1), got {fraction!r}")
         num_layers = check_can_skip(self.lm).num_layers
@@ -485,8 +441,7 @@ class Engine:
 
 
 def stop_ids_of(path: str | Path) -> frozenset[int]:
-    """End-of-sequence ids from ``generation_config.json`` and ``config.json``, as Hugging Face's generate uses them
-    (read as the manifest vouches for them, where there is one)."""
+    """End-of-sequence ids from ``generation_config.json`` and ``config.json`` (as the manifest vouches), as HF's generate uses."""
     path = Path(path)
     listed = listed_files(path)
     ids: set[int] = set()
@@ -509,8 +464,7 @@ WARM_UP_BLOCK = 8  # verify blocks up to k+1 = 8 tokens get their kernels built 
 
 
 def warm_up(lm: CausalLM) -> None:
-    """Run a prefill and every verify block size once, so one-time costs (kernel and primitive creation, allocator
-    growth) land in ``load`` and the first generation's speed is the steady state."""
+    """Run a prefill and every verify block size once, so one-time costs land in ``load``, not the first generation."""
     length = min(WARM_UP_BLOCK, lm.max_length - WARM_UP_BLOCK - 1)
     if length < 1:
         return

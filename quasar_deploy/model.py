@@ -1,10 +1,7 @@
 """One decoder for every Llama-like architecture, with a truncatable KV cache.
 
-Why our own and not ``transformers``' modeling code: decoding needs a cache that
-rolls back in O(1) after a rejected draft, layers that can be skipped for
-self-speculation, and linears whose kernel is a plug (float, int8 reference,
-FBGEMM, CUDA, NPU). Parameter names are Hugging Face's, so checkpoints and
-artifacts load by name; tests check the logits against ``transformers``.
+Our own rather than ``transformers``': a cache that rolls back in O(1), skippable layers for self-speculation, and
+pluggable linear kernels. Parameter names are Hugging Face's; tests check the logits against ``transformers``.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 KernelFactory = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"], LinearFn]
 
 
-# (layer, qkv) -> attention output [rows, heads * head_dim] of the rows of one pass: ``qkv`` is the layer's q, k and v
-# projections side by side [rows, (heads + 2 kv heads) * head_dim], which the kernel norms (q_norm, k_norm) and rotates
-# (the pass's cos and sin) itself; it writes the rows' keys and values to their caches
+# (layer, qkv [rows, (heads + 2 kv heads) * head_dim]) -> attention output [rows, heads * head_dim]; the kernel norms,
+# rotates and caches the keys and values itself
 StepAttention = Callable[[int, torch.Tensor], torch.Tensor]
 
 
@@ -62,9 +58,7 @@ class AttentionKernel(Protocol):
 
 
 class RowKernel(Protocol):
-    """A backend's own row-wise ops of a layer in place of torch's (``Decoder.row_kernel``): a step's norms and SiLU
-    gates are dozens of small torch ops a layer whose dispatch costs more than their arithmetic. Each returns its
-    input's dtype; each row's result depends on that row alone."""
+    """A backend's own norms and SiLU gates (``Decoder.row_kernel``), in the input's dtype, each row's result its own."""
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor: ...
 
@@ -90,12 +84,7 @@ PACK_BLOCK_BYTES = 1 << 28  # a narrow float weight is widened and packed this m
 
 class Linear(nn.Module):
     """A linear layer in float or W8A8 form; ``prepare`` binds one of ``cpu/linears.py``'s kernels, ``bind`` any other.
-
-    ``dtype``: what a float layer computes in, when its weight is stored in another dtype (a bf16 lm_head or tied
-    table computing in float32 where bf16 is slow, a float16 one computing in bf16). Kernels get the weight
-    converted (``tensors``); a packing kernel gets it a block of rows at a time, so no whole converted copy is ever
-    held beside the packed one (2.5 GB for an 8B head in float32). Its input is converted to ``dtype`` too.
-    """
+    ``dtype``: what a float layer (and its input) computes in when its weight is stored in another dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -112,8 +101,7 @@ class Linear(nn.Module):
 
     @property
     def read_itemsize(self) -> int:
-        """Bytes per weight value a call reads: int8's 1; a float weight's in the dtype it computes in, or as stored where
-        its kernel keeps it so (``kernels.half_weights``: released to that kernel with its stored dtype)."""
+        """Bytes per weight value a call reads: int8's 1, else the compute dtype's or (``half_weights``) the stored one's."""
         if self.quantized or (self.weight.is_meta and self.weight.dtype != self.dtype):
             return self.weight.element_size()
         return self.dtype.itemsize
@@ -132,16 +120,8 @@ class Linear(nn.Module):
         self.input_scale = None if input_scale is None else input_scale.float().reshape(1)
         self._fn = None
 
-    def set_float(self, weight: torch.Tensor) -> None:
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self._fn = None
-
     def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference") -> None:
-        """Bind the kernel; a kernel that packs its own copy of the weight (oneDNN, FBGEMM) gets the only copy.
-
-        The released weight stays as a meta tensor, so shapes, dtype and ``quantized`` still
-        tell the truth, but the layer can no longer be re-prepared or saved.
-        """
+        """Bind the kernel; one that packs its own copy gets the only copy (the weight left as meta: no re-prepare or save)."""
         if self.weight.is_meta:
             raise RuntimeError("this layer's weight was released to its packed kernel; load the model again to change kernels")
         kernels = cpu_kernels(float_kernel, int8_kernel)
@@ -168,7 +148,7 @@ class Linear(nn.Module):
         parts = []
         for block, bias in zip(self.weight.data.split(rows), biases):
             parts.append(kernels(block.to(self.dtype), None, bias, None))
-            return_freed_memory()  # the widened block: where glibc heaps it (inside bench e2e it did), it would stay
+            return_freed_memory()  # the widened block: glibc would keep it
         return parts[0] if len(parts) == 1 else lambda x: torch.cat([part(x) for part in parts], dim=-1)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -178,8 +158,7 @@ class Linear(nn.Module):
         return weight, self.weight_scale, bias, self.input_scale
 
     def release_weight(self, held: torch.dtype | None = None) -> None:
-        """Drop the weight's data once a kernel holds its own copy; a meta tensor keeps its shape and the dtype the
-        kernel holds it in (``held``, else the weight's where quantized, else ``dtype``)."""
+        """Drop the weight's data once a kernel holds its own copy: a meta tensor in the dtype the kernel holds."""
         dtype = held or (self.weight.dtype if self.quantized else self.dtype)
         self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=dtype, device="meta"), requires_grad=False)
 
@@ -197,22 +176,15 @@ class Linear(nn.Module):
 
 
 def held_text(head: Linear) -> str:
-    """For descriptions: where a float lm_head is read as stored in 16 bits (``kernels.half_weights``), saying so
-    (" (lm_head read as stored, bfloat16: quasar-half)"); else empty."""
+    """For descriptions: " (lm_head read as stored, bfloat16: quasar-half)" where a float head is so read; else empty."""
     if head.quantized or head.read_itemsize == head.dtype.itemsize:
         return ""
     return f" (lm_head read as stored, {dtype_name(head.weight.dtype)}: quasar-half)"
 
 
 def fuse_linears(linears: list[Linear], kernels: KernelFactory) -> LinearFn | None:
-    """One kernel call for linears that read the same input (q/k/v, gate/up): their output columns side by side.
-
-    Each output column of a W8A8 linear depends only on its own weight row, its scale and the
-    row's activation scale (shared: same input), so the fused result equals the separate ones
-    bit for bit while the per-call overhead is paid once. Linears that differ in kind (float
-    next to int8) or in static input scale cannot share one activation quantization: None.
-    The members' own weights are released (meta); only the fused kernel holds them.
-    """
+    """One kernel call for linears that read the same input (q/k/v, gate/up), bit-exact with separate calls; None where they
+    differ in kind or static input scale. The members' weights are released: only the fused kernel holds them."""
     first = linears[0]
     if any(lin.quantized != first.quantized or lin.weight.is_meta for lin in linears):
         return None
@@ -222,12 +194,8 @@ def fuse_linears(linears: list[Linear], kernels: KernelFactory) -> LinearFn | No
     bias_dtype = next((lin.bias.dtype for lin in linears if lin.bias is not None), None)
     bias = None
     if bias_dtype is not None:  # a member without a bias contributes zeros
-        bias = torch.cat(
-            [
-                lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features, dtype=bias_dtype, device=weight.device)
-                for lin in linears
-            ]
-        )
+        zeros = [torch.zeros(lin.out_features, dtype=bias_dtype, device=weight.device) for lin in linears]
+        bias = torch.cat([zero if lin.bias is None else lin.bias.data for lin, zero in zip(linears, zeros)])
     scale = torch.cat([lin.weight_scale for lin in linears]) if first.quantized else None
     fn = kernels(weight, scale, bias, first.input_scale)
     for lin in linears:
@@ -267,8 +235,7 @@ class KVCache:
 
     def __init__(self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device | str, capacity: int = 256):
         self.spec, self.dtype, self.device = spec, dtype, device
-        self.length = 0
-        self.capacity = 0
+        self.length = self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._grow(capacity)
@@ -306,11 +273,7 @@ CHECK_BLOCK_ELEMENTS = 1 << 24  # isfinite's temporaries for a bf16 tensor weigh
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """NaN or infinite weights, and scales that are not positive, turn every output to garbage: refuse them at load.
-
-    Checked a block of rows at a time: whole, a bf16 embedding table's check would hold temporaries of 2.5x the
-    table (``isfinite`` widens it), more than the table itself.
-    """
+    """Refuse at load NaN or infinite weights and scales not positive, a block of rows at a time (small temporaries)."""
     if tensor.dtype == torch.int8:
         return
     row = tensor.numel() // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 1
@@ -322,10 +285,7 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
 
 
 def tensor_loader(source: TensorSource, dtype: torch.dtype) -> Loader:
-    """Reads ``source`` by name for the modules' constructors: checked finite, in ``dtype`` (int8 weights and scales keep theirs).
-
-    Shared by the whole decoder and by calibration, which builds one ``DecoderLayer`` at a time.
-    """
+    """Reads ``source`` by name for the modules: checked finite, in ``dtype`` (int8 weights and scales keep theirs)."""
 
     def load(name: str, required: bool = True) -> torch.Tensor | None:
         if not required and name not in source.names:
@@ -362,13 +322,6 @@ def visible(spec: DecoderSpec, positions: torch.Tensor, span: int) -> torch.Tens
     return allowed
 
 
-def prefill_mask(spec: DecoderSpec, length: int, device: torch.device | str) -> torch.Tensor | None:
-    """Causal (and sliding-window) mask of a prefill; later blocks attend in fixed-shape pieces instead (``Segment``)."""
-    if length == 1:
-        return None
-    return visible(spec, torch.arange(length, device=device), length)
-
-
 # Attention after the prefill runs in fixed shapes, so that a row computes the same bits whatever block or batch it is in:
 QUERY_ROWS = 8  # a block's query rows, in pieces of this many (the last piece padded)
 KEY_CHUNK = 256  # keys are read up to a multiple of this, and values summed in chunks of exactly this many
@@ -386,9 +339,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's rows in a stacked forward: its cache, where the rows start in it, and what they attend to,
-    built once per forward for every layer. ``prefill`` (an empty cache) holds the causal mask of the whole block
-    (None for one row); otherwise ``pieces`` cover the rows."""
+    """One sequence's rows in a stacked forward: its cache, where the rows start, and what they attend to (built once
+    per forward): ``prefill``, an empty cache's causal mask (None for one row), else ``pieces``."""
 
     cache: KVCache
     start: int
@@ -401,7 +353,7 @@ def segment(spec: DecoderSpec, cache: KVCache, rows: int, device: torch.device |
     """The ``Segment`` of ``rows`` new positions appended to ``cache`` (its room reserved by the caller)."""
     start = cache.length
     if start == 0:
-        return Segment(cache, start, rows, prefill=prefill_mask(spec, rows, device))
+        return Segment(cache, start, rows, prefill=None if rows == 1 else visible(spec, torch.arange(rows, device=device), rows))
     pieces = []
     for first in range(0, rows, QUERY_ROWS):
         n = min(QUERY_ROWS, rows - first)
@@ -447,21 +399,15 @@ class Attention(nn.Module):
 
     def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of ``x`` [t, hidden] as [heads, t, head_dim], q and k normed and rotated (shared with the cuda backend)."""
-        q, k, v = self._rotated_rows(x, cos, sin)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-
-    def _rotated_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of ``x`` as [t, heads, head_dim], q and k normed and rotated (the same elementwise ops in any layout)."""
         s = self.spec
         t = x.shape[0]
         q, k, v = self._project(x)
-        q = q.view(t, s.num_heads, s.head_dim)
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        v = v.view(t, s.num_kv_heads, s.head_dim)
+        q, k, v = q.view(t, s.num_heads, s.head_dim), k.view(t, s.num_kv_heads, s.head_dim), v.view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, None], sin[:, None]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         """o_proj of the attention output [heads, t, head_dim]."""
@@ -490,20 +436,9 @@ class Attention(nn.Module):
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def attend_piece(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, piece: Piece) -> torch.Tensor:
-        """Attention of up to ``QUERY_ROWS`` rows q [heads, n, d] over a cache's keys/values [kv heads, >= span, d].
-
-        Every row's result is the same bits whether it runs alone (a one-token decode), in a
-        verify block or next to other sequences: the shapes do not depend on the block. The
-        rows are padded to QUERY_ROWS (a GEMM may round a 1- or 2-row product otherwise); the
-        scores read the keys up to ``span``, a multiple of KEY_CHUNK (a score's dot product
-        over head_dim does not depend on how many columns the GEMM has); keys a row may not see
-        get -inf (added in the same call), so its softmax gets exact zeros after its own terms;
-        and the values are summed in chunks of exactly KEY_CHUNK positions, added in order (a
-        GEMM splits a longer sum at points that depend on its length). A row alone reads fewer
-        chunks than in a block that ends later; the chunks it skips hold only its zero weights,
-        which add exactly 0. Found by test on this CPU (tests/test_attention.py), not promised
-        by the GEMM library: the tests hold it.
-        """
+        """Attention of up to ``QUERY_ROWS`` rows q [heads, n, d] over a cache's keys/values [kv heads, >= span, d], each row's
+        bits the same in any block or batch: rows padded to QUERY_ROWS, scores over keys up to ``span`` (-inf where a row may
+        not look), values summed in order in chunks of exactly KEY_CHUNK. Not promised by the GEMM: tests/test_attention.py."""
         s = self.spec
         group = s.num_heads // s.num_kv_heads
         queries = F.pad(q, (0, 0, 0, QUERY_ROWS - q.shape[1])).reshape(s.num_kv_heads, group * QUERY_ROWS, s.head_dim)
@@ -577,12 +512,8 @@ class Body(nn.Module):
 
 
 def as_stored(source: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """``name`` in its stored float dtype where that is no wider than ``dtype`` (else converted to ``dtype``), checked finite.
-
-    For the embedding table and a float lm_head: a lookup reads a few rows, converted exactly
-    (bf16 -> float32), and a head is widened only as its kernel packs it (``Linear``), so a bf16 8B
-    model keeps 1.2 GB of embeddings instead of 2.5 GB and never holds its head twice in float32.
-    """
+    """``name`` in its stored float dtype where that is no wider than ``dtype`` (else converted to ``dtype``), checked
+    finite: the embedding table's lookups convert the few rows they read, a head is widened only as its kernel packs it."""
     tensor = source.tensor(name)
     check_finite(name, tensor)
     return tensor if kept_as_stored(tensor.dtype, dtype) else tensor.to(dtype)
@@ -594,11 +525,8 @@ def kept_as_stored(stored: torch.dtype, dtype: torch.dtype) -> bool:
 
 
 def embedding_table(source: TensorSource, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
-    """The embedding table as ``as_stored`` gives it, read in place from its file where the source can map it and it is
-    kept as stored: a lookup reads a few rows, so the process need not hold the rest. On a CPU that computes bf16 a tied
-    table is needed twice, as rows to look up and as the head's packed weight (a layout lookups cannot read): held in
-    memory both copies cost a Qwen3-0.6B a quarter of its weight files again. With the map, whose pages
-    ``Decoder.release_table_pages`` hands back; else None."""
+    """The embedding table as ``as_stored`` gives it, read in place from its file where the source can map it and it is kept
+    as stored, with the map (``Decoder.release_table_pages``); else None."""
     stored = getattr(source, "dtypes", {}).get(EMBEDDINGS)
     mapped = getattr(source, "mapped", None)
     found = mapped(EMBEDDINGS) if mapped is not None and stored is not None and kept_as_stored(TORCH_DTYPES[stored], dtype) else None
@@ -610,8 +538,7 @@ def embedding_table(source: TensorSource, dtype: torch.dtype) -> tuple[torch.Ten
 
 
 class Decoder(nn.Module):
-    """Causal decoder: ``forward(ids, cache)`` appends ``ids`` to the cache and returns their logits;
-    ``forward_blocks`` does that for several sequences (each its own cache) in one pass."""
+    """Causal decoder: ``forward(ids, cache)`` appends ``ids`` to the cache and returns their logits (``forward_blocks``: several)."""
 
     def __init__(
         self,
@@ -621,12 +548,8 @@ class Decoder(nn.Module):
         lm_head: Linear | None = None,
         head_dtype: torch.dtype | None = None,
     ):
-        """``dtype``: what activations, norms, attention and float layers compute in. ``head_dtype`` (default
-        ``dtype``): what a float lm_head computes in; a W8A8 decoder keeps float32 activations, whose bytes are few,
-        and computes its head in bf16 where the CPU has it (``kernels.default_float_dtype``): half the bytes of
-        the largest float weight it reads each step. ``lm_head``: the head of a twin over the same weights (float and
-        W8A8 decoders of one model), shared rather than built again, so it is packed once; building it and replacing it
-        afterwards would hold a second head meanwhile."""
+        """``dtype``: what activations, norms, attention and float layers compute in; ``head_dtype``: a float lm_head's (default
+        ``dtype``). ``lm_head``: the head of a twin over the same weights, shared so that it is packed once."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
@@ -651,14 +574,8 @@ class Decoder(nn.Module):
         return ((n, m) for n, m in self.named_modules() if isinstance(m, Linear) and n != "lm_head")
 
     def prepare(self, float_kernel: str = "torch", int8_kernel: str = "reference", fuse: bool = False) -> None:
-        """Bind kernels to every linear; ``fuse`` runs q/k/v and gate/up as one call each (for serving: fewer calls,
-        same results). Calibration keeps them apart, since it hooks each linear's input. A linear whose kernel already
-        holds its only copy keeps that kernel: a head shared with another prepared decoder of the same weights
-        (``lm_head`` above) is packed once.
-
-        One layer at a time, each followed by ``return_freed_memory``: glibc keeps the originals that packing frees (a
-        few MB each) in its heap, which would otherwise grow by up to a copy of the int8 weights before the end.
-        """
+        """Bind kernels to every linear (a kernel holding its only copy kept), a layer at a time with ``return_freed_memory``;
+        ``fuse`` runs q/k/v and gate/up as one call each (calibration keeps them apart: it hooks each linear)."""
         kernels = cpu_kernels(float_kernel, int8_kernel)
         for part in [*self.model.layers, self.lm_head]:
             if fuse and isinstance(part, DecoderLayer):
@@ -670,8 +587,7 @@ class Decoder(nn.Module):
         self.release_table_pages()  # a tied head packed from the table read all of it
 
     def release_table_pages(self) -> None:
-        """Hand back the pages of a table read in place (``embedding_table``) that loading touched whole (its finite
-        check; a tied head's packing): they stay in the page cache, and a lookup faults in the rows it reads."""
+        """Hand back the pages of a table read in place (``embedding_table``) that loading touched whole."""
         if self._table_pages is not None:
             self._table_pages.madvise(mmap.MADV_DONTNEED)
 
@@ -705,13 +621,8 @@ class Decoder(nn.Module):
         skip_layers: frozenset[int] = frozenset(),
         last_only: Sequence[bool] = (),
     ) -> torch.Tensor:
-        """Appends ``blocks[i]`` to ``caches[i]`` for every i in one pass; their logits stacked [rows, vocab]: every
-        row's, or only the last one of a block whose ``last_only[i]`` is true (a prefill needs no more).
-
-        Several sequences' blocks (verify blocks and prefills alike) share every linear, norm and
-        the lm_head (the rows stacked: the weights are read once per step, not once per
-        sequence); rotary positions and attention are each sequence's own.
-        """
+        """Appends ``blocks[i]`` to ``caches[i]`` for every i in one pass (rotary and attention per sequence); their logits
+        [rows, vocab]: every row's, or only the last one of a block whose ``last_only[i]`` is true."""
         sizes = [block.shape[0] for block in blocks]
         for cache, t in zip(caches, sizes):
             cache.reserve(t)

@@ -1,14 +1,7 @@
 """The cuda backend: our decoder on an NVIDIA GPU, W8A8 linears on int8 tensor cores, float parts in bf16, steps as CUDA graphs.
 
-Same artifact, same ``model.Decoder`` as the cpu backend: loading moves every tensor to the
-GPU once (int8 weights stay int8), then binds ``cuda_linear.device_kernels`` to each linear
-(q/k/v and gate/up fused into one call each). Decode and verify blocks (up to 16 tokens) replay
-CUDA graphs of ``static_decode.static_forward``; prefill runs the same code eagerly. A float
-checkpoint on this backend gets the same treatment in bf16 (cuBLAS, same graphs): the baseline
-every GPU ratio is measured against.
-
-``build_cuda_lm`` takes the device as a parameter so that the tests run this code path on the
-CPU; users get ``load_cuda``, which runs on CUDA only.
+The cpu backend's ``model.Decoder`` moved to the GPU once, ``cuda_linear.device_kernels`` bound; decode and verify
+blocks replay CUDA graphs of ``static_decode.static_forward``. ``build_cuda_lm`` takes the device, so tests run on CPU.
 """
 
 from __future__ import annotations
@@ -131,11 +124,7 @@ class CudaCausalLM(TorchCausalLM):
 
 
 def build_cuda_lm(
-    files: ModelFiles,
-    device: torch.device | str,
-    quantizer_name: str = "triton",
-    graphs: bool = True,
-    max_length: int | None = None,
+    files: ModelFiles, device: torch.device | str, quantizer_name: str = "triton", graphs: bool = True, max_length: int | None = None
 ) -> CudaCausalLM:
     """The backend on ``device``; the tests pass ``cpu`` (with the torch quantizer) to run this code path without a GPU."""
     device = torch.device(device)
@@ -148,11 +137,7 @@ def build_cuda_lm(
 
 
 def load_cuda(
-    path: str | Path | ModelFiles,
-    quantizer: str = "triton",
-    graphs: bool = True,
-    max_length: int | None = None,
-    device: int = 0,
+    path: str | Path | ModelFiles, quantizer: str = "triton", graphs: bool = True, max_length: int | None = None, device: int = 0
 ) -> CudaCausalLM:
     """W8A8 artifact (or float checkpoint) on CUDA GPU ``device``; ``quantizer='torch'`` and ``graphs=False`` are for diagnosis."""
     reason = unavailable()

@@ -1,22 +1,8 @@
 """The cuda backend's linears: W8A8 on int8 tensor cores, float in bf16, both as a ``model.KernelFactory``.
 
-A W8A8 linear on a 2-D input ``x`` [M, K]:
-
-1. per-token activation quantization (``scheme.per_token_scale`` / ``quantize_activation``, or
-   the calibrated static scale) to int8: one fused Triton kernel on CUDA (``cuda_triton.py``),
-   or the same arithmetic in plain torch (``quantize_rows_torch``, the tests' reference);
-2. ``torch._int_mm``: int8 x int8 -> int32 (cuBLASLt's int8 GEMM on CUDA, exact integer
-   accumulation). On CUDA it takes only M > 16 and K, N multiples of 8 (``CUDA_RULES``): a
-   decode or verify block of M <= 16 rows is padded with zero rows to 17 (zero rows cost no
-   extra weight traffic, which is all a batch-1 step pays for), and a weight whose K or N is not
-   a multiple of 8 is padded once at load with zero columns / rows (zeros add nothing to the
-   integer sums; the padded output columns are dropped), the activations' K with zero columns;
-3. the epilogue in the order of ``scheme.reference_linear``: ``acc.float() * act_scale *
-   weight_scale (+ bias)`` in float32, then the model's dtype (bf16): elementwise IEEE
-   operations on an exact integer, so the output equals the reference's bit for bit.
-
-The device is a parameter so that the tests run this very code on the CPU, where
-``torch._int_mm`` exists too (and ``CUDA_RULES`` can be imposed to exercise the padding).
+A W8A8 linear: the activations quantized to int8 (``cuda_triton.py`` on CUDA, or ``quantize_rows_torch``),
+``torch._int_mm`` (integer-exact; its CUDA shape rules met by zero padding), then the reference's epilogue in float32:
+bit-exact with ``scheme.reference_linear``. The device is a parameter so that tests run this code on the CPU.
 """
 
 from __future__ import annotations
@@ -99,10 +85,7 @@ class Int8Linear:
 
 
 def device_kernels(rules: IntMMRules, quantize: Quantizer) -> KernelFactory:
-    """The cuda backend's ``KernelFactory``: ``Int8Linear`` for W8A8 layers, ``F.linear`` (cuBLAS in bf16 on CUDA) for float ones.
-
-    Tensors must already be on the device (``Decoder.move_to`` first: each weight crosses once).
-    """
+    """The cuda backend's ``KernelFactory``: ``Int8Linear`` for W8A8 layers, ``F.linear`` for float ones (tensors on the device)."""
 
     def make(weight, weight_scale, bias, input_scale) -> LinearFn:
         if weight.dtype == torch.int8:

@@ -1,13 +1,7 @@
 """The fused activation quantization of the cuda backend: one Triton kernel per call, imported only on a CUDA machine.
 
-One program per row: absmax over the row, ``scale = max(absmax / 127, 1e-12)`` (dynamic) or
-the calibrated scale (static), ``round-half-even(x / scale)`` clamped to +-127, written as int8
-into a zero-filled block already of the GEMM's padded shape (so the padding costs no extra
-pass). Divisions use ``div_rn`` (IEEE round-to-nearest; Triton's ``/`` on float32 is an
-approximate division) and rounding is ``_round_half_even`` (plain float operations, exact: no
-libdevice function whose module path moves between Triton releases): the same results as
-``scheme.py``'s ``torch.round(x / scale)``, so the integers equal
-``cuda_linear.quantize_rows_torch``'s (a GPU test compares them; Triton's CPU interpreter agrees).
+One program per row, written into a block already of the GEMM's padded shape; ``div_rn`` (Triton's ``/`` is
+approximate) and ``_round_half_even`` give ``cuda_linear.quantize_rows_torch``'s integers (a GPU test compares).
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ BLOCK = 1024
 
 @triton.jit
 def _round_half_even(y):
-    """torch.round: ``y - floor(y)`` is exact in float32 (Sterbenz for |y| >= 1; below, either exact or a rounding that
-    cannot change the outcome), so the fraction decides, ties going to the even neighbour."""
+    """torch.round: ``y - floor(y)`` is exact in float32, so the fraction decides, ties going to the even neighbour."""
     low = tl.floor(y)
     fraction = y - low
     odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0

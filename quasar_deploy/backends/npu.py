@@ -1,21 +1,8 @@
 """The Ascend NPU backend: our torch decoder on an ``npu`` device, its W8A8 linears run by torch_npu's int8 ops.
 
-Why its own kernel binding instead of an entry in ``cpu/linears.py``: torch_npu exists only on
-Ascend machines, and importing it without CANN breaks ``import torch`` there; keeping every
-torch_npu call in this module lets the rest of the package import everywhere. After
-``load_npu`` each quantized ``Linear`` runs:
-
-- dynamic scheme: ``npu_dynamic_quant`` (per-token int8 and its float32 scales);
-- static scheme: ``npu_quantize`` with the calibrated per-tensor scale, clamped to +-127 as
-  the scheme saturates (the op saturates to -128);
-- then ``npu_quant_matmul`` on the weight transposed to [in, out] and cast once to the
-  FRACTAL_NZ layout, ``scale`` = the per-channel weight scales (float32), ``pertoken_scale``
-  = the activation scales (the static scale repeated per row, which keeps float32 scales for
-  float16 outputs too), float32 bias, output in the model's bfloat16 / float16.
-
-That is ``acc * act_scale * weight_scale (+ bias)`` with exact int32 accumulation: the
-scheme of ``scheme.py``. Float layers, norms, rotary and attention stay the decoder's own
-PyTorch code on the ``npu`` device.
+Every torch_npu call lives here (importing it without CANN breaks ``import torch``). A quantized ``Linear`` runs
+``npu_dynamic_quant`` (or ``npu_quantize`` clamped to +-127, static) and ``npu_quant_matmul`` on the weight cast once
+to FRACTAL_NZ: ``scheme.py``'s scheme with integer-exact int32 sums. The rest of the decoder stays PyTorch code.
 """
 
 from __future__ import annotations
@@ -75,11 +62,7 @@ def torch_npu_module() -> ModuleType:
 
 
 def npu_int8_linear(
-    npu: ModuleType,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    input_scale: torch.Tensor | None,
+    npu: ModuleType, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None
 ) -> LinearFn:
     """The scheme's W8A8 linear on a 2-D float16/bfloat16 input, with torch_npu's ops; tensors already on the device."""
     weight = npu.npu_format_cast(wq.t().contiguous(), ACL_FORMAT_FRACTAL_NZ)
@@ -105,24 +88,10 @@ def npu_int8_linear(
 
 
 def bind_npu_kernels(decoder: Decoder, device: torch.device | str, npu: ModuleType) -> None:
-    """Move ``decoder`` to ``device`` and give each ``Linear`` its kernel.
-
-    Quantized weights reach the device once, already transposed and in NZ layout; the
-    module keeps a meta tensor of the original [out, in] int8 shape (so ``quantized`` and
-    the shapes stay truthful) instead of a second device copy.
-    """
+    """Move ``decoder`` to ``device`` and give each ``Linear`` its kernel (quantized weights reach it once, in NZ layout)."""
     for module in decoder.modules():
         if isinstance(module, Linear) and module.quantized:
-            wq = module.weight.data
-            module.bind(
-                npu_int8_linear(
-                    npu,
-                    wq.to(device),
-                    module.weight_scale.to(device),
-                    module.bias.data.to(device) if module.bias is not None else None,
-                    module.input_scale.to(device) if module.input_scale is not None else None,
-                )
-            )
+            module.bind(npu_int8_linear(npu, *(None if t is None else t.to(device) for t in module.tensors())))
             module.release_weight()
     decoder.move_to(device)
     for module in decoder.modules():
@@ -131,12 +100,7 @@ def bind_npu_kernels(decoder: Decoder, device: torch.device | str, npu: ModuleTy
             module.bind(float_linear(weight, bias, "torch"))
 
 
-def load_npu(
-    path: str | Path | ModelFiles,
-    dtype: str = "bfloat16",
-    device: str = "npu:0",
-    max_length: int | None = None,
-) -> TorchCausalLM:
+def load_npu(path: str | Path | ModelFiles, dtype: str = "bfloat16", device: str = "npu:0", max_length: int | None = None) -> TorchCausalLM:
     """W8A8 artifact (or float checkpoint) on an Ascend NPU, computing in ``dtype`` (bfloat16 or float16)."""
     if dtype not in COMPUTE_DTYPES:
         raise QuasarError(f"NPU compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {dtype!r}")

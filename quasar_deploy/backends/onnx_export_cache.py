@@ -1,17 +1,13 @@
 """The ONNX export the onnxruntime backend runs when it is handed an artifact or a checkpoint instead of an export:
-exported on first use into the cache (``cache.py``) and found there by the next run.
-
-An export is keyed by its source's content alone, so a changed model gets a new export, and the same model copied or
-re-created elsewhere (a temporary directory) finds the export it already has. An artifact's ``quasar.json`` lists the
-sha256 of every file it holds, so its bytes name the artifact's content. A float checkpoint has no such record: its
-files are hashed, once per file version (size, modification time, inode; remembered in ``.index/hashes.json``), since
-hashing 16 GB on every load would cost more than the backend saves.
+exported on first use into the cache, keyed by its source's content alone (an artifact's ``quasar.json``, or a float
+checkpoint's file hashes, computed once per file version).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -44,8 +40,7 @@ def _file_sha256(file: Path, known: dict) -> str:
 
 
 def content_key(model: Path) -> str:
-    """sha256 naming what ``model`` holds: its artifact record, or the sha256 of each file of a checkpoint an export reads
-    (config, weights, tokenizer)."""
+    """sha256 naming what ``model`` holds: its artifact record, or the sha256 of each checkpoint file an export reads."""
     digest = hashlib.sha256(json.dumps([__version__, EXPORT_FORMAT_VERSION, ONNX_GRAPH_REVISION]).encode())
     if (model / MANIFEST).is_file():
         digest.update((model / MANIFEST).read_bytes())
@@ -64,34 +59,26 @@ def content_key(model: Path) -> str:
 
 
 def head_outside(model: Path) -> bool:
-    """Whether ``model``'s cached export leaves its float lm_head to the backend: a W8A8 artifact whose head runs better
-    on torch beside the graph (``linears.head_beside_graph``: in bf16 where the CPU computes it, else read as stored in
-    16 bits by ``quasar-half``; ORT's CPU kernels have no bf16 MatMul, and a float32 head reads twice the bytes)."""
+    """Whether ``model``'s cached export leaves its float lm_head to torch (a W8A8 artifact: ``head_beside_graph``)."""
     if not (model / MANIFEST).is_file():
         return False
     return head_beside_graph(TORCH_DTYPES[head_dtype_name(Checkpoint(model).dtypes)])
 
 
 def onnx_export_path(model: Path) -> Path:
-    """Where the ONNX export of ``model`` is cached: named by its content key alone (not by where the model is), and by
-    where its head runs (``head_outside``)."""
+    """Where the ONNX export of ``model`` is cached: named by its content key and where its head runs (``head_outside``)."""
     return cache_dir() / f"onnx-{content_key(model)[:24]}{'-head-outside' if head_outside(model) else ''}"
 
 
 def export_bytes(model: Path) -> int:
-    """About what the ONNX export of ``model`` takes on disk: its weights as the graph stores them (int8 linears with their
-    scales, everything else float32, the embedding table in float32 whatever it is stored in)."""
+    """About what the ONNX export of ``model`` takes on disk: int8 linears with their scales, everything else float32."""
     files = open_model_files(model)
     needed = estimate(files, float_dtype=torch.float32)  # the graph's float weights are float32
-    table = 1
-    for dim in files.checkpoint.shapes[EMBEDDINGS]:
-        table *= dim
-    return needed.int8_weights + needed.float_weights + 4 * table
+    return needed.int8_weights + needed.float_weights + 4 * math.prod(files.checkpoint.shapes[EMBEDDINGS])
 
 
 def cached_onnx_export(model: str | Path, replace: bool = False, progress: bool = True) -> Path:
-    """The ONNX export of the artifact (exact integer W8A8 graph) or float checkpoint at ``model``, exported on first
-    use; ``replace``: export it again (the loader found the cached one damaged: the cache is ours to repair)."""
+    """The ONNX export of the artifact or checkpoint at ``model``, made on first use; ``replace``: made again (damaged)."""
     model = Path(model)
     path = onnx_export_path(model)
     with locked(path):

@@ -1,22 +1,9 @@
 """ONNX Runtime on the CPU, batched: a W8A8 artifact as per-layer graphs over stacked rows (``exporters/onnx_layers``).
 
-What the whole-graph export (``backends/onnxruntime``) cannot do, this does:
-
-- **Several sequences in one step.** Every sequence's rows (verify blocks and prompts alike) go through each layer's
-  row graphs together, reading the weights once; each sequence then attends over its own cache in its own call. A row's
-  values do not depend on its neighbours (see the exporter's docstring), so a request's output is the same alone and in
-  a batch: this is a ``BatchVerifyingLM``, and ``serve`` batches on it.
-- **Layers skipped** (``verify_skipping``, the layerskip drafter): a skipped layer's graphs are simply not run.
-- **Rollback without copies.** Each sequence's keys and values live in preallocated buffers that attention writes in
-  place; truncating moves a length (the whole graph slices its cache values instead).
-
-Attention runs in ``cpu_attention``'s C kernel where this CPU runs it (every sequence of a step in one call per layer),
-else in ORT's ``GroupQueryAttention``, one call per sequence and layer. Both keep a row's result independent of its
-company; they round differently from each other, so a process uses one of them throughout.
-
-The graphs are built from the artifact at load, a layer at a time, in memory: nothing is exported to disk. The float
-lm_head runs beside them on torch, as ``load_head`` does for an export (bf16 where the CPU computes it); an int8 head
-(``--int8-lm-head``) is a graph of its own.
+Unlike the whole-graph export, it verifies several sequences in one step (rows stacked through each layer's graphs, a
+row's values independent of its neighbours: a ``BatchVerifyingLM``), skips layers, and rolls back without copies.
+Attention runs in ``decoder_ops``' C kernel where it runs, else in ORT's ``GroupQueryAttention`` per sequence (a process
+uses one throughout: they round differently). The float lm_head runs beside the graphs on torch.
 """
 
 from __future__ import annotations
@@ -44,8 +31,7 @@ ATTENTIONS = ("auto", "ort")
 
 
 def unsupported(files: ModelFiles) -> str | None:
-    """Why ``files`` cannot run as layer graphs (None: it can): every layer linear must be W8A8 (a float product's rounding
-    may depend on how many rows it has), and attention must be plain causal (no sliding window)."""
+    """Why ``files`` cannot run as layer graphs (None: it can): every layer linear must be W8A8, attention plain causal."""
     if not files.is_artifact:
         return "a float checkpoint (the layer graphs are W8A8)"
     float_linears = [name for name in files.spec.linear_names() if name not in set(files.manifest["quantized_layers"])]
@@ -78,12 +64,10 @@ class RotaryTable:
 
 
 class LayeredModel:
-    """What every sequence shares: the sessions (two per layer, attention, final norm, an int8 head), the embedding table,
-    the float head and the rotary table."""
+    """What every sequence shares: the sessions, the embedding table, the float head and the rotary table."""
 
     def __init__(self, files: ModelFiles, threads: int | None = None, progress: bool = True, attention: str = "auto"):
-        """``attention``: "auto" (the C kernel where it runs, else ORT's) or "ort" (ORT's ``GroupQueryAttention``, as
-        ``bench batched-step``'s contender ``onnxruntime-gqa`` times it)."""
+        """``attention``: "auto" (the C kernel where it runs, else ORT's) or "ort" (ORT's ``GroupQueryAttention``, a bench contender)."""
         import onnxruntime as ort
 
         if attention not in ATTENTIONS:
@@ -107,9 +91,7 @@ class LayeredModel:
             self.outputs.append(session(onnx_layers.layer_output(spec, layer, i)))
             del layer
             return_freed_memory()
-        kernel = decoder_ops.load(spec.head_dim) if attention == "auto" else None
-        # attention: the C kernel (threads share a step's sequences and heads), else ORT's GroupQueryAttention per sequence
-        self.kernel = kernel
+        self.kernel = kernel = decoder_ops.load(spec.head_dim) if attention == "auto" else None
         self.pool = ThreadPoolExecutor(self.threads - 1, "quasar-attention") if kernel and self.threads > 1 else None
         self.attention = session(onnx_layers.attention(spec)) if kernel is None else None
         self.final_norm = session(onnx_layers.final_norm(spec, RMSNorm(load("model.norm.weight"), spec.rms_norm_eps)))
@@ -143,14 +125,11 @@ class LayeredOnnxLM:
         self.vocab_size = model.spec.vocab_size
         self.max_length = max_length or model.spec.max_position_embeddings
         self.description = model.description
-        self._length = 0
-        self._capacity = 0
-        # per layer (keys, values): numpy arrays in the C kernel's layout (``decoder_ops.new_caches``), else OrtValues
-        # [1, kv_heads, capacity, head_dim] for GroupQueryAttention
+        self._length = self._capacity = 0
+        # per layer (keys, values): numpy arrays in the C kernel's layout, else OrtValues for GroupQueryAttention
         self._cache: list[tuple] = []
-        self._bindings: list = []  # per layer: the attention call's binding, its cache and lengths bound once (``_bind``)
-        # the attention call's seqlens_k and total_sequence_length, set in place before each call: OrtValues over them
-        # are bound once per layer
+        self._bindings: list = []  # per layer: the attention call's binding (``_bind``)
+        # the attention call's seqlens_k and total_sequence_length, set in place before each call
         self._seqlen, self._total = np.zeros(1, np.int32), np.zeros((), np.int32)
 
     # --- CausalLM ---
@@ -208,8 +187,7 @@ class LayeredOnnxLM:
         return "cpu"
 
     def kv_cache_bytes(self, tokens: int) -> int:
-        """The most a sequence's buffers hold at ``tokens`` positions: float32, capacity doubling from ``KEY_CHUNK``, and
-        the old buffers beside the new ones while they are copied."""
+        """The most a sequence's float32 buffers hold at ``tokens`` positions (capacity doubling, old beside new)."""
         return 2 * kv_cache_bytes(self.spec, max(KEY_CHUNK, 2 * round_up(tokens, KEY_CHUNK)), 4)
 
     # --- the step ---
@@ -232,23 +210,16 @@ class LayeredOnnxLM:
         from onnxruntime import OrtValue
 
         shape = (1, self.spec.num_kv_heads, capacity, self.spec.head_dim)
-        grown = []
-        for i in range(self.spec.num_layers):
-            pair = []
-            for j in range(2):
-                buffer = np.zeros(shape, np.float32)
-                if self._length:
-                    buffer[:, :, : self._length] = self._cache[i][j].numpy()[:, :, : self._length]
-                pair.append(OrtValue.ortvalue_from_numpy(buffer))
-            grown.append(tuple(pair))
+        buffers = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(self.spec.num_layers)]
+        for old, new in zip(self._cache if self._length else [], buffers):
+            for source, target in zip(old, new):
+                target[:, :, : self._length] = source.numpy()[:, :, : self._length]
+        grown = [tuple(OrtValue.ortvalue_from_numpy(buffer) for buffer in pair) for pair in buffers]
         self._cache, self._capacity = grown, capacity
         self._bindings = [self._bind(keys, values) for keys, values in grown]
 
     def _bind(self, keys, values):
-        """One layer's attention binding with what stays from call to call bound once: the cache buffers (in and out: the
-        same buffers, written in place) and the lengths (``_seqlen``, ``_total``, set per call). A call then binds only
-        its rows and its output, which saves most of a call's Python-side cost (per sequence and layer, a step's
-        largest)."""
+        """One layer's attention binding, its cache buffers and lengths bound once: a call binds only its rows and output."""
         from onnxruntime import OrtValue
 
         binding = self.model.attention.io_binding()
@@ -262,13 +233,8 @@ class LayeredOnnxLM:
         return binding
 
     def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """This sequence's attention at ``layer`` for its n new rows (written to its cache at ``length .. length + n``).
-
-        One row goes as two (the second a copy, its keys and values written past the end, where nothing reads them):
-        ``GroupQueryAttention`` takes another path for one query row, with other rounding, while a row's result is the
-        same bits for any other number of rows (found by test on this CPU, tests/test_onnx_layered.py). So a row's
-        logits do not depend on its block's size: a one-token decode and the same row in a verify block agree, which
-        is what makes speculative greedy output the verifier's own greedy decode here."""
+        """This sequence's attention at ``layer`` for its n new rows, one row sent as two (``GroupQueryAttention`` rounds a
+        single row otherwise, and a decode must match its row in a verify block: tests/test_onnx_layered.py)."""
         n = q.shape[0]
         if n == 1:
             q, k, v = (np.concatenate([rows, rows]) for rows in (q, k, v))
@@ -288,8 +254,7 @@ class LayeredOnnxLM:
         last_only: Sequence[bool] = (),
         skip_layers: frozenset[int] = frozenset(),
     ) -> torch.Tensor:
-        """Appends ``blocks[i]`` to ``sequences[i]`` for every i in one pass; their logits stacked, as
-        ``Decoder.forward_blocks`` (only the last row of a block whose ``last_only[i]``)."""
+        """Appends ``blocks[i]`` to ``sequences[i]`` for every i in one pass; their logits stacked, as ``forward_blocks``."""
         model = self.model
         sizes = [len(block) for block in blocks]
         if not all(sizes):

@@ -1,14 +1,7 @@
 """The ONNX Runtime backend: runs an ``export --target onnx`` directory behind the ``CausalLM`` interface.
 
-One session serves prefill, verify and decode (the graph has dynamic sequence and past
-axes). The KV cache lives in ORT values: each step's ``present`` outputs are bound as the
-next step's ``past`` inputs through IOBinding, so on a GPU provider they never leave the
-device. Truncation after a rejected draft slices the cached values (one copy per rollback,
-never per accepted token).
-
-Which graph suits which provider (docs/onnx.md): the ``integer`` export's u8 x s8 ``MatMulInteger`` has
-kernels on the CPU only (ORT's CUDA kernel takes int8 x int8, TensorRT none), so on a GPU provider
-those nodes fall back to the CPU; the ``qdq`` export is the one TensorRT fuses into int8 GEMMs.
+One session serves every step; each step's ``present`` outputs are bound as the next step's ``past`` inputs
+(IOBinding: on a GPU they stay on the device), and a rollback slices them.
 """
 
 from __future__ import annotations
@@ -18,11 +11,11 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ..cpu.linears import dtype_name
 from ..errors import QuasarError
 from ..exporters import ONNX_FORMATS
 from ..exporters import ONNX_HEAD_FILE as HEAD_FILE
@@ -30,12 +23,9 @@ from ..exporters import ONNX_HIDDEN_OUTPUT as HIDDEN
 from ..files import first_line, inside_file, model_directory, read_inside, verified_sha256
 from ..integrity import EXPORT_MANIFEST, MANIFEST, read_export_manifest
 from ..memory import return_freed_memory
-from ..model import Linear, held_text
+from ..model import Linear, check_finite, held_text
 from .onnx_export_cache import cached_onnx_export
 from .ort_session import head_beside, session_options, unavailable
-
-if TYPE_CHECKING:
-    pass  # imported where a probe is built: loading this module needs neither onnx nor onnxruntime
 
 CONFIG_FILE = "genai_config.json"
 PROVIDERS = {
@@ -62,8 +52,7 @@ def choose_providers(provider: str | None, available: Sequence[str]) -> list[str
 
 
 def read_config(path: Path) -> tuple[dict, str | None]:
-    """The sidecar written by the exporter and the form of its W8A8 linears (None: float graph), once the export's
-    manifest vouches for every file; else a one-line error."""
+    """The exporter's sidecar and its W8A8 linears' form (None: float graph), once the manifest vouches for every file."""
     path = model_directory(path)
     file = path / CONFIG_FILE
     if inside_file(path, CONFIG_FILE) is None:
@@ -112,10 +101,8 @@ def cache_names(config: dict, kind: str) -> list[tuple[str, str]]:
 
 
 def tensorrt_options(config: dict, block: int = 6) -> dict[str, object]:
-    """TensorRT provider options: INT8 on (TensorRT then honours the Q/DQ layers; with no table named it reads none), and
-    one optimization profile over every sequence and cache length up to the context window, tuned for a ``block``-token
-    verify on a 512-token cache. Without a profile, ORT's TensorRT provider rebuilds its engine whenever an input
-    outgrows the shapes it was built for: as the cache grows, at every decoding step."""
+    """TensorRT provider options: INT8 on (it then honours the Q/DQ layers), and one optimization profile over every length
+    up to the context window (else TensorRT rebuilds its engine as the cache grows), tuned for a ``block``-token verify."""
     decoder, context = config["model"]["decoder"], context_length(config)
     heads, dim = int(decoder["num_key_value_heads"]), int(decoder["head_size"])
 
@@ -138,13 +125,8 @@ def head_outside(config: dict) -> bool:
 
 
 def load_head(directory: Path) -> tuple[Linear, str]:
-    """The lm_head stored beside a graph that ends in ``hidden_states`` (``exporters.onnx.HEAD_FILE``), on torch's oneDNN
-    kernel in the CPU's float dtype (bf16 where the probe finds it fast: ORT's CPU kernels have no bf16 MatMul), and
-    that dtype's name. The file was verified with the rest of the export."""
+    """The lm_head stored beside a graph that ends in ``hidden_states``, on torch (``head_beside``), and its dtype's name."""
     from safetensors.torch import load_file
-
-    from ..cpu.linears import dtype_name
-    from ..model import check_finite
 
     tensors = load_file(str(directory / HEAD_FILE))
     for name, tensor in tensors.items():
@@ -154,17 +136,9 @@ def load_head(directory: Path) -> tuple[Linear, str]:
 
 
 class OnnxCausalLM:
-    """Batch-1 ``CausalLM`` over an exported decoder graph; with ``head``, over a graph that ends in ``hidden_states``
-    and the lm_head that follows it (``load_head``)."""
+    """Batch-1 ``CausalLM`` over an exported decoder graph; with ``head``, the lm_head after a ``hidden_states`` graph."""
 
-    def __init__(
-        self,
-        session,
-        config: dict,
-        provider: str,
-        linear_format: str | None,
-        head: tuple[Linear, str] | None = None,
-    ):
+    def __init__(self, session, config: dict, provider: str, linear_format: str | None, head: tuple[Linear, str] | None = None):
         model = config["model"]
         decoder = model["decoder"]
         self.session = session
@@ -268,8 +242,7 @@ class OnnxCausalLM:
         return self._device
 
     def kv_cache_bytes(self, tokens: int) -> int:
-        """A sequence's cache at ``tokens`` positions: keys and values of every layer, float32 ORT values; a rollback
-        holds the sliced copy beside the old one for a moment, so twice that is the most it reaches."""
+        """Twice a sequence's float32 cache at ``tokens`` positions (a rollback holds the sliced copy beside the old one)."""
         _, heads, _, dim = self._kv_shape
         return 2 * (2 * self.num_layers * heads * dim * 4 * tokens)
 
@@ -280,12 +253,8 @@ def is_export(path: Path) -> bool:
 
 
 def cached_export(model: Path) -> tuple[Path, dict, str | None]:
-    """An artifact's or checkpoint's export from the cache (made on first use) with its checked config; a cached export
-    that fails its check is made again, with a warning.
-
-    The source is verified first, as every other backend verifies it (an artifact: every file against its manifest;
-    the cache key names the manifest's bytes, so a tampered tokenizer never reaches a cached graph), and the cached
-    export must name the very manifest it was built from (``source_manifest_sha256``)."""
+    """An artifact's or checkpoint's export from the cache (made on first use, again if damaged) with its checked config; the
+    source is verified first, and the export must name the manifest it was built from (``source_manifest_sha256``)."""
     from ..artifact import open_model_files
 
     source = open_model_files(model)
@@ -308,12 +277,8 @@ def check_built_from(path: Path, manifest_sha256: str | None) -> tuple[dict, str
 
 
 def load_onnx(path: str | Path, provider: str | None = None, threads: int | None = None, needs: Sequence[str] = ()):
-    """An ONNX export on ORT, or an artifact or checkpoint through its export in the cache (``cache.py``: exported once per
-    model content); ``provider``: auto, cpu, cuda or tensorrt; ``threads``: intra-op threads.
-
-    ``needs`` (``registry.CAPABILITIES``; what serving asks for): "layer_skip" gets a W8A8 artifact as batched layer
-    graphs on the CPU provider (``onnx_layered``), which skip layers and verify many sequences in one step; a whole
-    exported graph does neither."""
+    """An ONNX export on ORT, or an artifact or checkpoint through its cached export; ``provider``: auto, cpu, cuda or tensorrt.
+    ``needs`` ("layer_skip") gets a W8A8 artifact as ``onnx_layered``'s batched layer graphs (a whole graph has neither)."""
     reason = unavailable()
     if reason is not None:
         raise QuasarError(reason)

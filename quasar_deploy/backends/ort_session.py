@@ -1,6 +1,5 @@
-"""What every ONNX Runtime session of ours shares: its options (threads, spinning, the exact int8 entries found by
-running ORT's ``MatMulInteger`` once), whether ORT is installed, and the float lm_head that runs beside a graph on
-torch. Below both ORT backends (``onnxruntime``, ``onnx_layered``) and the int8 kernel choice (``cpu/choice.py``).
+"""What every ONNX Runtime session of ours shares: its options (threads, spinning, the exact int8 entries), whether ORT
+is installed, and the float lm_head that runs beside a graph on torch.
 """
 
 from __future__ import annotations
@@ -20,33 +19,20 @@ from ..model import Linear
 if TYPE_CHECKING:
     import onnx  # imported where a probe is built: loading this module needs neither onnx nor onnxruntime
 
-# x64 CPUs without VNNI sum u8 x s8 product pairs in saturating 16-bit lanes; this option makes ORT re-encode int8
-# weights as uint8 at load and run its exact u8 x u8 kernel (on every x64 CPU, VNNI ones included, where it is slower:
-# VNNI multiplies u8 x s8 only; `bench onnx layers` times both)
+# x64 CPUs without VNNI sum u8 x s8 product pairs in saturating 16-bit lanes; this option makes ORT run its
+# integer-exact u8 x u8 kernel instead (slower where VNNI runs)
 PRECISE_INT8_OPTION = ("session.x64quantprecision", "1")
 SPINNING_OPTION = "session.intra_op.allow_spinning"
 
 
 def allow_spinning(environ=os.environ) -> str:
-    """ORT's intra-op threads spin between calls as OpenMP's do: off where the OpenMP policy is passive (the CLI picks
-    that on an oversubscribed machine, or the user did), where spinning threads take the cores the work needs
-    (``cpuinfo.prefer_passive_waits``)."""
+    """ORT's intra-op threads spin between calls unless the OpenMP policy is passive (``prefer_passive_waits``)."""
     return "0" if environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else "1"
 
 
 def session_options(threads: int | None = None, head_on_torch: bool = False, fixed_shape: bool = False):
-    """The options every ORT session of ours gets: ``threads`` intra-op threads (default: the CPUs this process may use;
-    ORT's own default counts the host's cores), ``exact_int8_entries``, and the spinning policy of ``allow_spinning``.
-
-    ``head_on_torch``: the graph's lm_head runs on torch right after each call (``load_head``), so ORT's threads must
-    sleep at once: spinning, they hold the cores torch's head needs (``bench onnx step`` times that arrangement).
-
-    ORT's memory pattern is off unless ``fixed_shape`` (a graph run at one shape, such as the int8 probe's): ORT traces
-    the allocations of each new set of input shapes on its first run and plans one block for them on later runs, and a
-    decoder's shapes change at every step (the past grows). The first generation after ``load`` met a new shape at
-    every step and paid a trace at each, while later generations of the same lengths replayed the cached plans, so the
-    first ran at 0.6-0.8x of the next ones (``bench first-call``; docs/architecture.md, "Warm-up"), and the plans
-    piled up, one per shape seen."""
+    """The options every ORT session of ours gets: ``threads``, ``exact_int8_entries``, ``allow_spinning`` (off with
+    ``head_on_torch``), and ORT's memory pattern off unless ``fixed_shape`` (a decoder's shapes change at every step)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -60,10 +46,7 @@ def session_options(threads: int | None = None, head_on_torch: bool = False, fix
 
 @functools.cache
 def exact_int8_entries() -> tuple[tuple[str, str], ...]:
-    """The session config under which ORT's CPU ``MatMulInteger`` (u8 x s8) is exact on this CPU, found by running it.
-
-    Without options where it multiplies with VNNI; with ``PRECISE_INT8_OPTION`` where its u8 x s8 kernel would saturate.
-    Asked of the kernel rather than of CPU flags, because which kernel MLAS dispatches to is its own decision."""
+    """The config (none, else ``PRECISE_INT8_OPTION``) under which ORT's ``MatMulInteger`` is integer-exact here."""
     for entries in ((), (PRECISE_INT8_OPTION,)):
         if _int8_matmul_exact(entries):
             return entries
@@ -74,10 +57,7 @@ def exact_int8_entries() -> tuple[tuple[str, str], ...]:
 
 
 def int8_probe() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
-    """The model ``exact_int8_entries`` runs: a u8 x s8 ``MatMulInteger`` whose weight has whole columns of +-127, with
-    its weight [256, 32] and the codes it is fed [6, 256]: a row of 255 (pair sums 2 x 255 x 127 overflow 16 bits), a row
-    of 0, random rows. Declared as the integer graph is (opset and IR version), since it runs in every process that
-    builds an ORT session, on each ORT that runs those graphs."""
+    """The model ``exact_int8_entries`` runs (a u8 x s8 ``MatMulInteger``), its weight and codes (pair sums past 16 bits)."""
     from onnx import TensorProto, helper, numpy_helper
 
     from ..exporters.onnx_versions import OPSETS, make_model

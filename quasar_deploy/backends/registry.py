@@ -1,9 +1,6 @@
 """The backends users can pick, by name, and the factory that builds one.
 
-Each entry names its factory and its availability check as ``"module:callable"``,
-imported on first use: reading the names (the CLI's ``--backend`` choices) loads no
-torch, and a backend whose runtime is missing (torch_npu, onnxruntime) is never imported
-until someone asks for it.
+Each entry names its factory and availability check as ``"module:callable"``, imported on first use (no torch).
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import QuasarError
-from ..integrity import export_target
+from ..integrity import MANIFEST, export_target
 from ..lazy import resolve
 
 if TYPE_CHECKING:
@@ -32,8 +29,7 @@ class BackendEntry:
     provides: frozenset[str] = frozenset()
 
 
-# what a caller may need of a backend: "layer_skip" (the layerskip drafter runs the verifier with layers skipped,
-# ``LayerSkippingLM``: the backends that run our torch ``Decoder``, and ONNX Runtime's layer graphs of an artifact)
+# what a caller may need of a backend: "layer_skip" (``LayerSkippingLM``, for the layerskip drafter)
 CAPABILITIES = ("layer_skip",)
 TORCH_DECODER = frozenset({"layer_skip"})
 
@@ -53,15 +49,10 @@ BACKENDS: dict[str, BackendEntry] = {
 }
 
 # "auto" takes the first of these that can run here, provides what the caller needs, and (ONNX Runtime) suits the model
-# (``suits_onnxruntime``): on a CPU, ONNX Runtime's exact integer graph, one graph with its int8 MatMulInteger and no
-# per-op dispatch from Python, runs a W8A8 verify step faster than the torch cpu backend on library kernels, but not than
-# the cpu backend on our own int8 and attention kernels (docs/architecture.md, "Choosing the backend"); the artifact is
-# exported to the cache on first use (``cache.py``).
+# (``suits_onnxruntime``; docs/architecture.md, "Choosing the backend")
 AUTO_ORDER = ("cuda", "onnxruntime", "cpu")
-# ONNX Runtime's session build of a graph whose weights are inside ``model.onnx`` peaks at about twice what it then holds
-# (the graph's copy of the weights beside its own, which ``memory.return_freed_memory`` then hands back). Exports now put
-# weights above 64 MiB in ``model.onnx.data``, which ORT maps, but exports cached by earlier versions hold them inside up
-# to 1.9 GB: "auto" picks ORT only where twice the cpu backend's estimate fits in MemAvailable
+# ORT's session build of a graph holding its weights inside (older cached exports) peaks at about twice what it then
+# holds: "auto" picks ORT only where twice the cpu backend's estimate fits in MemAvailable
 ONNXRUNTIME_MEMORY_FACTOR = 2
 # export target (``quasar-export.json``) -> the backend that runs it; targets missing here are other runtimes' to serve
 EXPORT_BACKENDS = {"onnx": "onnxruntime"}
@@ -113,12 +104,8 @@ def fits_onnxruntime(path: Path) -> bool:
 
 
 def cpu_runs_better(artifact: bool) -> bool:
-    """Whether the cpu backend runs a W8A8 artifact (``artifact``) or a float checkpoint better than ONNX Runtime on this
-    CPU. An artifact: where the int8 probe picks our own kernel (``quasar``) and times it faster than ONNX Runtime's
-    ``MatMulInteger`` at the same shape, the cpu backend, with it and the C attention, runs the verify step and the
-    batched serving step faster than ONNX Runtime's graphs (``bench onnx step``, ``bench batched-step``;
-    docs/architecture.md). A float checkpoint: where the CPU computes bf16, the cpu backend runs it in bf16 and ORT's
-    CPU kernels only in float32 (twice the bytes per step)."""
+    """Whether the cpu backend runs a W8A8 artifact (``artifact``: our int8 kernel timed faster than ORT's) or a float
+    checkpoint (where the CPU computes bf16; ORT computes float32) better than ONNX Runtime here."""
     from ..cpu.choice import default_int8_kernel, int8_probe
     from ..cpu.linears import cpu_computes_bf16
 
@@ -129,8 +116,6 @@ def cpu_runs_better(artifact: bool) -> bool:
 
 def cpu_serves_better(path: Path) -> bool:
     """``cpu_runs_better`` for the model at ``path``: a W8A8 artifact (it has our manifest) or a float checkpoint."""
-    from ..integrity import MANIFEST
-
     return cpu_runs_better(artifact=(path / MANIFEST).is_file())
 
 
@@ -144,9 +129,7 @@ def auto_choice(artifact: bool, needs: Collection[str] = ()) -> str:
 
 
 def suits_onnxruntime(path: Path, needs: Collection[str] = ()) -> bool:
-    """ONNX Runtime's copy fits in memory, and the cpu backend would not serve it better (``cpu_serves_better``: a float
-    checkpoint in bf16, a W8A8 artifact on our int8 kernel); with ``needs``, the model runs as ONNX Runtime's layer graphs
-    (a W8A8 artifact, every layer int8: ``onnx_layered``)."""
+    """ONNX Runtime's copy fits in memory, the cpu backend would not serve it better, and (``needs``) layer graphs run it."""
     if cpu_serves_better(path):
         return False
     if needs:
@@ -159,10 +142,8 @@ def suits_onnxruntime(path: Path, needs: Collection[str] = ()) -> bool:
 
 
 def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
-    """The backend for what ``path`` holds: an export runs on the backend of the target its ``quasar-export.json`` records
-    (ONNX: onnxruntime); artifacts and checkpoints on the first of ``candidates(needs, options)`` (an option only one
-    backend takes, such as ``int8_kernel``, picks it), ONNX Runtime only where ``suits_onnxruntime(path, needs)``. An NPU export is
-    vLLM-Ascend's to serve."""
+    """The backend for what ``path`` holds: an export's target's (ONNX: onnxruntime; NPU: vLLM-Ascend's); else the first of
+    ``candidates(needs, options)``, ONNX Runtime only where ``suits_onnxruntime(path, needs)``."""
     directory = Path(path)
     target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
     if target is None:
@@ -185,8 +166,7 @@ def resolve_backend(name: str, path: Any, needs: Collection[str] = (), options: 
 
 
 def create_backend(name: str, path: Any, needs: Collection[str] = (), **options: Any) -> CausalLM:
-    """The model at ``path`` on backend ``name`` ("auto": chosen by ``auto_backend``), providing ``needs``: a factory
-    that serves some needs only in another form of the model (onnxruntime's layer graphs) is told them."""
+    """The model at ``path`` on backend ``name`` ("auto": ``auto_backend``), providing ``needs`` (told to a factory taking them)."""
     name = resolve_backend(name, path, needs, options)
     if name not in BACKENDS:
         raise QuasarError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")

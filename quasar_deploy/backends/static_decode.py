@@ -1,24 +1,9 @@
 """The decoder's forward over fixed KV buffers with positions as device data: what a CUDA graph can capture and replay.
 
-``Decoder.forward`` slices its cache by the Python integer ``cache.length``, grows it by
-reallocation and builds its attention masks from that position, so each step would bake
-its position into a graph. Here, instead:
-
-- the keys and values live in a ``KVCache`` whose buffers only grow between steps
-  (``StaticCache.make_room``), in ``SPAN`` blocks (growing drops the captured graphs, which hold the old addresses);
-- the block's positions are ``start + arange(t)`` with ``start`` a device tensor; keys and
-  values are written with ``index_copy_`` at those positions, rotary angles computed from them;
-- attention reads the first ``span`` cached positions (the length rounded up to ``SPAN``),
-  masked to each row's own visible keys (causal, and the sliding window if any).
-
-Blocks of up to ``BLOCK_ROWS`` tokens (a decode step, a k+1 verify) run as exactly
-``BLOCK_ROWS`` rows, padded with token 0 at the positions that follow; those rows' cache writes
-lie beyond the sequence, where the next step writes before anything reads. Every GEMM and the
-attention then see the same shapes whatever the block length, so each row computes the same
-bits in a verify block as in a one-token decode (kernels chosen per shape cannot differ between
-them), and one graph per span serves every position: ``GraphedSteps`` captures it on first use
-and replays it. Longer blocks (prefill) run the same code eagerly with their own row count.
-The CPU path (``Decoder.forward``) is untouched.
+The cache's buffers grow only between steps (``StaticCache.make_room``), positions are ``start + arange(t)`` with
+``start`` a device tensor, and attention reads the first ``span`` cached positions (a multiple of ``SPAN``), masked per
+row. Blocks of up to ``BLOCK_ROWS`` tokens run as exactly ``BLOCK_ROWS`` rows (padded with token 0, their cache writes
+past the sequence): a row's bits are the same in a verify block as in a decode, and one graph per span serves all.
 """
 
 from __future__ import annotations
@@ -33,8 +18,7 @@ BLOCK_ROWS = 16  # decode and verify blocks up to this long run as this many row
 
 
 class StaticCache(KVCache):
-    """A ``KVCache`` whose buffers only move in ``make_room`` (between steps), in ``SPAN`` blocks up to the context window
-    (plus ``BLOCK_ROWS`` positions for the padding rows of a block that ends at the window)."""
+    """A ``KVCache`` whose buffers move only in ``make_room`` (between steps), in ``SPAN`` blocks up to the window."""
 
     def __init__(self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device | str, max_length: int):
         self.max_length = max_length
@@ -56,10 +40,8 @@ class StaticCache(KVCache):
 def static_forward(
     decoder: Decoder, cache: StaticCache, ids: torch.Tensor, start: torch.Tensor, span: int, skip_layers: frozenset[int] = frozenset()
 ) -> torch.Tensor:
-    """Logits [t, vocab] (float32) of ``ids`` at positions ``start`` (a one-element device tensor) onwards; writes their keys/values.
-
-    The caller has reserved the room and moves ``cache.length`` afterwards (a replayed graph cannot).
-    """
+    """Logits [t, vocab] (float32) of ``ids`` at positions ``start`` (a one-element device tensor) onwards; writes their
+    keys/values. The caller reserves the room and moves ``cache.length`` afterwards (a replayed graph cannot)."""
     positions = start + torch.arange(ids.shape[0], device=ids.device)
     cos, sin = rotary_at(decoder.inv_freq, positions, decoder.dtype)
     mask = visible(decoder.spec, positions, span)
@@ -106,8 +88,7 @@ class GraphedSteps:
         def step() -> torch.Tensor:
             return static_forward(self.decoder, self.cache, static_ids, static_start, span)
 
-        # Warm up outside the capture (Triton compiles, cuBLAS picks its workspace) with the real inputs: the writes
-        # to the cache are the ones the replay makes, so the warm-up leaves nothing stale behind.
+        # warm up outside the capture with the real inputs (its cache writes are the replay's)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -47,14 +47,12 @@ class TorchCausalLM:
 
     @property
     def prefill_chunk(self) -> int | None:
-        """Pieces of this many prompt tokens where the C attention kernel attends (a row's bits the same in any block,
-        so a server may spread a long prompt over rounds); None: a prompt prefills whole (SDPA over it)."""
+        """Prompt pieces of this many tokens where the C attention kernel attends; None: a prompt prefills whole."""
         kernel = self.decoder.attention_kernel
         return None if kernel is None else kernel.prefill_chunk
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        """The prompt in one forward, or in pieces of ``prefill_chunk`` tokens, one forward each, as a server's rounds
-        run it."""
+        """The prompt in one forward, or in pieces of ``prefill_chunk`` tokens, as a server's rounds run it."""
         if len(ids) == 0:
             raise ValueError("no tokens to run")
         self.cache.truncate(0)
@@ -90,17 +88,14 @@ class TorchCausalLM:
         return self._device
 
     def kv_cache_bytes(self, tokens: int) -> int:
-        """The most a sequence's KV cache holds at ``tokens`` positions: its capacity doubles as it grows from
-        ``KEY_CHUNK`` (``KVCache.reserve``, ``StaticCache.make_room``), so up to twice them rounded up to a chunk."""
+        """The most a sequence's KV cache holds at ``tokens`` positions (capacity doubles from ``KEY_CHUNK``)."""
         kernel = self.decoder.attention_kernel
         itemsize = kernel.itemsize if kernel is not None else self.decoder.dtype.itemsize
         return kv_cache_bytes(self.spec, max(KEY_CHUNK, 2 * round_up(tokens, KEY_CHUNK)), itemsize)
 
 
 class BatchingTorchCausalLM(TorchCausalLM):
-    """A ``TorchCausalLM`` whose kernels are row-invariant (cpu: our int8 kernels, FBGEMM or reference; float oneDNN; the
-    C attention kernel or the torch attention's fixed shapes), so it also
-    serves ``BatchVerifyingLM``: many sequences' verify blocks and prefills in one ``Decoder.forward_blocks`` pass."""
+    """A row-invariant ``TorchCausalLM``, so also a ``BatchVerifyingLM``: many sequences' blocks in one pass."""
 
     def verify_batch(
         self, sequences: Sequence[TorchCausalLM], blocks: Sequence[Sequence[int]], prefills: Sequence[bool] = ()
@@ -127,13 +122,8 @@ def load_cpu(
     float_dtype: str | None = None,
     attention: str = "auto",
 ) -> TorchCausalLM:
-    """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has.
-
-    ``float_dtype`` ("float32" or "bfloat16"; default ``kernels.default_float_dtype``: bf16 where the CPU computes it
-    fast): a float checkpoint runs wholly in it, as the float baseline should on such a CPU; a W8A8 artifact keeps
-    float32 activations and computes its float lm_head in it. ``attention``: "auto" (``cpu_attention``'s C kernel where
-    it runs and the model's attention is plain causal, else torch's ops) or "torch".
-    """
+    """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has. ``float_dtype`` (default
+    ``default_float_dtype``): a float checkpoint runs wholly in it; a W8A8 artifact's float lm_head computes in it."""
     files = path if isinstance(path, ModelFiles) else open_model_files(path)
     dtype = default_float_dtype("cpu", float_dtype)
     decoder = files.decoder(torch.float32, head_dtype=dtype) if files.is_artifact else files.decoder(dtype)
@@ -151,11 +141,7 @@ def cpu_causal_lm(
     kind: str = "",
     attention: str = "auto",
 ) -> TorchCausalLM:
-    """``decoder`` with the cpu kernels bound (q/k/v and gate/up fused); batched serving steps where they are row-invariant.
-
-    MKL's float GEMM rounds a row differently with the row count, so only the oneDNN float
-    kernel (the default where torch has it) gives a ``BatchingTorchCausalLM``. ``attention`` as ``load_cpu`` takes it.
-    """
+    """``decoder`` with the cpu kernels bound; a ``BatchingTorchCausalLM`` under the oneDNN float kernel (row-invariant)."""
     # torch sizes its pool from the host's cores; never let it exceed what this process may use (affinity, cgroup quota)
     torch.set_num_threads(threads or min(torch.get_num_threads(), default_threads()))
     float_kernel = float_kernel or default_float_kernel("cpu")
@@ -173,10 +159,8 @@ def cpu_causal_lm(
 
 
 def bind_cpu_attention(decoder: Decoder, attention: str = "auto") -> None:
-    """Attend with ``cpu_attention``'s C kernel where this CPU runs it for this model's heads and the attention is plain
-    causal ("auto"; torch's ops elsewhere or with "torch"), and run the layers' norms and SiLU gates on its row ops: at
-    verify sizes torch's many small ops cost a step more than its int8 linears do (``docs/architecture.md``). Its
-    threads: torch's count. Before any cache is made."""
+    """Attend, and run the norms and SiLU gates, on ``decoder_ops``' C kernel where it runs for this model's heads and the
+    attention is plain causal ("auto"; torch's ops elsewhere or with "torch"). Before any cache is made."""
     if attention not in ATTENTIONS:
         raise QuasarError(f"attention is one of {', '.join(ATTENTIONS)}, not {attention!r}")
     spec = decoder.spec

@@ -1,13 +1,8 @@
 """Choosing the int8 kernel: one timing of every exact int8 kernel here (and of ONNX Runtime's int8 linear, which
 decides where ``auto`` runs an artifact), kept across processes.
 
-The kernels compute the same bits (``linears``), so the choice moves speed, never an output. A timing that picks
-between kernels of equal results can come out either way where two kernels run alike (seen on the Intel Xeon kind: 7%
-apart, a different pick from one process to the next). The pick decides more than the kernel: ``auto`` runs an
-artifact on the cpu backend or on ONNX Runtime by it, and the two round floats differently. So a timing is taken once
-per CPU, thread count and software (the key) and kept in the cache: every process on the machine then chooses alike,
-the server and the benchmark that started it, today's ``generate`` and tomorrow's. ``QUASAR_REPROBE=1`` times again
-and keeps the new result.
+The pick also decides whether ``auto`` runs an artifact on the cpu backend or ONNX Runtime, which round differently,
+so a timing is kept per CPU, thread count and software and every process chooses alike (``QUASAR_REPROBE=1``: again).
 """
 
 from __future__ import annotations
@@ -15,6 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import importlib
 import json
 import os
 import time
@@ -41,8 +37,7 @@ def kept_path(key: dict) -> Path:
 
 
 def recall(key: dict) -> tuple[dict, str] | None:
-    """The result kept for ``key`` and when it was timed (UTC date), or None: nothing kept, a file that is not a
-    record for this key, or ``QUASAR_REPROBE`` set."""
+    """The result kept for ``key`` and when it was timed, or None (nothing valid kept, or ``QUASAR_REPROBE`` set)."""
     if os.environ.get(REPROBE_ENV):
         return None
     record = read_json(kept_path(key))
@@ -52,8 +47,7 @@ def recall(key: dict) -> tuple[dict, str] | None:
 
 
 def keep(key: dict, result: dict) -> str:
-    """Keep ``result`` for ``key``, replacing the file whole, and return when it was timed (now, UTC); a cache that
-    cannot be written leaves the next process to time again."""
+    """Keep ``result`` for ``key`` (the file replaced whole; a cache that cannot be written, skipped); when it was timed."""
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     try:
         write_json(kept_path(key), {"key": key, "result": result, "date": date})
@@ -65,15 +59,13 @@ def keep(key: dict, result: dict) -> str:
 PROBE_ROWS = (6, 48)  # a verify block, and a batched serving step of 8 sequences
 ONNXRUNTIME = "onnxruntime"  # ONNX Runtime's int8 linear in the probe's timings (not a kernel of the torch backend)
 # how much faster than ONNX Runtime's int8 linear the torch backend's must time for the cpu backend to run artifacts:
-# a whole step costs ORT's single graph less around its linears than it costs the torch backend (the runs that set it:
-# docs/cpu-kinds.md, "Our AVX2 build under the view")
+# ORT's single graph costs less around its linears (docs/cpu-kinds.md)
 ONNXRUNTIME_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
 class Int8Probe:
-    """What timing the exact int8 kernels once showed (``int8_probe``): ms of one call at each of ``PROBE_ROWS``,
-    summed, per kernel timed here (``int8_kernels_to_time``)."""
+    """What timing the exact int8 kernels showed (``int8_probe``): per kernel, ms of a call at each of ``PROBE_ROWS``, summed."""
 
     ms: dict[str, float]
     timed: str | None = None  # when it was timed (UTC), here or by an earlier process (``recall``); None: not timed
@@ -86,8 +78,7 @@ class Int8Probe:
 
     @property
     def cpu_beats_onnxruntime(self) -> bool:
-        """Whether the torch backend's kernel timed faster than ONNX Runtime's int8 linear by ``ONNXRUNTIME_MARGIN``
-        (true where ORT was not timed: not installed, or not exact)."""
+        """Whether ours timed ``ONNXRUNTIME_MARGIN`` times faster than ORT's int8 linear (true where ORT was not timed)."""
         return ONNXRUNTIME not in self.ms or self.ms[self.kernel] * ONNXRUNTIME_MARGIN <= self.ms[ONNXRUNTIME]
 
     @property
@@ -108,13 +99,8 @@ PROBE_COPIES = 6  # packed copies of it timed in turn: 48 MB, more than a server
 
 @functools.cache
 def int8_probe() -> Int8Probe:
-    """Times the exact int8 kernels here (``int8_kernels_to_time``) once per machine, each on
-    ``PROBE_COPIES`` packed copies of one linear of a verify step's shape in turn (more than a last-level cache holds,
-    so the weights come from memory, as in a model's step; one cached weight times the arithmetic instead), the
-    kernels interleaved run by run so that drift hits all alike. All compute the same bits (exact), so the kernel
-    changes speed only, never an output; which is fastest depends on the CPU and the row count, so it is timed. The
-    timing is kept (``keep``) and later processes on this machine reuse it: ``auto``'s backend follows the pick,
-    and a near tie must not send one process to another backend than the next."""
+    """Times the exact int8 kernels here once per machine, interleaved, each on ``PROBE_COPIES`` packed copies of a
+    verify-step linear (more than a cache holds: weights come from memory); the timing is kept (``keep``)."""
     kernels = int8_kernels_to_time()
     if len(kernels) < 2:
         return Int8Probe({name: 0.0 for name in kernels})
@@ -127,11 +113,8 @@ def int8_probe() -> Int8Probe:
 
 
 def int8_kernels_to_time() -> list[str]:
-    """The int8 kernels ``int8_probe`` times here: ``fbgemm-vnni`` and ``onednn-vnni`` where they sum in 32 bits, our
-    ``quasar`` where a build of it runs, and FBGEMM's split kernel where its own does not sum in 32 bits (an AVX2 CPU:
-    exact there at twice the rows, and so possibly still faster than our AVX2 build); and beside them, where ONNX
-    Runtime is installed and exact, its ``MatMulInteger`` (``ONNXRUNTIME``: what the backend choice weighs, never a
-    kernel of the torch backend)."""
+    """The int8 kernels ``int8_probe`` times here: those that sum in 32 bits, ``quasar`` where it runs, FBGEMM's split one
+    where its own saturates; and ONNX Runtime's exact ``MatMulInteger`` (``ONNXRUNTIME``, weighed by the backend choice)."""
     offered = (
         ("fbgemm-vnni", linears.vnni_available()),
         ("onednn-vnni", linears.onednn_int8_exact()),
@@ -167,15 +150,9 @@ def _int8_probe_key(kernels: list[str]) -> dict:
         "quasar_deploy": __version__,
         "kernel_source": hashlib.sha256(int8_kernel.SOURCE.read_bytes()).hexdigest()[:16],
         "kernel_build": int8_kernel.build(),  # the AMX build or the vector one: they time apart
-        "onnxruntime": _onnxruntime_version() if ONNXRUNTIME in kernels else None,
+        "onnxruntime": importlib.import_module("onnxruntime").__version__ if ONNXRUNTIME in kernels else None,
         "shape": [*PROBE_SHAPE, PROBE_COPIES, *PROBE_ROWS],
     }
-
-
-def _onnxruntime_version() -> str:
-    import onnxruntime
-
-    return onnxruntime.__version__
 
 
 def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
@@ -209,10 +186,7 @@ def default_int8_kernel(device: str = "cpu") -> str:
 
 
 def _onnxruntime_int8(wq, w_scale) -> LinearFn:
-    """The scheme's W8A8 linear as ONNX Runtime runs it in the integer graph: the exporter's own nodes for one linear
-    (codes, ``MatMulInteger``, scaling; ``exporters.onnx_graph.w8a8_linear``) in a session with the backend's options.
-    Not a kernel of the torch backend: ``int8_probe`` times it beside them, so that ``auto`` sends an artifact to ONNX
-    Runtime where its int8 linear is the faster one (``Int8Probe.cpu_beats_onnxruntime``)."""
+    """The scheme's W8A8 linear in ONNX Runtime's integer graph (``onnx_graph.w8a8_linear``), for ``int8_probe`` to time."""
     import onnxruntime as ort  # optional, as ONNX is: imported where it is timed
     from onnx import TensorProto, helper
 

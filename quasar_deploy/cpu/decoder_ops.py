@@ -2,18 +2,8 @@
 attends (with the q/k norms and rotary) for ONNX Runtime's layer graphs and the cpu backend, and does the cpu backend's
 row-wise ops (RMSNorm, the MLP's SiLU gate: ``TorchRows``).
 
-ORT's ``GroupQueryAttention`` costs a layer-graph step more than its arithmetic: it runs one call per sequence, and
-each call multiplies head by head through a general GEMM that packs the sequence's whole cache for every query head. At
-verify sizes that is most of a call's time, and a call per sequence and layer is most of what an extra sequence costs a
-serving step (docs/serving.md). The C kernel attends every sequence of a step in one call per layer, its rows sharing
-each load of keys and values, with each row's result the same bits in any company (the file's header says why).
-
-It is built with the system's C compiler (``$CC``, else ``cc``) into the cache directory, once per source and vector
-width (or found prebuilt in ``$QUASAR_KERNELS``, as the CPU image has it), and chosen by running it: a child process
-runs each build's self-check (``quasar_probe``), and the widest that passes and takes the model's head (whole vectors)
-is used, AVX-512 (16 floats) before AVX2 (8). Flags are not asked: a CPU may list instructions it cannot run. Without
-a compiler, or where no build passes and fits, the layer graphs keep ORT's ``GroupQueryAttention`` (``why_not`` says
-why; ``doctor`` prints it).
+Unlike ORT's ``GroupQueryAttention``, it attends every sequence of a step in one call per layer, each row's result the
+same bits in any company. The widest build (``native``) that passes and takes the head in whole vectors is used.
 """
 
 from __future__ import annotations
@@ -35,12 +25,10 @@ from . import native
 
 SOURCE = Path(__file__).with_name("decoder_ops.c")
 TILE = 16  # keys are stored in tiles of this many positions: [kv_heads][capacity / TILE][head_dim][TILE]
-# a thread's share of a step's attention is at least this much work (new rows x positions, summed over kv heads): handing
-# a share to another thread costs about as much as one sequence's 6 rows over 150 positions (16 kv heads) take to attend
+# a thread's share of a step's attention is at least this much work (new rows x positions, summed over kv heads), about
+# what handing a share to another thread costs
 MIN_SHARE = 20_000
-# in torch's OpenMP pool a share is handed to a worker still spinning from torch's last op, in a few microseconds: a
-# share is worth it from about a tenth of that work (one verify row over ~130 positions and 8 kv heads is ~1,000)
-OPENMP_MIN_SHARE = 2_000
+OPENMP_MIN_SHARE = 2_000  # the same in torch's OpenMP pool, whose workers are still spinning and take a share sooner
 BUILDS = {16: ["-mavx512f", "-mfma"], 8: ["-mavx2", "-mfma"]}  # floats per vector: the flags that build it
 
 
@@ -59,8 +47,7 @@ class Kernel:
 
 
 def load(dim: int | None = None) -> Kernel | None:
-    """The widest build this CPU runs that takes heads of ``dim`` floats (whole vectors; any dimension where None), or
-    None (``why_not`` then says why)."""
+    """The widest build this CPU runs that takes heads of ``dim`` floats in whole vectors (any where None), or None."""
     for width in BUILDS:
         kernel, _ = probe(width)
         if kernel is not None and (dim is None or dim % width == 0):
@@ -72,17 +59,12 @@ def why_not(dim: int | None = None) -> str | None:
     """Why the layer graphs attend with ORT's ``GroupQueryAttention`` here; None where the kernel runs."""
     if load(dim) is not None:
         return None
-    reasons = []
-    for width in BUILDS:
-        _, reason = probe(width)
-        reasons.append(reason or f"{width}-wide build: a head of {dim} floats is not whole {width}-float vectors")
-    return "; ".join(reasons)
+    return "; ".join(probe(w)[1] or f"{w}-wide build: a head of {dim} floats is not whole {w}-float vectors" for w in BUILDS)
 
 
 @functools.cache
 def probe(width: int) -> tuple[Kernel | None, str | None]:
-    """The ``width``-wide build, built if need be and run once in a child process (its self-check), once per process;
-    or None and why."""
+    """The ``width``-wide build, built and its self-check run in a child process, once per process; or None and why."""
     path, reason = native.built_and_probed(SOURCE, f"cpu_attention-{width}", [f"-DW={width}", *BUILDS[width]])
     if path is None:
         return None, f"{width}-wide build: {reason}"
@@ -110,26 +92,13 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
 class Projection(ctypes.Structure):
     """``struct projection`` of the C file: q, k and v as one projection's columns, normed and rotated by the kernel."""
 
-    _fields_ = [
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("eps", ctypes.c_float),
-        ("stride", ctypes.c_int),
-    ]
+    _fields_ = [(n, ctypes.c_void_p) for n in ("cos", "sin", "q_norm", "k_norm")] + [("eps", ctypes.c_float), ("stride", ctypes.c_int)]
 
 
 class StepAttention:
-    """One step's attention over several sequences, layer after layer: what stays for the step (cache pointers,
-    lengths, row ranges, each thread's share of the work) is made once, and each layer is one kernel call per thread.
-
-    ``caches[s]`` is sequence s's per-layer (keys, values) arrays in the kernel's layout, ``pasts[s]`` its length
-    before the step and ``sizes[s]`` its new rows (stacked in order). Work is split by (sequence, kv head) pairs in
-    contiguous shares of about equal cost (rows x length), as many as ``threads`` and each at least ``MIN_SHARE``; a
-    pair's result does not depend on the thread that runs it. ``openmp`` (the torch decoder, whose threads are torch's):
-    the shares run in torch's OpenMP pool where the kernel has it, each at least ``OPENMP_MIN_SHARE``; else on ``pool``
-    (the layer graphs, whose threads are ONNX Runtime's)."""
+    """One step's attention over several sequences, layer after layer: cache pointers, lengths and each thread's share made
+    once (``caches[s]``, ``pasts[s]``, ``sizes[s]``: sequence s's caches, past length, new rows), shares split by cost, each
+    at least ``MIN_SHARE`` (``OPENMP_MIN_SHARE`` in torch's OpenMP pool, where ``openmp`` and the kernel has it; else ``pool``)."""
 
     def __init__(
         self,
@@ -166,16 +135,14 @@ class StepAttention:
         self.scratch = np.empty(len(self.shares) * self.scratch_floats, np.float32)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """q [rows, heads * dim], k and v [rows, kv_heads * dim] of every sequence's new rows at ``layer``, normed and
-        rotated (written to the caches); their attention's output, [rows, heads * dim]."""
+        """Attention output [rows, heads * dim] of every sequence's new rows q, k, v at ``layer`` (normed, rotated; k, v cached)."""
         q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
         out = np.empty_like(q)
         self._attend(layer, q.ctypes.data, k.ctypes.data, v.ctypes.data, out, None)
         return out
 
     def projected(self, layer: int, qkv: np.ndarray, projection: Projection) -> np.ndarray:
-        """As a call, from one projection's rows ``qkv`` [rows, (heads + 2 kv_heads) * dim] (float32, contiguous), which
-        the kernel norms and rotates as ``projection`` says."""
+        """As a call, from one projection's rows ``qkv`` [rows, (heads + 2 kv_heads) * dim], normed and rotated by the kernel."""
         out = np.empty((qkv.shape[0], self.heads * self.dim), np.float32)
         q = qkv.ctypes.data
         k = q + 4 * self.heads * self.dim
@@ -183,23 +150,8 @@ class StepAttention:
         return out
 
     def _attend(self, layer: int, q: int, k: int, v: int, out: np.ndarray, projection) -> None:
-        args = (
-            q,
-            k,
-            v,
-            out.ctypes.data,
-            self.keys[layer].ctypes.data,
-            self.values[layer].ctypes.data,
-            self.capacities.ctypes.data,
-            self.pasts.ctypes.data,
-            self.starts.ctypes.data,
-            self.counts.ctypes.data,
-            self.heads,
-            self.kv_heads,
-            self.dim,
-            self.scale,
-            projection,
-        )
+        arrays = (out, self.keys[layer], self.values[layer], self.capacities, self.pasts, self.starts, self.counts)
+        args = (q, k, v, *(a.ctypes.data for a in arrays), self.heads, self.kv_heads, self.dim, self.scale, projection)
         library, scratch = self.kernel.library, self.scratch.ctypes.data
         if self.openmp and len(self.shares) > 1:
             library.quasar_attend_shared(self.edges.ctypes.data, len(self.shares), *args, scratch, self.scratch_floats)
@@ -216,10 +168,7 @@ class StepAttention:
 
 
 def new_caches(layers: int, kv_heads: int, capacity: int, dim: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Zeroed keys and values of every layer of one sequence, in the kernel's layout (capacity a multiple of TILE), all
-    in one anonymous mapping, unmapped once the last of them goes. Its pages come zeroed from the OS as they are first
-    written. numpy's zeros (calloc) may instead take memory that earlier caches freed and clear all of it first, tens of
-    megabytes for a 0.6B model's 256 positions, paid by every request a server admits (docs/serving.md)."""
+    """Zeroed keys and values of a sequence's layers in the kernel's layout, in one anonymous mapping (zeroed by the OS)."""
     floats = kv_heads * capacity * dim  # one layer's keys, or its values
     flat = np.frombuffer(mmap.mmap(-1, 2 * layers * floats * 4), np.float32)
     pairs = (flat[2 * i * floats : (2 * i + 2) * floats] for i in range(layers))
@@ -236,13 +185,11 @@ def copy_cache(source: tuple[np.ndarray, np.ndarray], target: tuple[np.ndarray, 
 
 
 class TiledKVCache:
-    """One sequence's keys and values for the torch decoder, in the kernel's layout (``new_cache``, float32 whatever the
-    decoder computes in), with ``model.KVCache``'s life: truncation only moves ``length``, growth doubles."""
+    """One sequence's float32 keys and values in the kernel's layout, with ``model.KVCache``'s life."""
 
     def __init__(self, spec: DecoderSpec, capacity: int):
         self.spec = spec
-        self.length = 0
-        self.capacity = 0
+        self.length = self.capacity = 0
         self.layers: list[tuple[np.ndarray, np.ndarray]] = []
         self._grow(round_up(capacity, TILE))
 
@@ -266,11 +213,8 @@ class TiledKVCache:
 
 
 class TorchAttention:
-    """The kernel as the torch decoder's attention (``Decoder.attention_kernel``, for plain causal attention: bound by
-    ``torch_backend.bind_cpu_attention``): the caches it reads and, per forward pass, one ``StepAttention`` over them,
-    shared in torch's OpenMP pool (on threads of ours where the process has none). It takes each layer's q/k/v
-    projection as it comes and applies the layer's q/k norms (``norms``: per layer, float32 weights or None) and the
-    rotary embedding itself. Its inputs and output are float32; a bf16 decoder's are converted."""
+    """The kernel as the torch decoder's attention (``Decoder.attention_kernel``): its caches and, per pass, one
+    ``StepAttention`` taking each layer's q/k/v projection, which it norms (``norms``: per layer) and rotates, in float32."""
 
     itemsize = 4  # bytes of a cached key or value
     prefill_chunk = PREFILL_CHUNK  # a row's bits do not depend on its block, so a prompt may prefill a piece at a time
@@ -289,9 +233,7 @@ class TorchAttention:
         return TiledKVCache(self.spec, capacity)
 
     def step(self, caches: list[TiledKVCache], sizes: list[int], cos: torch.Tensor, sin: torch.Tensor):
-        """The attention of one pass appending ``sizes[i]`` rows to ``caches[i]`` (room reserved, lengths not yet
-        moved), rotating at ``cos`` and ``sin`` [rows, head_dim]: ``(layer, qkv) -> output``, rows stacked as
-        ``StepAttention`` takes them."""
+        """One pass's attention, ``(layer, qkv) -> output``, appending ``sizes[i]`` rows to ``caches[i]`` (room reserved)."""
         s = self.spec
         attend = StepAttention(
             self.kernel, self.pool, self.threads, s.num_heads, s.num_kv_heads, s.head_dim,
@@ -301,8 +243,7 @@ class TorchAttention:
 
 
 class ProjectedStep:
-    """``TorchAttention``'s ``StepAttention`` for one pass: ``(layer, qkv) -> output``, the layer's projection rows normed
-    and rotated by the kernel at the pass's ``cos`` and ``sin`` (held here: the kernel reads them by address)."""
+    """``TorchAttention``'s ``StepAttention`` for one pass, holding its ``cos`` and ``sin`` (the kernel reads them by address)."""
 
     def __init__(self, attend: StepAttention, cos: torch.Tensor, sin: torch.Tensor, norms: list, eps: float):
         self.attend = attend
@@ -322,15 +263,11 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 
 
 RMS_NORM, SILU_GATE = 0, 1  # quasar_rows' ops
-# a row op is shared between the threads from this many floats (a prompt's rows): below it, handing a share over costs
-# about what it saves
-ROW_SHARE_FLOATS = 1 << 16
+ROW_SHARE_FLOATS = 1 << 16  # a row op is shared between the threads from this many floats (below, sharing costs more)
 
 
 class TorchRows:
-    """The kernel's row-wise ops as the torch decoder's (``Decoder.row_kernel``): RMSNorm and the SiLU gate in one C call
-    each (``quasar_rows``), in float32 (a bf16 decoder's rows read and written as bf16 by the kernel itself); large
-    calls shared in torch's OpenMP pool."""
+    """The kernel's RMSNorm and SiLU gate as the torch decoder's row ops (``Decoder.row_kernel``), one C call each."""
 
     def __init__(self, kernel: Kernel, threads: int):
         self.library, self.threads = kernel.library, threads

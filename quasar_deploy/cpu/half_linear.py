@@ -1,12 +1,8 @@
 """The ``quasar-half`` float kernel: ``half_linear.c``, a float32 linear over weights kept in 16 bits (bf16 or float16),
 widened exactly in registers; compiled here on first use and probed by running it (``native``).
 
-Where a CPU has no native bf16, float parts compute in float32, and a library kernel needs its weights in float32: a
-real model's lm_head (stored bf16) would be read at twice its stored bytes every step. This kernel reads it as stored.
-Wherever it runs, float linears stored in 16 bits that compute in float32 run on it (``kernels.half_weights``), since
-it reads half the bytes; ``kernels.half_probe_ms`` times it for doctor. One build (AVX2, FMA, F16C: every x86 CPU of
-the last decade); where it does not build or pass its self-check (no compiler, not x86) it is not offered, and
-``why_not`` says why.
+Where float parts compute in float32, a library kernel reads a 16-bit weight as a float32 copy, twice the bytes; this
+one reads it as stored (``linears.half_weights``). One build (AVX2, FMA, F16C).
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ FORMATS = {torch.bfloat16: 1, torch.float16: 0}  # the stored dtypes it widens, 
 
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The build, built and probed (in a child process), its entry points typed and handed torch's OpenMP runtime where
-    the process has one; or None and why. Once per process."""
+    """The build, built and probed, its entry points typed and handed torch's OpenMP runtime; or None and why."""
     path, reason = native.built_and_probed(SOURCE, NAME, FLAGS)
     if path is None:
         return None, f"{NAME}: {reason}"
@@ -55,10 +50,7 @@ def why_not() -> str | None:
 
 
 class HalfWeightLinear:
-    """One float32 linear whose weight (bf16 or float16) is packed once as stored (the original can then be released),
-    each call's output columns shared between up to ``torch.get_num_threads()`` threads of torch's OpenMP pool (where
-    the process has no OpenMP runtime, Python threads of ours) in shares of whole blocks of at least
-    ``native.MIN_SHARE_BYTES``. A row's result is the same bits whatever the rows beside it and whichever thread computed it."""
+    """One float32 linear over a bf16 or float16 weight packed once as stored, shared among threads; row-invariant."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         lib, reason = library()

@@ -1,17 +1,8 @@
 """The ``quasar`` int8 kernel: ``int8_linear.c`` (AVX-512 VNNI with AMX tiles where they run, AVX-512 VNNI, AVX-VNNI
 or AVX2), compiled here on first use and probed by running it.
 
-At verify sizes a W8A8 linear is a pass over its int8 weights, and the library kernels read them more slowly than their
-bf16 kernels read twice the bytes, which took most of W8A8's advantage over a bf16 float model. This kernel streams its
-packed weights at close to the memory's rate, computes the scheme's linear bit for bit (``scheme.reference_linear``:
-the activation quantization, the exact integer sums and the float epilogue in the reference's order), and is one of the
-exact int8 kernels ``kernels.int8_probe`` times: where it runs and is fastest, the cpu backend uses it.
-
-Built and probed as ``cpu_attention`` is (``native``): the builds are tried widest first, and the first whose self-check
-passes runs (AMX where Linux grants the tile state, else AVX-512 VNNI, else AVX-VNNI's 256-bit dot products, else
-AVX2, which every x86 CPU of the last decade has); where none builds or passes (no compiler, not x86) it is not offered,
-and ``why_not`` says why. ``QUASAR_INT8_BUILD`` names the one build to try instead (to time a narrower build on a wider
-CPU, or to pin one).
+It streams packed weights at close to the memory's rate (the library kernels read them slowly), bit-exact with
+``scheme.reference_linear``. The widest build whose self-check passes runs; ``QUASAR_INT8_BUILD`` pins one.
 """
 
 from __future__ import annotations
@@ -30,9 +21,7 @@ SOURCE = Path(__file__).with_name("int8_linear.c")
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
 AVX2_FLAGS = ["-mavx2", "-ffp-contract=off", "-DQUASAR_YMM"]
 AMX_BUILD = "cpu_int8-amx"
-# name: flags, in order of preference (the same bits in all: exact integer sums): AMX tiles for calls of more than one
-# row where the CPU runs them and Linux grants this process their state, else 512-bit VNNI vectors, else 256-bit ones
-# (AVX-VNNI), else AVX2's 16-bit pair products with the activations' signs moved onto the weights
+# name: flags, in order of preference (the same bits in all: integer-exact sums)
 BUILDS = {
     AMX_BUILD: [*VNNI_FLAGS, "-mamx-tile", "-mamx-int8", "-DQUASAR_AMX"],
     "cpu_int8-avx512vnni": VNNI_FLAGS,
@@ -48,16 +37,12 @@ SUMS = {  # how each build sums, for doctor
 BUILD_ENV = "QUASAR_INT8_BUILD"  # one name of BUILDS: the only build tried
 BLOCK = 64  # output columns per packed block, the unit of a thread's share
 INTERFACE = 2  # the arguments this module passes the entry points (quasar_int8_interface)
-# and, on threads of our own (a process without OpenMP), at least this many rows: up to 8 rows a linear is bound by
-# memory, which one core streams about as fast as two, so a second thread of ours only adds its hand-off; torch's
-# OpenMP workers, already running, gain at any row count
-ROWS_PER_SHARE = 8
+ROWS_PER_SHARE = 8  # on threads of our own (no OpenMP), a share has at least this many rows: below, one core streams as fast
 
 
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The first of ``BUILDS`` (or the one ``QUASAR_INT8_BUILD`` names) that builds and passes its self-check here, once
-    per process; or None and why."""
+    """The first of ``BUILDS`` (or ``QUASAR_INT8_BUILD``'s) that builds and passes its self-check here; or None and why."""
     pinned = os.environ.get(BUILD_ENV)
     if pinned and pinned not in BUILDS:
         return None, f"{BUILD_ENV}={pinned} names no build of it: choose from {', '.join(BUILDS)}"
@@ -78,9 +63,7 @@ def build() -> str | None:
 
 @functools.cache
 def open_build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
-    """Build ``name`` built and probed (in a child process), its entry points typed, handed the OpenMP runtime torch
-    runs on where the process has one (``quasar_int8_use_openmp``); the AMX build granted the tile state in this
-    process too. Or None and why."""
+    """Build ``name`` built, probed and opened, handed torch's OpenMP runtime (AMX: the tile state); or None and why."""
     path, reason = native.built_and_probed(SOURCE, name, BUILDS[name])
     if path is None:
         return None, reason
@@ -113,12 +96,8 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 class PackedInt8Linear:
-    """One W8A8 linear on the kernel: the weights packed once (the original can then be released), each call's output
-    columns shared between up to ``torch.get_num_threads()`` threads of torch's OpenMP pool (``quasar_int8_linear_shared``;
-    where the process has no OpenMP runtime, Python threads of ours), in shares of whole blocks of at least
-    ``native.MIN_SHARE_BYTES`` (and, on threads of ours, ``ROWS_PER_SHARE`` rows). A row's result is the same bits
-    whatever the rows beside it and whichever thread computed it: its sums are exact integers, its epilogue runs per
-    element."""
+    """One W8A8 linear on the kernel: weights packed once, each call's output columns shared between torch's OpenMP threads
+    (else Python threads of ours) in ``native.BlockShares``; a row's result is the same bits whatever its company."""
 
     def __init__(self, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None):
         lib, reason = library()
@@ -141,24 +120,14 @@ class PackedInt8Linear:
         out = torch.empty(rows, self.out_features)
         shares = min(torch.get_num_threads(), self.shares.most)
         scratch_bytes = self.lib.quasar_int8_scratch_bytes(rows, self.in_features)
-        args = (
-            x.data_ptr(),
-            rows,
-            self.in_features,
-            self.packed.data_ptr(),
-            self.row_sums.data_ptr(),
-            self.w_scale.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(),
-            None if self.input_scale is None else self.input_scale.data_ptr(),
-            self.out_features,
-        )
+        weights = [None if t is None else t.data_ptr() for t in (self.packed, self.row_sums, self.w_scale, self.bias, self.input_scale)]
+        args = (x.data_ptr(), rows, self.in_features, *weights, self.out_features)
         if shares > 1:
             bounds = self.shares.edges(shares).data_ptr()
             codes = torch.empty(scratch_bytes, dtype=torch.uint8)  # the rows quantized once, read by every share
             if self.lib.quasar_int8_linear_shared(*args, bounds, shares, out.data_ptr(), codes.data_ptr()) == 0:
                 return out
-        # no OpenMP runtime in the process: threads of our own (ctypes lets go of the GIL), the caller's taking the first,
-        # each quantizing the rows into a scratch of its own
+        # no OpenMP runtime: threads of our own (ctypes lets go of the GIL), each quantizing the rows into its own scratch
         shares = min(shares, -(-rows // ROWS_PER_SHARE))
         scratch = torch.empty(shares, scratch_bytes, dtype=torch.uint8)
         edges = self.shares.edges(shares).tolist()

@@ -1,53 +1,22 @@
 """Linear-layer kernels: which arithmetic each one really computes, and the float dtype they compute in.
 
-Int8 kernels (all compute the W8A8 scheme of ``scheme.py`` with exact integer
-accumulation; they differ only in speed and in where they run):
+Int8 kernels all compute the W8A8 scheme of ``scheme.py`` with integer-exact accumulation; they differ in speed:
 
-- ``reference``: plain PyTorch, float64 accumulation of integer values (exact). The oracle.
-- ``fbgemm``: FBGEMM's u8 x s8 dynamic linear. On AVX2 without VNNI its kernel sums
-  pairs of u8*s8 products in saturating 16-bit registers, which overflows when
-  activations use the full 8-bit range. We therefore split each int8 activation
-  row ``q`` into ``q = 2*a + b`` with ``a`` in [-64, 63] and ``b`` in {0, 1}, and
-  send both halves through ONE call (rows stacked, so the weights are read once)
-  together with two pinning rows holding -64 and 63, which make FBGEMM's own
-  per-tensor quantization pick scale 1 and zero point 64: every value is then an
-  exact 7-bit integer, no 16-bit sum can overflow, and ``2*acc_a + acc_b`` is the
-  exact int8 accumulation (recovered from FBGEMM's float output by dividing out
-  the weight scale and rounding; exact while each half's |acc| stays below 2^23,
-  since FBGEMM hands back float32: the worst case 64*127*K passes that at K > 1032,
-  real activation rows sit far below it, and the tests compare against the
-  reference). Cost: 2M+2 rows of compute, one pass over the weights.
-- ``fbgemm-vnni``: the same call without the split, for CPUs with AVX-512 VNNI, where
-  FBGEMM's kernel accumulates u8*s8 products straight into 32 bits and cannot overflow:
-  the full-range int8 rows plus pinning rows -127 and 128 (scale 1, zero point 127), M+2
-  rows of compute; the accumulation is recovered as above (exact while |acc| < 2^23).
-  Offered where running it once shows 32-bit sums (``vnni_available``); tested bit-identical to the
-  reference there.
-- ``onednn-vnni``: oneDNN's u8 x s8 int8 linear (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86
-  int8 path uses), fed the int8 codes shifted to uint8 (zero point 128) with unit scales, so its float32 output is
-  the int32 accumulation converted once, as the reference's ``.float()`` converts its exact sum; the scheme's
-  scaling follows in the reference's order. Exact at any K where oneDNN multiplies with VNNI (32-bit lanes);
-  without VNNI its AVX2 int8 kernels may sum in saturating 16-bit lanes, so it is offered only where running it
-  once shows exact sums (``onednn_int8_exact``).
-  No pinning rows and no float64 recovery. Tested bit-identical to the reference.
-- ``quasar``: our own kernel (``cpu/int8_linear.c``), built with the system's C compiler for AMX tiles, AVX-512
-  VNNI, AVX-VNNI or AVX2, the widest build whose self-check runs (``int8_linear.build``; ``int8_linear.why_not``
-  where none does). It streams weights packed for it, so a verify step's linears read int8 weights at close to the memory's
-  rate, which the library kernels do not; it quantizes, sums (exactly in 32 bits on every build, AVX2's included)
-  and scales in C, bit for bit as the reference does. Tested bit-identical to the reference on every build.
-- ``cuda`` / ``npu`` kernels live with their backends.
+- ``reference``: plain PyTorch, float64 accumulation of integer values. The oracle.
+- ``fbgemm``: FBGEMM's u8 x s8 dynamic linear, whose AVX2 kernel sums u8*s8 pairs in saturating 16-bit lanes. Each
+  int8 row ``q`` is split as ``q = 2*a + b`` (``a`` in [-64, 63], ``b`` in {0, 1}), both halves sent in ONE call with
+  two pinning rows (-64, 63) that make FBGEMM pick scale 1 and zero point 64: every value a 7-bit integer, no 16-bit
+  sum overflows, and ``2*acc_a + acc_b`` (recovered from the float32 output by dividing out the weight scale and
+  rounding) is integer-exact while each half's |acc| < 2^23. 2M+2 rows of compute, one pass over the weights.
+- ``fbgemm-vnni``: no split, where FBGEMM sums into 32 bits (``vnni_available``): pinning rows -127 and 128.
+- ``onednn-vnni``: oneDNN's u8 x s8 linear (``qlinear_pointwise``) on the codes shifted to uint8, unit scales: its
+  float32 output is the int32 accumulation; offered where running it shows 32-bit sums (``onednn_int8_exact``).
+- ``quasar``: our own kernel (``int8_linear``: AMX, AVX-512 VNNI, AVX-VNNI or AVX2), reading at the memory's rate.
 
-Where several kernels are exact, the default is the one a timing on a verify step's shape finds fastest
-(``choice.int8_probe``; FBGEMM's split kernel is timed only where its 32-bit one is not exact): all compute the same bits, so
-the choice moves speed, never an output.
+All compute the same bits, so the default (``choice.int8_probe``, the fastest) moves speed, never an output.
 
-Float kernels: ``torch`` (F.linear, MKL on x86) and ``onednn`` (weights pre-packed
-once for oneDNN, measured faster than MKL at small M on AMD parts). Only ``onednn`` is
-row-invariant (a row's result does not depend on the other rows of the call), which a
-batched serving step needs; MKL's blocking changes a row's rounding with M. Under ``onednn``, a weight stored in 16
-bits (bf16, float16: a real model's lm_head or tied table) that computes in float32 (a CPU without native bf16) runs on
-our ``quasar-half`` kernel instead (``cpu/half_linear.c``) where it runs: it reads the weight as stored, half the
-bytes oneDNN's float32 copy takes, widens it exactly and sums in float32, row-invariant too (``half_weights``).
+Float kernels: ``torch`` (F.linear) and ``onednn`` (weights pre-packed once, row-invariant, as batched serving needs);
+under ``onednn``, a 16-bit weight computing in float32 runs on ``quasar-half`` where it runs (``half_weights``).
 """
 
 from __future__ import annotations
@@ -88,12 +57,7 @@ def onednn_int8_available() -> bool:
 
 @functools.cache
 def vnni_available() -> bool:
-    """Whether FBGEMM's u8 x s8 kernel sums products straight into 32 bits here (its AVX-512 VNNI kernel), found by
-    running it once on codes whose product pairs overflow 16 bits; its AVX2 kernel saturates them.
-
-    Asked of the kernel, not of ``/proc/cpuinfo``: which kernel FBGEMM dispatches to is its own decision, and a listed
-    instruction set may not run (AMX faults in a process that has not asked Linux for its state).
-    """
+    """Whether FBGEMM's u8 x s8 kernel sums into 32 bits here, found by running it on codes whose pairs overflow 16 bits."""
     return fbgemm_available() and _sums_exactly(lambda wq, w_scale: _fbgemm(wq, w_scale, None, None, split=False))
 
 
@@ -104,13 +68,12 @@ def quasar_int8_available() -> bool:
 
 @functools.cache
 def onednn_int8_exact() -> bool:
-    """Whether oneDNN's u8 x s8 linear sums exactly here (32-bit lanes), found by running it once like ``vnni_available``."""
+    """Whether oneDNN's u8 x s8 linear sums integer-exactly here, found by running it once like ``vnni_available``."""
     return onednn_int8_available() and _sums_exactly(lambda wq, w_scale: _onednn_int8(wq, w_scale, None, None))
 
 
 def _sums_exactly(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> bool:
-    """Whether the int8 linear ``make(wq, w_scale)`` equals the reference on full-range codes (255 x +-127 pairs
-    overflow a 16-bit sum), past 2^15 at K = 512; any error from the kernel counts as not exact."""
+    """Whether ``make(wq, w_scale)`` equals the reference on codes whose pair sums overflow 16 bits (an error: not exact)."""
     depth, width = 512, 32
     wq = torch.randint(-127, 128, (width, depth), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
     wq[:8], wq[8:16] = 127, -127
@@ -183,16 +146,8 @@ BF16_ROW_COUNTS = (*range(2, 65), 96, 128, 192, 256)
 
 @functools.cache
 def float_probe() -> FloatProbe:
-    """Times one verify-sized linear (6 rows, 1024 x 4096) in float32 and bf16 on oneDNN's packed kernel, once per
-    process, and finds how many rows one bf16 call may take with each row's result the row's own (alone).
-
-    CPUs with native bf16 (avx512_bf16, AMX) run bf16 2-4x faster than float32 at this shape, reading half the
-    bytes; others emulate it several times slower. The gap is wide either way, so a short timing decides it, where
-    ``/proc/cpuinfo`` cannot (it lists instruction sets that fault here). oneDNN's bf16 kernel changes with the row
-    count on some CPUs (seen: rows agree up to 32 per call, then a call of 33 or more rounds some rows otherwise), so
-    bf16 calls are split at the largest count that held (``float_linear``): verification stays lossless and a
-    sequence's rows stay the same among other sequences'.
-    """
+    """Times one verify-sized linear (6 rows, 1024 x 4096) in float32 and bf16 on oneDNN, once per process (CPUs without
+    native bf16 emulate it several times slower), and finds how many rows one bf16 call may take, each row's bits its own."""
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(4096, 1024, generator=generator), torch.randn(BF16_ROW_COUNTS[-1], 1024, generator=generator)
     if not onednn_available():
@@ -210,9 +165,7 @@ def float_probe() -> FloatProbe:
 
 @functools.cache
 def half_probe_ms() -> float | None:
-    """``quasar-half`` timed once per process at ``float_probe``'s shape (6 rows, 1024 x 4096, the weight stored bf16),
-    for doctor beside the probe's float32 time; None where it does not run. Nothing is chosen by it
-    (``half_weights``), so loading a model never pays for it."""
+    """``quasar-half`` timed once at ``float_probe``'s shape, for doctor (nothing is chosen by it); None where it cannot run."""
     if not half_weights(torch.bfloat16, torch.float32, "onednn"):
         return None
     generator = torch.Generator().manual_seed(0)
@@ -232,9 +185,7 @@ def _bf16_invariant_rows(linear: LinearFn, x: torch.Tensor) -> int:
 
 
 def default_float_dtype(device: str = "cpu", name: str | None = None) -> torch.dtype:
-    """The dtype float weights compute in on ``device``: ``name`` ("float32" or "bfloat16"), else the user's
-    ``QUASAR_FLOAT_DTYPE``, else on a CPU the probe's choice (bf16 where it is fast and row-invariant, float32
-    elsewhere); accelerators compute bf16."""
+    """The dtype float weights compute in: ``name``, else ``QUASAR_FLOAT_DTYPE``, else the CPU probe's choice (accelerators: bf16)."""
     name = name or os.environ.get(FLOAT_DTYPE_ENV)
     if not name:
         return float_probe().dtype if device == "cpu" else torch.bfloat16
@@ -246,8 +197,7 @@ def default_float_dtype(device: str = "cpu", name: str | None = None) -> torch.d
 
 
 def _bf16_rows_here() -> int:
-    """The most rows one bf16 call takes here (``FloatProbe.bf16_invariant_rows``); a one-line error where oneDNN,
-    which packs every CPU float linear (row-invariant where torch's own kernels promise nothing), has no bf16 one."""
+    """The most rows one bf16 call takes here; a one-line error where oneDNN has no bf16 linear."""
     probe = float_probe()
     if probe.bf16_missing:
         raise QuasarError(f"bfloat16 cannot compute on this CPU ({probe.bf16_missing}): use float32")
@@ -255,15 +205,12 @@ def _bf16_rows_here() -> int:
 
 
 def cpu_computes_bf16() -> bool:
-    """Whether float parts compute in bf16 on this CPU (``default_float_dtype``): what the backend choice, the ONNX
-    export's head and the benchmarks' contenders follow."""
+    """Whether float parts compute in bf16 on this CPU (``default_float_dtype``)."""
     return default_float_dtype("cpu") == torch.bfloat16
 
 
 def head_beside_graph(stored: torch.dtype) -> bool:
-    """Whether a float lm_head stored as ``stored`` runs better on torch beside an ONNX Runtime graph than inside it
-    (ORT's CPU MatMul computes float32 from a float32 copy): where the CPU computes bf16, or where ``quasar-half``
-    computes float32 from the weight as stored (``half_weights``), reading half the bytes either way."""
+    """Whether a float lm_head stored as ``stored`` runs better on torch beside an ONNX Runtime graph (bf16, or quasar-half)."""
     return cpu_computes_bf16() or half_weights(stored, torch.float32, "onednn")
 
 
@@ -273,11 +220,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def half_weights(stored: torch.dtype, dtype: torch.dtype, float_kernel: str) -> bool:
-    """Whether a float weight stored as ``stored`` and computing in ``dtype`` runs on the ``quasar-half`` kernel: under
-    ``onednn`` (the cpu backend's), a bf16 or float16 weight computing in float32, where the kernel runs
-    (``half_linear.why_not``). No timing decides it: a real lm_head is read from memory each step, and this kernel reads
-    half the bytes oneDNN's float32 copy would, the same products summed in float32; doctor shows both timed at a
-    verify step's shape (``half_probe_ms``)."""
+    """Whether a float weight stored as ``stored`` and computing in ``dtype`` runs on ``quasar-half``: under ``onednn``, a
+    bf16 or float16 weight computing in float32, where the kernel runs (half the bytes of a float32 copy)."""
     if float_kernel != "onednn" or dtype != torch.float32 or stored not in (torch.bfloat16, torch.float16):
         return False
     return half_kernel.why_not() is None
@@ -317,15 +261,8 @@ def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None, most_rows: i
 
 
 def _row_invariant(linear: LinearFn, most_rows: int | None = None) -> LinearFn:
-    """``linear`` with one input row sent as two, and calls over ``most_rows`` rows split: every row's result then no
-    longer depends on how many rows came along.
-
-    Tested (tests/test_batching.py): oneDNN computes each row of an M >= 2 call bit for bit alike whatever
-    M is, but takes another path for M = 1 when K > 1024, with other rounding; in bf16 some CPUs switch paths again
-    above some M (``float_probe`` finds where). A one-token decode step and the same row among other sequences' rows
-    (a batched serving step) must agree exactly; the duplicate row costs one more row of compute on weights read
-    once, a split call one more read of the weights.
-    """
+    """``linear`` with one input row sent as two and calls over ``most_rows`` rows split, so a row's result does not depend
+    on its company (oneDNN takes another path for M = 1, in bf16 also above some M; tests/test_batching.py)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
@@ -342,8 +279,7 @@ def _activation_scale(x: torch.Tensor, input_scale: torch.Tensor | None) -> torc
 
 
 def _scaled(acc: torch.Tensor, scale: torch.Tensor, w_row: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The scheme's epilogue, in the reference's order: float32(acc) * activation scale * weight scale (+ bias); every
-    kernel ends here, so all of them round as the reference does."""
+    """The scheme's epilogue in the reference's order: float32(acc) * activation scale * weight scale (+ bias)."""
     y = acc.float().mul_(scale).mul_(w_row)  # in place: acc is the kernel's own temporary (a prefill's are megabytes)
     return y.add_(bias) if bias is not None else y
 
@@ -368,22 +304,16 @@ def _fbgemm_packed(wq: torch.Tensor, w_scale: torch.Tensor):
     return torch.ops.quantized.linear_prepack(qweight, None)
 
 
-def _pinning_rows(in_features: int, low: float, high: float) -> torch.Tensor:
-    """Two rows holding ``low`` and ``high``: FBGEMM's per-tensor quantization of the stacked input then picks scale 1."""
-    pin = torch.zeros(2, in_features)
-    pin[0, 0], pin[1, 0] = low, high
-    return pin
-
-
 def _fbgemm(wq, w_scale, bias, input_scale, split: bool) -> LinearFn:
     """FBGEMM's dynamic linear made exact: ``split`` sends 7-bit halves (AVX2), else full-range rows (VNNI)."""
     packed = _fbgemm_packed(wq, w_scale)
     w_row = w_scale.float().reshape(1, -1)
     inv_w = 1.0 / w_scale.double().reshape(1, -1)
-    pin = _pinning_rows(wq.shape[1], *((-64.0, 63.0) if split else (-127.0, 128.0)))
+    pin = torch.zeros(2, wq.shape[1])  # two rows that make FBGEMM's per-tensor quantization of the input pick scale 1
+    pin[0, 0], pin[1, 0] = (-64.0, 63.0) if split else (-127.0, 128.0)
 
     def accumulate(q: torch.Tensor) -> torch.Tensor:
-        """The exact integer products of the int8 rows ``q`` with the weights, as float64."""
+        """The integer-exact products of the int8 rows ``q`` with the weights, as float64."""
         rows = q.shape[0]
         if not split:
             out = torch.ops.quantized.linear_dynamic(torch.cat([q, pin]), packed, False)
@@ -401,7 +331,7 @@ def _fbgemm(wq, w_scale, bias, input_scale, split: bool) -> LinearFn:
 
 
 def _onednn_int8(wq, w_scale, bias, input_scale) -> LinearFn:
-    """oneDNN's int8 linear with unit scales: its output is the exact accumulation as float32 (see the module doc)."""
+    """oneDNN's int8 linear with unit scales: its output is the integer-exact accumulation as float32."""
     packed = torch.ops.onednn.qlinear_prepack(wq.cpu(), None)
     unit_scales, zero_points = torch.ones(wq.shape[0]), torch.zeros(wq.shape[0], dtype=torch.long)
     w_row = w_scale.float().reshape(1, -1)
@@ -418,11 +348,7 @@ def _onednn_int8(wq, w_scale, bias, input_scale) -> LinearFn:
 
 
 def int8_linear(
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    input_scale: torch.Tensor | None,
-    kernel: str,
+    wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None, kernel: str
 ) -> LinearFn:
     """A function computing the scheme's W8A8 linear on 2-D float input, with the chosen kernel."""
     check_int8_kernel(kernel)

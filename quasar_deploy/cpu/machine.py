@@ -52,11 +52,7 @@ def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
 
 
 def default_threads() -> int:
-    """Threads to compute with: the CPUs this process may run on and its cgroup quota allows, not the host's cores.
-
-    In a container limited to 2 CPUs on a 64-core host, a library that sizes its thread pool
-    from the host runs 32 threads on 2 CPUs, and OpenMP barriers then spin for most of each step.
-    """
+    """Threads to compute with: the CPUs this process may use (affinity, cgroup quota), not the host's cores."""
     try:
         allowed = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -77,15 +73,8 @@ def memory_available(meminfo: Path = Path("/proc/meminfo")) -> int:
 
 
 def prefer_passive_waits(environ: MutableMapping[str, str] = os.environ, load: float | None = None, cpus: int | None = None) -> None:
-    """Make OpenMP threads sleep, not spin, at the end of a parallel region when the machine is already oversubscribed
-    (1-minute load average above the CPUs this process may use), unless the user chose a policy.
-
-    Spinning holds a core another process (or our own other thread) needs: on a busy machine it loses by
-    orders of magnitude. On a quiet one it wins, since a verify step is a chain of short parallel regions and
-    a sleeping thread takes longer to wake than a spinning one to notice work (``bench verify-step`` with and
-    without ``OMP_WAIT_POLICY=PASSIVE`` shows both). The OpenMP runtime reads ``OMP_WAIT_POLICY`` once, when
-    torch loads it, so the CLI calls this before any command imports torch.
-    """
+    """Make OpenMP threads sleep, not spin, where the 1-minute load average exceeds the CPUs this process may use, unless the
+    user chose a policy. The runtime reads ``OMP_WAIT_POLICY`` as torch loads it, so the CLI calls this before."""
     load = os.getloadavg()[0] if load is None else load
     if load > (cpus or default_threads()):
         environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

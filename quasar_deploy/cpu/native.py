@@ -1,10 +1,8 @@
 """Our C kernels (``decoder_ops.c``, ``int8_linear.c``, ``half_linear.c``): built with the system's C compiler, and probed by running them.
 
-A kernel is compiled once per source, compiler and flags into the cache directory (``kernels/``), or found prebuilt in
-``$QUASAR_KERNELS`` (the CPU image builds them in a stage of its own and carries no compiler). Whether a build can run
-here is decided by running its self-check (``quasar_probe``, 0 when its results match a scalar reference) in a child
-process: an instruction the CPU lacks kills the child, not the caller. Flags are not asked: a CPU may list instructions
-it cannot run.
+A kernel is compiled once per source, compiler and flags into the cache directory, or found prebuilt in
+``$QUASAR_KERNELS``. A build runs here if its self-check (``quasar_probe``) passes in a child process, where an
+instruction the CPU lacks kills the child, not the caller.
 """
 
 from __future__ import annotations
@@ -25,15 +23,12 @@ from .threads import parallel_entry_points
 
 PREBUILT_ENV = "QUASAR_KERNELS"  # a directory of prebuilt <name>.so, used before compiling
 COMMON_FLAGS = ["-O3", "-shared", "-fPIC"]
-# a thread's share of one linear is at least this many weight bytes: handing a share to another thread costs about what
-# reading this much takes (a few tens of microseconds)
-MIN_SHARE_BYTES = 1 << 19
+MIN_SHARE_BYTES = 1 << 19  # a thread's share of a linear's weights: handing it over costs about what reading this takes
 
 
 class BlockShares:
     """How a linear kernel's calls share its packed blocks of output columns among threads: up to ``most`` shares of
-    about equal whole blocks, each at least ``MIN_SHARE_BYTES`` of weights; ``edges(n)`` their bounds as the C calls
-    take them (int32, made once per share count)."""
+    about equal whole blocks, each at least ``MIN_SHARE_BYTES``; ``edges(n)`` their bounds (int32, made once per n)."""
 
     def __init__(self, blocks: int, weight_bytes: int):
         self.blocks = blocks
@@ -54,8 +49,7 @@ def compile_command(compiler: str, source: Path | str, output: Path | str, flags
 
 def build(source: Path, name: str, flags: list[str]) -> Path:
     """The shared library ``name`` of ``source`` built with ``flags``: ``$QUASAR_KERNELS/<name>.so`` where it is there,
-    else compiled once into the cache (atomically: a rename), the compiler being ``$CC`` or ``cc``. Raises OSError
-    (no compiler) or ``subprocess.CalledProcessError`` (the compiler's error)."""
+    else compiled once into the cache (atomically) with ``$CC`` or ``cc``. Raises OSError or ``CalledProcessError``."""
     from ..cache import cache_dir
 
     prebuilt = os.environ.get(PREBUILT_ENV)
@@ -82,16 +76,13 @@ def build(source: Path, name: str, flags: list[str]) -> Path:
 
 
 def built_and_probed(source: Path, name: str, flags: list[str]) -> tuple[Path | None, str | None]:
-    """``build`` then the build's self-check in a child process: the library's path, or None and why (one line: the
-    compiler's complaint, or the self-check's exit status)."""
+    """``build`` then the build's self-check in a child process: the library's path, or None and why (one line)."""
     try:
         path = build(source, name, flags)
     except (OSError, subprocess.SubprocessError) as error:
         return None, _error_line(error)
     check = subprocess.run(
-        [sys.executable, "-c", f"import ctypes, sys; sys.exit(ctypes.CDLL({str(path)!r}).quasar_probe())"],
-        capture_output=True,
-        timeout=60,
+        [sys.executable, "-c", f"import ctypes, sys; sys.exit(ctypes.CDLL({str(path)!r}).quasar_probe())"], capture_output=True, timeout=60
     )
     if check.returncode != 0:
         return None, f"failed its self-check (exit {check.returncode})"
@@ -99,8 +90,7 @@ def built_and_probed(source: Path, name: str, flags: list[str]) -> tuple[Path | 
 
 
 def opened(path: Path, interface_entry: str, interface: int) -> tuple[ctypes.CDLL | None, str | None]:
-    """The library at ``path``; or None and why where its ``interface_entry`` does not return ``interface``, the
-    arguments this version's module passes (a prebuilt library from another version's source)."""
+    """The library at ``path``; or None and why where ``interface_entry`` does not return ``interface`` (another version's)."""
     library = ctypes.CDLL(str(path))
     found = getattr(library, interface_entry)() if hasattr(library, interface_entry) else None
     if found != interface:
@@ -109,8 +99,7 @@ def opened(path: Path, interface_entry: str, interface: int) -> tuple[ctypes.CDL
 
 
 def hand_openmp(library: ctypes.CDLL, entry: str) -> bool:
-    """Hand ``library``'s ``entry`` (its ``*_use_openmp``) the OpenMP runtime torch runs on, so its calls share their
-    work among torch's own threads; whether the process has one to hand."""
+    """Hand ``library``'s ``entry`` torch's OpenMP runtime, to share its calls among torch's threads; whether there is one."""
     runtime = parallel_entry_points()
     if runtime is None:
         return False

@@ -5,9 +5,7 @@
     engine = quasar_deploy.load("qwen3-8b-w8a8")
     print(engine.generate("def quicksort(xs):", max_new_tokens=64).text)
 
-The API names load on first use, so ``import quasar_deploy`` (and the CLI's ``--help``)
-does not pay for torch.
-"""
+The API names load on first use, so ``import quasar_deploy`` (and the CLI's ``--help``) does not pay for torch."""
 
 from __future__ import annotations
 

@@ -1,27 +1,9 @@
 """The canonical W8A8 artifact on disk, and opening any model directory we can run.
 
-Layout (one directory, written to a temp dir and renamed, so an interrupted
-write leaves nothing that loads):
-
-- ``config.json``: the source config plus a compressed-tensors ``quantization_config``
-  (``int-quantized``; weights int8 channel-symmetric; activations int8 token-dynamic,
-  or tensor-static with ``input_scale``; ``ignore`` lists the float linears, lm_head among
-  them unless it is int8, see ``artifact_config``), the layout vLLM reads as W8A8.
-- ``model.safetensors`` (or Hugging Face shards ``model-0000i-of-0000N.safetensors`` and
-  ``model.safetensors.index.json``, written tensor by tensor by ``shards.py``): quantized
-  linears as ``weight`` int8 [out, in] and ``weight_scale`` float32 [out, 1] (+ ``input_scale``
-  float32 [1] when static); everything else (embeddings, norms with the smoothing folded in,
-  float linears, a float lm_head) in the dtype the source stores it in.
-- tokenizer files and ``generation_config.json``, copied from the source.
-- ``quasar.json``: format version, recipe, per-group alpha and errors, per-layer
-  error, calibration-data fingerprint, source checkpoint hash, and ``files``: the sha256
-  of every other file (``integrity.py``). The artifact is exactly those files.
-
-Opening checks the manifest before anything trusts it: the listed files and their bytes,
-the record's shape, and that the tensors carry what its activation mode needs. A directory
-with quantized weights but no manifest is refused, so deleting ``quasar.json`` cannot turn
-the checks off (it would otherwise load as a float checkpoint and run int8 weights as float).
-"""
+One directory, written atomically: ``config.json`` with a compressed-tensors ``quantization_config``, safetensors
+weights (int8 ``weight`` and float32 ``weight_scale`` per quantized linear), tokenizer files, and ``quasar.json``, whose
+``files`` hold the sha256 of every other file (docs/usage.md, "The artifact"). Opening checks the manifest before
+anything trusts it; quantized weights without one are refused, so deleting ``quasar.json`` cannot turn the checks off."""
 
 from __future__ import annotations
 
@@ -52,32 +34,16 @@ def compressed_tensors_config(scheme: W8A8Scheme, ignore: list[str]) -> dict:
     """The ``quantization_config`` block compressed-tensors (and vLLM) read for W8A8 int8."""
     dynamic = scheme.activation == "dynamic"
     common = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None, "actorder": None}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {**common, "strategy": "channel", "dynamic": False, "observer": "minmax"},
-                "input_activations": {
-                    **common,
-                    "strategy": "token" if dynamic else "tensor",
-                    "dynamic": dynamic,
-                    "observer": None if dynamic else "minmax",
-                },
-                "output_activations": None,
-            }
-        },
-        "ignore": sorted(ignore),
-        "kv_cache_scheme": None,
-    }
+    activations = {**common, "strategy": "token" if dynamic else "tensor", "dynamic": dynamic, "observer": None if dynamic else "minmax"}
+    weights = {**common, "strategy": "channel", "dynamic": False, "observer": "minmax"}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations, "output_activations": None}
+    config = {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed"}
+    return config | {"config_groups": {"group_0": group}, "ignore": sorted(ignore), "kv_cache_scheme": None}
 
 
 def artifact_config(config: dict, scheme: W8A8Scheme, quantized_layers: Iterable[str], float_linears: Iterable[str]) -> dict:
-    """The config an artifact carries: the source's plus the ``quantization_config``, whose ``ignore`` lists the float
-    linears and the lm_head unless it is int8. An int8 head is its own tensor even where the source tied it to the
-    embeddings, so the config then says ``tie_word_embeddings: false`` (else consumers would tie the two again)."""
+    """The source's config plus the ``quantization_config`` (``ignore``: float linears, and a float lm_head); an int8 head
+    is its own tensor, so the config then says ``tie_word_embeddings: false``."""
     head_quantized = HEAD in quantized_layers
     ignore = [*float_linears] + ([] if head_quantized else [HEAD])
     out = {**config, "quantization_config": compressed_tensors_config(scheme, ignore)}
@@ -87,15 +53,10 @@ def artifact_config(config: dict, scheme: W8A8Scheme, quantized_layers: Iterable
 
 
 class ArtifactWriter:
-    """The weights of an artifact being written, tensor by tensor, then its config, tokenizer files and manifest (``finish``).
-
-    Float tensors go back to the dtype the source stores them in (bf16 stays bf16); int8 weights
-    and scales keep theirs; tensors the source lacks (scales) keep theirs.
-    """
+    """An artifact being written, tensor by tensor (float ones in the source's dtype), then the rest (``finish``)."""
 
     def __init__(self, directory: Path, source: Checkpoint, max_shard_size: int):
-        self.directory = directory
-        self.source = source
+        self.directory, self.source = directory, source
         self.shards = ShardWriter(directory, max_shard_size)
 
     def _dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
@@ -167,11 +128,7 @@ class ModelFiles:
 
 
 def open_model_files(path: str | Path) -> ModelFiles:
-    """Open a W8A8 artifact or a float HF checkpoint; corrupted, modified or foreign quantized directories fail here, in one line.
-
-    An artifact's files are checked against its manifest (listing, links, sha256) before anything parses them: a
-    tampered safetensors header is a checksum mismatch, a stray shard "not listed", never a parser's complaint.
-    """
+    """Open a W8A8 artifact or a float HF checkpoint; corrupted, modified or foreign quantized directories fail here, in one line."""
     directory = model_directory(path)
     if (directory / EXPORT_MANIFEST).exists() or (directory / EXPORT_MANIFEST).is_symlink():
         raise QuasarError(f"{directory}: an export ({EXPORT_MANIFEST}), not an artifact; pass the artifact it was exported from")

@@ -1,13 +1,7 @@
-"""The cache directory and its upkeep: where quasar-deploy keeps what it derives for the next run (ONNX exports:
-``backends/onnx_export_cache.py``; built kernels and their timings: ``cpu/``; the demo's artifacts), JSON records written
-whole, and the lock writers take.
+"""The cache directory and its upkeep: where quasar-deploy keeps what it derives for the next run (ONNX exports, built
+kernels and their timings, the demo's artifacts), JSON records written whole, and the lock writers take.
 
-Each entry's record in ``.index/`` says which source paths it was made from or used for, and when it was last used:
-``cache list`` reports an entry whose sources are all gone as orphaned, and a new export first evicts the least recently
-used entries until it fits under ``$QUASAR_CACHE_MAX`` (default a quarter of the cache's disk), then checks the disk has
-room for it. Writers take a lock on the cache directory, so two processes started together export once; the export
-itself is atomic (``files.atomic_directory``), and the loader checks every file against the export's manifest before it runs.
-"""
+Each entry's record in ``.index/`` names its sources and when it was last used (``entries``, ``make_room``)."""
 
 from __future__ import annotations
 
@@ -33,8 +27,7 @@ SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 def cache_dir() -> Path:
     """Where quasar-deploy keeps what it derives (ONNX exports, demo artifacts): $QUASAR_CACHE or ~/.cache/quasar-deploy."""
-    root = os.environ.get("QUASAR_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quasar-deploy"
-    return Path(root)
+    return Path(os.environ.get("QUASAR_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quasar-deploy")
 
 
 def write_json(path: Path, data: object) -> None:
@@ -56,8 +49,7 @@ def read_json(path: Path) -> dict:
 
 @contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Held while one process checks for, and writes, ``path``: a second process waits, then finds it written. The lock
-    is on the parent directory itself, so no lock file is left beside what the cache holds."""
+    """Held while one process checks for, and writes, ``path``; the lock is on the parent directory (no lock file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(path.parent, os.O_RDONLY)
     try:
@@ -70,8 +62,7 @@ def locked(path: Path) -> Iterator[None]:
 def used(entry: Path, source: Path | None = None) -> None:
     """Record that ``entry`` was just used (for ``source``, a model directory it was derived from)."""
     record_path = entry.parent / INDEX / f"{entry.name}.json"
-    record = read_json(record_path)
-    sources = record.get("sources", [])
+    sources = read_json(record_path).get("sources", [])
     if source is not None and str(source.resolve()) not in sources:
         sources.append(str(source.resolve()))
     write_json(record_path, {"sources": sources, "last_used": time.time()})
@@ -92,19 +83,8 @@ class Entry:
         return bool(self.sources) and not any(Path(s).exists() for s in self.sources)
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.path.name,
-            "bytes": self.bytes,
-            "last_used": self.last_used,
-            "sources": list(self.sources),
-            "orphaned": self.orphaned,
-        }
-
-
-def _size(path: Path) -> int:
-    if not path.is_dir():
-        return path.lstat().st_size
-    return sum(f.lstat().st_size for f in path.rglob("*") if not f.is_dir())
+        record = {"name": self.path.name, "bytes": self.bytes, "last_used": self.last_used}
+        return record | {"sources": list(self.sources), "orphaned": self.orphaned}
 
 
 def entries(root: Path | None = None) -> list[Entry]:
@@ -118,7 +98,8 @@ def entries(root: Path | None = None) -> list[Entry]:
             continue
         record = read_json(root / INDEX / f"{path.name}.json")
         last = record.get("last_used", path.lstat().st_mtime)
-        found.append(Entry(path, _size(path), last, tuple(record.get("sources", ()))))
+        size = sum(f.lstat().st_size for f in path.rglob("*") if not f.is_dir()) if path.is_dir() else path.lstat().st_size
+        found.append(Entry(path, size, last, tuple(record.get("sources", ()))))
     return sorted(found, key=lambda e: e.last_used)
 
 
@@ -174,14 +155,11 @@ def disk_free() -> int:
 def size_limit() -> int:
     """$QUASAR_CACHE_MAX, or ``DEFAULT_SHARE`` of the disk the cache is on."""
     text = os.environ.get("QUASAR_CACHE_MAX")
-    if text:
-        return parse_size(text)
-    return int(DEFAULT_SHARE * _disk(cache_dir()).total)
+    return parse_size(text) if text else int(DEFAULT_SHARE * _disk(cache_dir()).total)
 
 
 def make_room(need: int, keep: tuple[Path, ...] = ()) -> list[Entry]:
-    """Evict least recently used entries (never ``keep``) until ``need`` more bytes fit under the size limit, then refuse in
-    one line if the disk itself has no room for them. Called under the cache lock."""
+    """Evict least recently used entries (never ``keep``) until ``need`` more bytes fit, or refuse; under the cache lock."""
     root, limit = cache_dir(), size_limit()
     if need > limit:
         raise QuasarError(f"the cache needs {need / 1e9:.1f} GB for this, over its limit of {limit / 1e9:.1f} GB (raise QUASAR_CACHE_MAX)")

@@ -23,13 +23,12 @@ class Checkpoint:
 
     def __init__(self, path: str | Path):
         self.path = model_directory(path)
-        config_file = self.path / "config.json"
         if inside_file(self.path, "config.json") is None:
             raise QuasarError(f"{self.path}: no config.json (not a Hugging Face checkpoint directory)")
         try:
             self.config = json.loads(read_inside(self.path, "config.json"))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-            raise QuasarError(f"{config_file}: not valid JSON ({first_line(exc)})") from None
+            raise QuasarError(f"{self.path / 'config.json'}: not valid JSON ({first_line(exc)})") from None
         self.files = sorted(inside_file(self.path, file.name) for file in self.path.glob("*.safetensors"))
         if not self.files:
             hint = " (PyTorch .bin weights are not supported: save with safe_serialization=True)" if list(self.path.glob("*.bin")) else ""
@@ -95,9 +94,7 @@ class Checkpoint:
             return handle.get_tensor(name)
 
     def mapped(self, name: str) -> tuple[torch.Tensor, mmap.mmap] | None:
-        """``name`` read in place: a tensor over a private memory map of its file (a write, which nothing should make,
-        would land in private pages), and the map, whose ``madvise`` hands back the pages a reading touched; None where
-        its bytes cannot be viewed as they lie (not aligned to its element size)."""
+        """``name`` over a private memory map of its file, and the map; None where its bytes are not aligned for its dtype."""
         file = self._where.get(name)
         if file is None:
             raise QuasarError(f"{self.path}: tensor {name!r} is missing")

@@ -1,10 +1,6 @@
 """Per-architecture facts: the decoder's shape and which norm or linear feeds which linears.
 
-Llama, Mistral, Qwen2, Qwen3 and Llama-like checkpoints such as OpenPangu share one
-tensor layout (``model.layers.N.self_attn.q_proj`` ...). We map by those names, and
-read the optional parts (QK-norm, biases) from which tensors the checkpoint has,
-so a new Llama-like architecture needs no code here.
-"""
+Llama-like checkpoints share one tensor layout; optional parts (QK-norm, biases) are read from the tensors present."""
 
 from __future__ import annotations
 
@@ -13,24 +9,14 @@ from dataclasses import dataclass, field
 
 from .errors import QuasarError
 
-KNOWN_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "PanguEmbeddedForCausalLM",
-)
+KNOWN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "PanguEmbeddedForCausalLM")
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class SmoothGroup:
-    """Linears sharing one input; ``source`` (a norm or a linear) absorbs the smoothing scale.
-
-    ``source`` is None where no exact fold exists (o_proj under grouped-query attention):
-    those linears are quantized unsmoothed.
-    """
+    """Linears sharing one input; ``source`` absorbs the smoothing scale (None: no exact fold, o_proj under GQA)."""
 
     name: str
     source: str | None
@@ -64,8 +50,7 @@ class DecoderSpec:
         names = []
         for i in range(self.num_layers):
             p = self.layer_prefix(i)
-            names += [f"{p}.self_attn.{n}" for n in ATTENTION_LINEARS]
-            names += [f"{p}.mlp.{n}" for n in MLP_LINEARS]
+            names += [f"{p}.self_attn.{n}" for n in ATTENTION_LINEARS] + [f"{p}.mlp.{n}" for n in MLP_LINEARS]
         return names
 
     def smooth_groups(self) -> list[SmoothGroup]:
@@ -73,13 +58,10 @@ class DecoderSpec:
         for i in range(self.num_layers):
             p = self.layer_prefix(i)
             attn, mlp = f"{p}.self_attn", f"{p}.mlp"
-            groups.append(
-                SmoothGroup(f"{p}.qkv", f"{p}.input_layernorm", "norm", tuple(f"{attn}.{n}" for n in ("q_proj", "k_proj", "v_proj")))
-            )
-            if self.num_kv_heads == self.num_heads:
-                groups.append(SmoothGroup(f"{p}.o", f"{attn}.v_proj", "linear", (f"{attn}.o_proj",)))
-            else:
-                groups.append(SmoothGroup(f"{p}.o", None, "none", (f"{attn}.o_proj",)))
+            qkv = tuple(f"{attn}.{n}" for n in ("q_proj", "k_proj", "v_proj"))
+            groups.append(SmoothGroup(f"{p}.qkv", f"{p}.input_layernorm", "norm", qkv))
+            o_source = (f"{attn}.v_proj", "linear") if self.num_kv_heads == self.num_heads else (None, "none")
+            groups.append(SmoothGroup(f"{p}.o", *o_source, (f"{attn}.o_proj",)))
             groups.append(SmoothGroup(f"{p}.gate_up", f"{p}.post_attention_layernorm", "norm", (f"{mlp}.gate_proj", f"{mlp}.up_proj")))
             groups.append(SmoothGroup(f"{p}.down", f"{mlp}.up_proj", "linear", (f"{mlp}.down_proj",)))
         return groups
@@ -193,11 +175,7 @@ def expected_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensor_shapes(spec: DecoderSpec, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Every tensor agrees with config.json, and config.json names every layer the weights hold.
-
-    A config that disagrees with its weights (fewer layers, another vocabulary, a transposed
-    weight) would otherwise load and generate garbage; this names the first disagreement.
-    """
+    """Every tensor agrees with config.json, and config.json names every layer the weights hold (else garbage loads)."""
     layers = {int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
     if layers and max(layers) + 1 != spec.num_layers:
         raise QuasarError(f"config.json: num_hidden_layers is {spec.num_layers} but the weights hold {max(layers) + 1} layers")

@@ -1,8 +1,6 @@
 """How closely a W8A8 artifact follows its float model, on held-out text.
 
-Speculative decoding is lossless with respect to the W8A8 verifier, not the float
-model, so fidelity to the float model is measured and reported, never assumed.
-"""
+Speculative decoding is lossless with respect to the W8A8 verifier, not the float model, so fidelity is measured."""
 
 from __future__ import annotations
 
@@ -70,13 +68,7 @@ def evaluate(
         nll_quant -= float(logp_q[:-1].gather(1, targets[:, None]).sum())
         count += len(ids)
     predicted = count - len(samples)
-    return Fidelity(
-        tokens=count,
-        top1_agreement=agree / count,
-        mean_kl=kl / count,
-        ppl_float=math.exp(nll_float / predicted),
-        ppl_w8a8=math.exp(nll_quant / predicted),
-    )
+    return Fidelity(count, agree / count, kl / count, math.exp(nll_float / predicted), math.exp(nll_quant / predicted))
 
 
 STUDY_ALPHAS: tuple[str | float, ...] = ("off", 0.5, "auto")
@@ -91,11 +83,7 @@ def smoothing_study(
     seq_len: int = 256,
     progress: bool = True,
 ) -> dict:
-    """Naive W8A8 ("off"), a fixed alpha and the searched alpha, on each model and text set: what smoothing buys.
-
-    Returns ``rows`` (fidelity per model, alpha and set) and ``layers`` (per-layer relative
-    error per model and alpha, from each artifact's manifest).
-    """
+    """Naive W8A8 ("off"), a fixed and the searched alpha on each model and text set: fidelity ``rows`` and ``layers``."""
     from .calibration import calibrate
 
     rows, layers = [], {}
@@ -110,8 +98,7 @@ def smoothing_study(
 
 
 def reference_of(files: ModelFiles, option: str = "--reference MODEL_DIR") -> Path:
-    """The float checkpoint an artifact was calibrated from, as its manifest records it, when that path still holds it;
-    the error names ``option``, where the caller takes it explicitly."""
+    """The float checkpoint an artifact's manifest records, if that path still holds it; else an error naming ``option``."""
     if not files.is_artifact:
         raise QuasarError(f"{files.path}: not a W8A8 artifact (no quasar.json); calibrate it first")
     source = Path(files.manifest.get("source", {}).get("path", ""))

@@ -1,7 +1,6 @@
 """File plumbing every writer shares: never overwrite, write atomically and durably, copy tokenizer files, hash, one-line errors.
 
-Torch-free on purpose: the exporters' registry and the CLI reach it without loading the model code.
-"""
+Torch-free: the exporters' registry and the CLI reach it without loading the model code."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ def refuse_unfinished(path: Path) -> None:
 
 
 def model_directory(path: str | Path) -> Path:
-    """``path`` as a Path once it is a directory that no write is still filling (``refuse_unfinished``): what every
-    loader checks before it reads a byte of the directory."""
+    """``path`` as a Path once it is a directory that no write is still filling: what every loader checks first."""
     path = Path(path)
     if not path.exists():
         raise QuasarError(f"{path}: no such directory")
@@ -68,22 +66,8 @@ def model_directory(path: str | Path) -> Path:
     return path
 
 
-def _try_lock(handle) -> bool:
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
 def remove_stale_writes(parent: Path) -> list[Path]:
-    """Remove the temp dirs of killed writers in ``parent``; returns them.
-
-    A writer holds an exclusive lock on its marker until it is done, and the kernel drops the
-    lock when the process dies however it dies: a marker we can lock belongs to a dead writer.
-    Directories without a marker are left alone (not ours, or a writer between mkdtemp and
-    its marker, which holds nothing yet).
-    """
+    """Remove the temp dirs of killed writers in ``parent`` (whose marker we can lock: the kernel drops dead writers' locks)."""
     removed = []
     for tmp in sorted(parent.glob(f"{TEMP_PREFIX}*")):
         try:
@@ -91,7 +75,9 @@ def remove_stale_writes(parent: Path) -> list[Path]:
         except OSError:
             continue
         with handle:
-            if not _try_lock(handle):
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live writer's
                 continue
             try:
                 _remove_marked(tmp)
@@ -114,15 +100,10 @@ def _remove_marked(tmp: Path) -> None:
     tmp.rmdir()
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _sync_tree(root: Path) -> None:
     """Give every file and directory the modes a plain write would (mkdtemp makes 0700, safetensors 0600), and fsync them."""
-    mask = _umask()
+    mask = os.umask(0o022)
+    os.umask(mask)
     for directory, _, names in os.walk(root, topdown=False):
         for name in names:
             path = os.path.join(directory, name)
@@ -143,13 +124,8 @@ def _fsync_directory(path: Path) -> None:
 
 @contextmanager
 def atomic_directory(output: Path) -> Iterator[Path]:
-    """A temp dir beside ``output`` that becomes ``output`` in one rename on success and vanishes on any failure.
-
-    Readers then see either nothing or a complete directory, even after Ctrl-C or a full disk.
-    A SIGKILL or power loss cannot run cleanup, so the temp dir carries ``UNFINISHED`` (locked
-    while we write, refused by every loader), the next write beside it removes it, and the
-    files are fsynced before the rename so a complete directory is complete on disk too.
-    """
+    """A temp dir beside ``output`` that becomes ``output`` in one rename on success and vanishes on any failure (after a
+    SIGKILL, its locked ``UNFINISHED`` marker keeps loaders off, and the next write beside it removes it)."""
     output = require_new(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     for stale in remove_stale_writes(output.parent):
@@ -173,12 +149,11 @@ def atomic_directory(output: Path) -> Iterator[Path]:
         raise
 
 
-MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems: a longer name cannot exist, and the OS error would say less
+MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 
 
 def check_name(name: object, where: Path | str) -> str:
-    """``name`` if it is one plain file name (no directories, no control characters, at most ``MAX_NAME_BYTES`` bytes);
-    else a one-line error naming ``where`` (the manifest or directory it came from)."""
+    """``name`` if it is one plain file name of at most ``MAX_NAME_BYTES``; else a one-line error naming ``where``."""
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
         raise QuasarError(f"{where}: {ascii(name)[:80]} is not a file name")
     if any(ord(c) < 32 or ord(c) == 127 for c in name):
@@ -193,22 +168,14 @@ def check_name(name: object, where: Path | str) -> str:
 
 
 def _inside(source: Path, path: Path) -> bool:
-    """Whether ``path`` resolves inside ``source``, or into the blob store of a Hugging Face hub cache snapshot.
-
-    Hub caches link ``snapshots/<rev>/tokenizer.json`` to ``../../blobs/<hash>``; anything
-    else pointing out of the directory (``chat_template.jinja -> /etc/hostname``) would read
-    an unrelated file as part of the model. Links that stay inside are followed: the file
-    they reach is part of the directory, and is checksummed like any other.
-    """
+    """Whether ``path`` resolves inside ``source``, or into the blob store of a Hugging Face hub cache snapshot."""
     root, target = source.resolve(), path.resolve()
     blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
     return target.is_relative_to(root) or (blobs is not None and target.is_relative_to(blobs))
 
 
 def inside_file(directory: Path, name: str) -> Path | None:
-    """``directory / name`` once its name is checked and, links followed, it is a regular file inside ``directory``
-    (``_inside``); None when nothing by that name exists; a one-line error for anything else (a link out of the
-    directory, a dangling link, a directory, a FIFO or device, which would hang a reader or feed a parser garbage)."""
+    """``directory / name`` once it is a regular file inside ``directory``, links followed; None when nothing is there."""
     path = directory / check_name(name, directory)
     if not path.is_symlink() and not path.exists():
         return None
@@ -220,8 +187,7 @@ def inside_file(directory: Path, name: str) -> Path | None:
 
 
 def refuse_outside_links(directory: Path) -> None:
-    """Refuse ``directory`` if a symbolic link anywhere in it leads out of it (``_inside``): what reads the directory as a
-    whole (transformers' tokenizer loading: chat templates, added tokens) then reads only what the directory holds."""
+    """Refuse ``directory`` if a symbolic link anywhere in it leads out of it (``_inside``), for readers of a whole directory."""
     for root, dirs, names in os.walk(directory):
         for name in [*dirs, *names]:
             path = Path(root) / name
@@ -230,8 +196,7 @@ def refuse_outside_links(directory: Path) -> None:
 
 
 def read_inside(directory: Path, name: str) -> bytes:
-    """The bytes of ``directory / name`` once ``inside_file`` accepts it, read through a descriptor checked to be a
-    regular file (a FIFO swapped in after the check is not read either)."""
+    """The bytes of ``directory / name`` once ``inside_file`` accepts it, read through a descriptor checked to be a regular file."""
     path = inside_file(directory, name)
     if path is None:
         raise QuasarError(f"{directory / name}: missing")
@@ -248,8 +213,7 @@ def _open_regular(path: Path):
     return os.fdopen(fd, "rb")
 
 
-# sha256 of the files verified in this process, by identity and change time: a file verified twice (by the backend
-# choice and then by the loader, or a draft model that is the verifier too) is hashed once; any write changes st_ctime_ns
+# sha256 of the files verified in this process, by identity and change time (any write changes st_ctime_ns)
 _verified: dict[tuple[int, ...], str] = {}
 
 
@@ -289,6 +253,6 @@ def sha256_files(*paths: Path) -> str:
 
 
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (or its type when it has none): third-party errors can run to pages."""
+    """The first line of an exception's message (or its type when it has none)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

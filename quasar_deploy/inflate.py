@@ -1,34 +1,16 @@
 """Function-preserving inflation: a small trained decoder placed inside a larger shape that computes exactly its function.
 
-Why: the demo model (5.8M parameters) sits in the CPU caches, where int8 weights save no memory
-bandwidth, so W8A8 cannot show its speed-up there. Inflated to a published model's width and depth,
-every step reads that model's bytes, while the outputs (and so the acceptance lengths of speculative
-decoding) stay the trained model's. The extra weights are labelled for what they are: random or zero,
-contributing nothing.
+Why: the demo model sits in the CPU caches, where int8 weights save no bandwidth; inflated to a published model's width
+and depth, every step reads that model's bytes while the outputs stay the trained model's. With r = H'/H:
 
-With H the source's hidden size, r = H'/H (an integer) and the query heads per KV head unchanged:
+- Residual stream: r copies of the source's channels (the same RMS, so RMSNorm's epsilon holds); embeddings and lm_head
+  repeat their columns, o_proj and down_proj their rows (and int8 scales); norm weights are zero past the first copy.
+- Extra query/key heads and gate_proj rows are random; extra value heads and up_proj rows, and the o_proj and down_proj
+  columns they feed, are zero. Extra layers: random q/k/v/gate/up, unit norms, zero o_proj and down_proj, in layer 0's
+  dtypes and form. head_dim and the vocabulary are kept.
 
-- Residual stream: r copies of the source's channels, ``[x, x, ..., x]``. RMS over the r copies equals
-  RMS over x exactly, so RMSNorm's epsilon needs no change. (Zero padding would scale the mean square by
-  H/H', which only ``eps * H/H'`` compensates exactly, and Qwen3's QK-norm shares that epsilon over an
-  unchanged head_dim.) Embeddings and lm_head repeat their columns; o_proj and down_proj repeat their
-  rows (and int8 scales), so every copy gets the same update. Norm weights are the source's on the first
-  copy and zero on the others: each linear after a norm reads ``[y, 0, ..., 0]``.
-- Extra query and key heads get random rows; extra value heads zero rows, so those heads' attention
-  output is zero, and o_proj's columns for them are zero.
-- Extra MLP channels: random gate_proj rows, zero up_proj rows (``silu(gate) * 0 = 0``), zero down_proj columns.
-- Extra decoder layers: random q/k/v/gate/up, unit norms, zero o_proj and down_proj: the identity on
-  the residual stream. They take layer 0's dtypes and form (float or int8).
-- head_dim is kept (it sets the softmax scale and the rotary frequencies), and so is the vocabulary.
-
-W8A8 stays exact: per-token activation quantization divides by the row's absmax, and every quantized
-linear reads the source's input padded with zeros (a norm's ``[y, 0, ...]``, the extra heads' zero
-attention output, the zero extra MLP channels), so the int8 activations and the integer accumulations
-are the source's. An inflated artifact is therefore the calibrated artifact's int8 weights and scales in
-place, plus per-channel quantized random rows (scale 1 for zero rows): no calibration of random weights.
-A float model sums more (zero) terms in another order, so its logits equal the source's within float32
-rounding.
-"""
+W8A8 stays bit-exact: every quantized linear reads the source's input padded with zeros, so the int8 activations and
+integer sums are the source's; a float model's logits equal the source's within float32 rounding."""
 
 from __future__ import annotations
 
@@ -74,8 +56,7 @@ class InflationTarget:
 
 
 def body_of(shape: str, spec: DecoderSpec) -> InflationTarget:
-    """A published shape's body (``shapes.SHAPES``) with ``spec``'s head_dim: its query and KV widths, more heads if
-    ``spec``'s heads are narrower (Qwen3-0.6B's 16 x 128 query width is 32 heads of the demo model's 64)."""
+    """A published shape's body (``shapes.SHAPES``) with its query and KV widths in heads of ``spec``'s head_dim."""
     hidden, inner, layers, heads, kv_heads, head_dim, _, _ = SHAPES[shape]
     if (heads * head_dim) % spec.head_dim or (kv_heads * head_dim) % spec.head_dim:
         raise QuasarError(f"{shape}: its query width {heads * head_dim} is not a whole number of heads of head_dim {spec.head_dim}")
@@ -98,8 +79,7 @@ def inflated_spec(spec: DecoderSpec, target: InflationTarget) -> DecoderSpec:
 
 
 def inflated_dtype(dtypes: Mapping[str, str], name: str) -> str:
-    """The stored dtype (safetensors name) of the inflated tensor at ``name``: the source's, or for a new layer's tensor
-    that of layer 0's counterpart."""
+    """The stored dtype (safetensors name) of inflated tensor ``name``: the source's, or layer 0's for a new layer's."""
     if name not in dtypes:
         name = ".".join(["model", "layers", "0", *name.split(".")[3:]])
     return dtypes[name]
@@ -110,12 +90,11 @@ class _Inflater:
 
     def __init__(self, files: ModelFiles, target: InflationTarget, seed: int):
         spec = files.spec
-        self.files, self.source, self.small = files, files.checkpoint, spec
+        self.files, self.source, self.small, self.seed = files, files.checkpoint, spec, seed
         self.big = inflated_spec(spec, target)
         self.copies = target.hidden_size // spec.hidden_size
         self.shapes = expected_shapes(self.big)
-        self.seed = seed
-        # random int8 rows quantize the values the float model holds, which are stored in its (the embeddings') dtype
+        # random int8 rows quantize the float model's values, stored in its embeddings' dtype
         self.float_dtype = TORCH_DTYPES[self.source.dtypes["model.embed_tokens.weight"]]
         biased = sorted(name for name in self.source.names if name.endswith(".bias"))
         if biased:
@@ -132,8 +111,7 @@ class _Inflater:
         return (torch.randn(shape, generator=generator) * INIT_STD).to(dtype)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        embedding = self.source.tensor("model.embed_tokens.weight")
-        yield "model.embed_tokens.weight", embedding.repeat(1, self.copies)
+        yield "model.embed_tokens.weight", self.source.tensor("model.embed_tokens.weight").repeat(1, self.copies)
         for layer in range(self.big.num_layers):
             yield from self._layer(layer)
         yield "model.norm.weight", self._norm("model.norm.weight", new=False)
@@ -168,8 +146,7 @@ class _Inflater:
     def _linear(self, linear: str, kind: str, new: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, int8 scale or None) of one linear of the inflated model."""
         name = f"{linear}.weight"
-        shape = self.shapes[name]
-        dtype = self._dtype(name)
+        shape, dtype = self.shapes[name], self._dtype(name)
         if kind in RESIDUAL_WRITERS:
             if new:
                 return _zeros(shape, dtype)
@@ -202,8 +179,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 @contextmanager
 def _writing(files: ModelFiles, output: Path, target: InflationTarget, seed: int, progress: bool) -> Iterator[tuple[Path, list[str]]]:
-    """Stream the inflated tensors of ``files`` into a temp directory with config and tokenizer files; the block gets that
-    directory and the quantized linears' names, to add the manifest; the directory becomes ``output`` when the block ends."""
+    """The inflated files of ``files`` in a temp dir that becomes ``output``; the block adds the manifest."""
     inflater = _Inflater(files, target, seed)
     quantized = []
     with atomic_directory(Path(output)) as tmp:
@@ -225,14 +201,8 @@ def _config(files: ModelFiles, target: InflationTarget, seed: int, inflater: _In
     """The source's config.json with the target's dimensions, a record of the inflation, and the new float layers ignored."""
     config = dict(files.checkpoint.config)
     config.pop("layer_types", None)  # one attention kind per source layer; every layer here is full attention
-    config.update(
-        hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size,
-        num_hidden_layers=target.num_layers,
-        num_attention_heads=target.num_heads,
-        num_key_value_heads=target.num_kv_heads,
-        head_dim=files.spec.head_dim,
-    )
+    config.update(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size, num_hidden_layers=target.num_layers)
+    config.update(num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads, head_dim=files.spec.head_dim)
     config[CONFIG_KEY] = {"source": str(files.path), "source_sha256": files.checkpoint.fingerprint(), "seed": seed}
     if files.is_artifact:
         linears = [name.removesuffix(".weight") for name in inflater.shapes if name.endswith("_proj.weight")]
@@ -253,8 +223,7 @@ def inflate_checkpoint(model: str | Path, output: str | Path, target: InflationT
 def inflate_artifact(
     artifact: str | Path, output: str | Path, target: InflationTarget, inflated_model: str | Path, seed: int = 0, progress: bool = True
 ) -> Path:
-    """The W8A8 ``artifact`` inflated to ``target`` at ``output``; its manifest records ``inflated_model`` (the float model
-    inflated with the same target and seed) as its float source, and says it is an inflation, not a calibration."""
+    """The W8A8 ``artifact`` inflated to ``target`` at ``output``, recording ``inflated_model`` as its source."""
     files = open_model_files(artifact)
     if not files.is_artifact:
         raise QuasarError(f"{artifact}: not a W8A8 artifact (no {MANIFEST}); inflate a float checkpoint with inflate_checkpoint")

@@ -1,14 +1,7 @@
 """Manifests that list every file of a directory we wrote with its sha256, so what loads is exactly what was written.
 
-The artifact (``quasar.json``) and each export (``quasar-export.json``) end with a
-``files: {name: sha256}`` map over everything else in the directory. Readers refuse a listed
-file that is missing or altered, and any unlisted file: a stray ``zz.safetensors`` would
-otherwise be merged into the weights, a stray ``chat_template.jinja`` into the tokenizer.
-All of it happens before any parser reads a byte of those files (safetensors headers included),
-and every file is read as a regular file inside the directory (``files.inside_file``: a symbolic
-link out of it is refused; one that stays inside is followed, its target checksummed).
-Torch-free, like ``files.py``: the ONNX loader and the exporters' registry use it.
-"""
+``quasar.json`` and ``quasar-export.json`` hold ``files: {name: sha256}``; readers refuse a listed file missing or
+altered and any unlisted one, before any parser reads them. Torch-free, like ``files.py``."""
 
 from __future__ import annotations
 
@@ -64,11 +57,7 @@ def _json_object(directory: Path, name: str) -> dict:
 
 
 def verify_files(directory: Path, file: Path, listed: object, verify: bool = True) -> None:
-    """Refuse unlisted files, then listed files that are missing, links out of ``directory`` or not regular files, or
-    (if ``verify``) whose sha256 differs; each in one line naming the file. Nothing here parses a file: checking comes first.
-
-    Subdirectories are left alone (hub downloads add ``.cache/``); nothing we load reads them: the tokenizer is loaded
-    from the verified files alone (``verified_files``)."""
+    """Refuse unlisted files, then listed ones missing, not regular files inside ``directory`` or (``verify``) altered."""
     if not isinstance(listed, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in listed.items()):
         raise QuasarError(f"{file}: 'files' must map file names to sha256 checksums (corrupted manifest)")
     for name in listed:
@@ -86,8 +75,7 @@ def verify_files(directory: Path, file: Path, listed: object, verify: bool = Tru
 
 
 def read_listed(directory: Path, name: str, listed: dict[str, str] | None) -> bytes | None:
-    """The bytes of file ``name`` of ``directory`` (None: it has none), checked against ``listed`` (a manifest's
-    ``files``; None for a checkpoint, which lists nothing) as they are read: what a parser gets is what was verified."""
+    """The bytes of ``directory / name`` (None: missing), checked against ``listed`` (None: a checkpoint) as read."""
     if inside_file(directory, name) is None:
         return None
     data = read_inside(directory, name)
@@ -107,24 +95,18 @@ def listed_files(directory: Path) -> dict[str, str] | None:
 
 
 def write_export_manifest(directory: Path, target: str, source: Path, details: dict | None = None) -> None:
-    """The last file an exporter writes: target, provenance, ``details`` (what the target's loader must know, e.g. the
-    ONNX graph's linear form), and the sha256 of every other file in ``directory``."""
+    """The last file an exporter writes: target, provenance, ``details`` for the target's loader, and the checksums."""
     record = {"format_version": EXPORT_FORMAT_VERSION, "target": target, "quasar_deploy_version": __version__, "source": str(source)}
     write_manifest(directory, EXPORT_MANIFEST, {**record, **(details or {})})
 
 
 def export_target(directory: Path) -> str | None:
-    """The target a directory was exported for, as its ``quasar-export.json`` records it (None: no export manifest).
-
-    Read before any backend loads, so ``load(path)`` can route an export to what runs it; the
-    loader then verifies every file against the same manifest.
-    """
-    file = directory / EXPORT_MANIFEST
+    """The target a directory was exported for, as its ``quasar-export.json`` records it (None: no export manifest)."""
     if inside_file(directory, EXPORT_MANIFEST) is None:
         return None
     target = _json_object(directory, EXPORT_MANIFEST).get("target")
     if not isinstance(target, str):
-        raise QuasarError(f"{file}: no 'target' string (corrupted manifest)")
+        raise QuasarError(f"{directory / EXPORT_MANIFEST}: no 'target' string (corrupted manifest)")
     return target
 
 

@@ -1,8 +1,4 @@
-"""``"module:attribute"`` references resolved on first use: how a registry names code without importing it.
-
-A table of names that the CLI reads for its ``--help`` choices must not pull in torch,
-so the registries hold these strings and import the module only when an entry is used.
-"""
+"""``"module:attribute"`` references resolved on first use: how a registry names code without importing it."""
 
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ if TYPE_CHECKING:  # annotations only: importing this module does not import tor
 
 
 class OpenedModel(Protocol):
-    """What ``estimate`` reads of an opened model directory (``artifact.ModelFiles``, which imports the decoder that
-    imports this module)."""
+    """What ``estimate`` reads of an opened model directory (``artifact.ModelFiles``, not imported here)."""
 
     checkpoint: Checkpoint
     spec: DecoderSpec
@@ -64,9 +63,7 @@ class MemoryEstimate:
 
 
 def estimate(files: OpenedModel, float_dtype: torch.dtype | None = None) -> MemoryEstimate:
-    """The cpu backend's resident weights and KV cache for ``files`` (artifact or float checkpoint), with float parts in
-    ``float_dtype`` (default: the one ``kernels.default_float_dtype`` gives this CPU), as ``load_cpu`` holds them: a
-    float checkpoint wholly in it; an artifact's activations, KV cache and kept-float layers in float32, its head in it."""
+    """The cpu backend's resident weights and KV cache for ``files``, float parts in ``float_dtype`` (default: this CPU's)."""
     ckpt = files.checkpoint
     quantized = set(files.manifest["quantized_layers"]) if files.manifest else set()
     return estimate_headers(files.spec, ckpt.shapes, ckpt.dtypes, quantized, files.is_artifact, float_dtype)
@@ -80,8 +77,7 @@ def estimate_headers(
     is_artifact: bool,
     float_dtype: torch.dtype | None = None,
 ) -> MemoryEstimate:
-    """``estimate`` from tensor headers (name -> shape, safetensors dtype name): also of a model not written yet, such as
-    the demo's inflation before its first run (``demo.needs``)."""
+    """``estimate`` from tensor headers (name -> shape, safetensors dtype name), also of a model not written yet."""
     from .cpu.linears import default_float_dtype, half_weights
 
     head_dtype = float_dtype or default_float_dtype("cpu")
@@ -112,8 +108,7 @@ def head_dtype_name(dtypes: Mapping[str, str]) -> str:
 
 
 def graph_bytes(shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, str]) -> int:
-    """What an ONNX export's initializers weigh, from tensor headers: int8 weights as uint8, every float tensor as
-    float32 (the graph computes in it); about what ONNX Runtime then holds of them."""
+    """What an ONNX export's initializers weigh, from tensor headers: int8 weights as int8, every float tensor as float32."""
     return sum(math.prod(shape) * (1 if dtypes[name] == "I8" else 4) for name, shape in shapes.items())
 
 
@@ -128,8 +123,7 @@ def kv_cache_bytes(spec: DecoderSpec, tokens: int, itemsize: int = COMPUTE_ITEMS
 
 
 def resident() -> dict[str, float]:
-    """This process's resident set now, in MiB: all of it (VmRSS) and its anonymous part (RssAnon; file-backed pages,
-    such as a memory-mapped checkpoint, can be dropped by the kernel, anonymous ones cannot). Empty off Linux."""
+    """This process's resident set now, in MiB: all of it (VmRSS) and its anonymous part (RssAnon). Empty off Linux."""
     try:
         with open("/proc/self/status") as status:
             fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "RssAnon")))
@@ -139,8 +133,7 @@ def resident() -> dict[str, float]:
 
 
 def tree_resident_mib(pid: int | None = None) -> float:
-    """The resident set of process ``pid`` (default: this one) and of all its descendants, in MiB: a server's memory
-    with its chat renderer's processes (pages two of them share count twice). 0 off Linux."""
+    """The resident set of process ``pid`` (default: this one) and all its descendants, in MiB; 0 off Linux."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -162,14 +155,7 @@ def tree_resident_mib(pid: int | None = None) -> float:
 
 
 def return_freed_memory() -> None:
-    """Hand the heap that loading freed back to the OS (glibc keeps it otherwise).
-
-    Packing frees one float or int8 copy of every weight, in chunks of a few MB; glibc raises
-    its mmap threshold after such frees and keeps later ones in the heap, so without this a
-    loaded engine's resident memory would carry up to a quarter of its weights in freed space.
-    ONNX Runtime's session build frees the graph's copy of its weights the same way, so a session holds
-    about twice its weights without the trim.
-    """
+    """Hand the heap that loading freed back to the OS (glibc keeps freed chunks of a few MB otherwise)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to hand back this way

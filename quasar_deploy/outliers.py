@@ -1,12 +1,8 @@
 """Plant the activation outliers that 7B-scale LLMs have into a small model, without changing its function.
 
-Small models trained briefly lack the few huge hidden channels that make naive
-W8A8 fail on real LLMs, so they cannot show what smoothing buys. For chosen
-channels c we multiply the RMSNorm weight by f and divide the input columns of
-the linears it feeds by f (and likewise scale up_proj rows by f and down_proj
-columns by 1/f for the MLP's inner channels). With f a power of two the float
-model computes exactly the same logits; the quantizer sees outliers of size f.
-"""
+Small models lack the few huge hidden channels that make naive W8A8 fail, so they cannot show what smoothing buys. For
+chosen channels we multiply the RMSNorm weight by f and divide the input columns of the linears it feeds by f (likewise
+up_proj rows and down_proj columns for MLP channels); with f a power of two the float model's logits are unchanged."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The W8A8 numerics, defined once: every backend and exporter is tested against this file.
 
-Weights: int8, symmetric, one float32 scale per output channel.
-Activations: int8, symmetric; per token at run time ("dynamic", the default) or
-one calibrated scale per tensor ("static").
-GEMM: int8 x int8 with exact integer accumulation, then
-``y = acc * act_scale[:, None] * weight_scale[None, :] (+ bias)``.
-"""
+Weights: int8, symmetric, one float32 scale per output channel. Activations: int8, symmetric; per token at run time
+("dynamic", the default) or one calibrated scale per tensor ("static"). GEMM: int8 x int8 with integer-exact
+accumulation, then ``y = acc * act_scale[:, None] * weight_scale[None, :] (+ bias)``."""
 
 from __future__ import annotations
 
@@ -42,15 +39,13 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8; returns (int8 [out, in], float32 scale [out, 1])."""
     w = weight.float()
     scale = weight_scale(w)
-    q = torch.round(w / scale).clamp(-QMAX, QMAX).to(torch.int8)
-    return q, scale
+    return torch.round(w / scale).clamp(-QMAX, QMAX).to(torch.int8), scale
 
 
 def per_token_scale(x: torch.Tensor) -> torch.Tensor:
     """scale = rowmax|x| / 127, shape [rows, 1]; all-zero rows get a harmless tiny scale."""
     peak = x.float().abs().amax(dim=-1, keepdim=True)
-    # A tensor divisor, not the Python number: CUDA's torch divides by a CPU scalar as a multiply by its reciprocal,
-    # one ulp off IEEE division in some rows (seen on an H200), and every device must give the CPU's scales.
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, an ulp off in some rows
     return (peak / torch.full_like(peak, QMAX)).clamp(min=1e-12)
 
 
@@ -60,16 +55,12 @@ def quantize_activation(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def int8_matmul_exact(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """Exact integer accumulation of int8 x int8: float64 holds any realistic int32 sum exactly."""
+    """Integer-exact accumulation of int8 x int8: float64 holds any realistic int32 sum exactly."""
     return xq.double() @ wq.double().t()
 
 
 def reference_linear(
-    x: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    input_scale: torch.Tensor | None = None,
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The oracle: W8A8 linear on a 2-D input [rows, in]; dynamic when input_scale is None."""
     act_scale = per_token_scale(x) if input_scale is None else input_scale.float().reshape(1, 1)

@@ -25,7 +25,6 @@ SHAPES = {
     "qwen3-8b": Shape(4096, 12288, 36, 32, 8, 128, 151936, False),
     "llama-3.2-1b": Shape(2048, 8192, 16, 32, 8, 64, 128256, True),
     "llama-3-8b": Shape(4096, 14336, 32, 32, 8, 128, 128256, False),
-    # "-like": openPangu-Embedded-7B's model card publishes 34 layers, 32 query / 8 KV heads, a "153k" vocabulary and
-    # 12800 (the intermediate size); hidden 4096, head_dim 128, vocab 153376 and untied embeddings are our assumptions
+    # "-like": openPangu-Embedded-7B's card gives layers, heads, ~153k vocab, 12800; hidden, head_dim, vocab, untied: assumed
     "openpangu-7b-like": Shape(4096, 12800, 34, 32, 8, 128, 153376, False),
 }

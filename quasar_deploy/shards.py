@@ -1,14 +1,7 @@
 """Safetensors weights written tensor by tensor and split into shards the way Hugging Face splits them.
 
-A calibrated 8B model must never sit in memory whole, but safetensors puts its header (names,
-dtypes, shapes, byte offsets) before the data, and the header is known only once a shard's
-last tensor is. So each shard's bytes go to unnamed scratch files as tensors arrive (one per
-element size, so that every tensor ends up aligned as ``save_file`` aligns it: unaligned data
-is copied on load instead of mapped), and header and bytes are joined when the shard closes. Names and index follow ``save_pretrained``:
-``model.safetensors`` when one shard suffices, else ``model-00001-of-0000N.safetensors`` and
-``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``); another stem than
-``model`` gives msModelSlim's names (``quant_model_weights-00001-of-0000N.safetensors``, ...).
-"""
+Each shard's bytes go to scratch files as tensors arrive (one per element size, so that every tensor is aligned as
+``save_file`` aligns it) and are joined to the header, known last, when the shard closes."""
 
 from __future__ import annotations
 
@@ -26,25 +19,13 @@ STEM = "model"
 WEIGHTS = f"{STEM}.safetensors"
 INDEX = f"{STEM}.safetensors.index.json"
 MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default, "5GB"
-DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-}
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+DTYPES |= {torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 
 
 def shard_names(count: int, stem: str = STEM) -> list[str]:
     return [f"{stem}.safetensors"] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-def index_name(stem: str = STEM) -> str:
-    return f"{stem}.safetensors.index.json"
 
 
 class ShardWriter:
@@ -53,14 +34,11 @@ class ShardWriter:
     def __init__(self, directory: Path, max_shard_size: int = MAX_SHARD_SIZE, stem: str = STEM):
         if max_shard_size < 1:
             raise ValueError(f"max_shard_size must be >= 1 byte, not {max_shard_size}")
-        self.directory = Path(directory)
-        self.max_shard_size = max_shard_size
-        self.stem = stem
+        self.directory, self.max_shard_size, self.stem = Path(directory), max_shard_size, stem
         self.shard_of: dict[str, int] = {}  # tensor name -> shard number, from 0
         self._closed: list[Path] = []
         self._buckets: dict[int, _Bucket] = {}  # by element size: the current shard's data
-        self._size = 0
-        self._total = 0
+        self._size = self._total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self.add_blocks(name, tensor.dtype, tensor.shape, [tensor])
@@ -89,8 +67,7 @@ class ShardWriter:
         self.shard_of[name] = len(self._closed)
 
     def _close_shard(self) -> None:
-        """Header, then the tensors in ``save_file``'s order (widest element first, then by name): aligned, and laid out as
-        ``safetensors`` lays them out, which its zero-copy loads rely on (another order left twice the pages resident)."""
+        """Header, then the tensors in ``save_file``'s order (widest element first, then by name), as zero-copy loads expect."""
         order = [self._buckets[size] for size in sorted(self._buckets, reverse=True)]
         header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
         start = 0
@@ -124,7 +101,7 @@ class ShardWriter:
         if len(names) > 1:
             weight_map = {name: names[shard] for name, shard in sorted(self.shard_of.items())}
             index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
-            (self.directory / index_name(self.stem)).write_text(json.dumps(index, indent=2))
+            (self.directory / f"{self.stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _copy_range(source, target, size: int, block: int = 1 << 24) -> None:

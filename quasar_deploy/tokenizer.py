@@ -1,9 +1,7 @@
 """Loading a checkpoint's tokenizer with a one-line error instead of transformers' traceback or a silent fallback.
 
-The tokenizer and its chat template are part of what a model answers: an artifact's or export's are loaded from
-the bytes its manifest vouches for (copied to a private directory as they are checked), never from whatever the
-directory holds by then; a plain checkpoint's from its directory once no link in it leads out of it.
-"""
+An artifact's or export's tokenizer is loaded from the bytes its manifest vouches for; a checkpoint's once no link in
+its directory leads out."""
 
 from __future__ import annotations
 

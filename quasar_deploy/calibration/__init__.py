@@ -1,10 +1,6 @@
 """``calibrate``: float checkpoint in, canonical W8A8 artifact out.
 
-The steps live in their own modules: ``recipe`` (what to do, validated), ``data`` (the
-calibration samples), ``layerwise`` (one decoder layer at a time: ``stats``, then ``fold``'s
-alpha search and folding, then ``quantize``, then the layer's tensors to the artifact writer),
-``manifest``; this module only runs them in order.
-"""
+The steps: ``recipe``, ``data``, ``layerwise`` (per layer: ``stats``, ``fold``, ``quantize``), ``manifest``."""
 
 from __future__ import annotations
 
@@ -37,16 +33,10 @@ def calibrate(
 ) -> ModelFiles:
     """Calibrate ``model_dir`` (a local HF checkpoint) into a W8A8 artifact at ``output``; returns it opened.
 
-    Give either ``recipe`` or its fields as keywords (``alpha="auto"``, ``num_samples=64``, ...),
-    the form earlier versions took; see ``CalibrationRecipe``. ``device`` ("cpu", "cuda", "npu")
-    runs the forward passes, statistics and alpha search; ``max_shard_size`` (bytes) splits the
-    weights into Hugging Face shards. Memory holds about one float32 layer plus the calibration
-    hidden states, whatever the model's size.
-    """
+    Give either ``recipe`` or its fields as keywords; ``device`` runs the forward passes, statistics and alpha search."""
     if recipe is not None and options:
         raise QuasarError(f"give calibrate() a recipe or its fields as keywords, not both (got recipe= and {', '.join(options)})")
-    if recipe is None:
-        recipe = CalibrationRecipe(**options)
+    recipe = CalibrationRecipe(**options) if recipe is None else recipe
     output = require_new(output)
     source = open_model_files(model_dir)
     if source.is_artifact:

@@ -1,9 +1,7 @@
 """Calibration's first phase: per smoothing group, search alpha, fold the scales in, and decide which linears stay float.
 
-Nothing is quantized here: the o and down groups fold into v_proj and up_proj rows, so
-quantizing must wait until every group of a layer is folded (``quantize.py``). Folds never
-leave a layer, so calibration runs this one layer at a time.
-"""
+Nothing is quantized here: the o and down groups fold into v_proj and up_proj rows, so quantizing waits until every
+group of a layer is folded (``quantize.py``)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The int8 lm_head (``CalibrationRecipe.int8_lm_head``): quantized like every W8A8 linear, written block by block.
 
-On a small model the float head is most of what a W8A8 verify step reads (Qwen3-0.6B: 622 MB
-of 1.06 GB), so the recipe may quantize it: per-output-channel int8 weights and the recipe's
-activation mode (per token, or one static scale from the calibration tokens' final-norm outputs).
-No smoothing: its alpha search would hold the whole float head (vocab x hidden in float32,
-2.5 GB at 8B), past the one-layer memory bound calibration keeps. A head tied to the embeddings
-gets its own int8 copy under ``lm_head.weight``; the embeddings stay float for lookups, and the
-artifact's config says ``tie_word_embeddings: false`` (``artifact.artifact_config``).
-"""
+On a small model the float head is most of what a W8A8 step reads. No smoothing: its alpha search would hold the whole
+float head, past calibration's one-layer memory bound. A tied head gets its own int8 copy under ``lm_head.weight``."""
 
 from __future__ import annotations
 
@@ -21,20 +15,14 @@ from .quantize import static_input_scale
 from .stats import ROWS_PER_GROUP
 
 
-def head_source(files: ModelFiles) -> str:
-    """The tensor the head's weights come from: ``lm_head.weight``, or the embedding table it is tied to."""
-    return "model.embed_tokens.weight" if files.spec.tie_word_embeddings else f"{HEAD}.weight"
-
-
 @torch.inference_mode()
 def write_int8_head(source: ModelFiles, writer: ArtifactWriter, hidden: list[torch.Tensor], static: bool) -> LayerDecision:
-    """Quantize the head row block by row block into ``writer``; ``hidden`` are the last layer's float outputs of the
-    calibration samples (before the final norm). Returns the head's decision: its relative output error on sampled rows."""
+    """Quantize the head block by block into ``writer`` (``hidden``: the last layer's outputs); returns its decision."""
     absmax, rows = _head_inputs(source, hidden)
     input_scale = static_input_scale(absmax) if static else None
     act_scale = per_token_scale(rows) if input_scale is None else input_scale.cpu().reshape(1, 1)
     quantized_rows = quantize_activation(rows, act_scale) * act_scale
-    name = head_source(source)
+    name = "model.embed_tokens.weight" if source.spec.tie_word_embeddings else f"{HEAD}.weight"  # a tied head's table
     scales, error, reference = [], torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
 
     def blocks():
@@ -55,8 +43,7 @@ def write_int8_head(source: ModelFiles, writer: ArtifactWriter, hidden: list[tor
 
 
 def _head_inputs(source: ModelFiles, hidden: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's calibration inputs (the final norm of ``hidden``), sample by sample so that they are never all held:
-    their per-channel max |x| and ``ROWS_PER_GROUP`` evenly spaced rows (on the host)."""
+    """The head's inputs (the final norm of ``hidden``): their per-channel max |x| and ``ROWS_PER_GROUP`` rows, on the host."""
     norm = RMSNorm(tensor_loader(source.checkpoint, torch.float32)("model.norm.weight"), source.spec.rms_norm_eps)
     norm = norm.to(hidden[0].device)
     total = sum(len(x) for x in hidden)

@@ -1,15 +1,7 @@
 """Calibration one decoder layer at a time: memory holds one float32 layer and the calibration hidden states, never the model.
 
-Per layer: read its tensors from the checkpoint, push every sample's hidden states through it
-while collecting its groups' statistics, search alpha and fold (a layer's groups fold only
-into its own norms, v_proj and up_proj, so each layer is self-contained), quantize, hand its
-tensors to the writer, drop it. The next layer's inputs are this layer's float outputs,
-computed before smoothing: smoothing preserves the function, so they are what the whole float
-model computes, and the artifact equals a whole-model calibration's bit for bit
-(tests/test_calibration_streaming.py). Embeddings are read only for the calibration tokens;
-embeddings, final norm and lm_head are copied to the artifact as stored, never materialised (an int8 lm_head,
-``head.py``, is quantized row block by row block).
-"""
+Folds stay within a layer, and each layer's inputs are the previous one's float outputs, computed before smoothing:
+the artifact is bit-exact to a whole-model calibration's."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The calibration record written to ``quasar.json``: what went in (source, recipe, data) and what each group and layer got.
 
-Its keys are part of the artifact format (evaluate, export and the CLI read them), so they
-change only with ``artifact.FORMAT_VERSION``.
-"""
+Its keys are part of the artifact format: they change only with ``artifact.FORMAT_VERSION``."""
 
 from __future__ import annotations
 
@@ -16,34 +14,20 @@ from .recipe import CalibrationRecipe
 from .smoothing import ALPHA_GRID
 
 
-def recipe_record(recipe: CalibrationRecipe) -> dict:
-    return {
-        "scheme": recipe.scheme.to_dict(),
-        "alpha": recipe.alpha,
-        "alpha_grid": list(ALPHA_GRID) if recipe.alpha == "auto" else None,
-        "num_samples": recipe.num_samples,
-        "seq_len": recipe.seq_len,
-        "keep_float": list(recipe.keep_float),
-        "keep_float_above": recipe.keep_float_above,
-        "int8_lm_head": recipe.int8_lm_head,
-    }
-
-
 def build_manifest(
     source: ModelFiles, recipe: CalibrationRecipe, samples: list[list[int]], folded: Folded, quantized_layers: list[str]
 ) -> dict:
     """Everything but ``format_version`` and ``files``, which ``ArtifactWriter.finish`` adds once every file exists."""
+    record = {"scheme": recipe.scheme.to_dict(), "alpha": recipe.alpha, "alpha_grid": list(ALPHA_GRID) if recipe.alpha == "auto" else None}
+    record |= {"num_samples": recipe.num_samples, "seq_len": recipe.seq_len, "keep_float": list(recipe.keep_float)}
+    record |= {"keep_float_above": recipe.keep_float_above, "int8_lm_head": recipe.int8_lm_head}
+    calibration = {"data": recipe.calib_data or "built-in", "samples": len(samples), "tokens": sum(len(s) for s in samples)}
     return {
         "quasar_deploy_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source": {"path": str(source.path), "architecture": source.spec.architecture, "sha256": source.checkpoint.fingerprint()},
-        "recipe": recipe_record(recipe),
-        "calibration": {
-            "data": recipe.calib_data or "built-in",
-            "samples": len(samples),
-            "tokens": sum(len(s) for s in samples),
-            "fingerprint": data.fingerprint(samples),
-        },
+        "recipe": record,
+        "calibration": calibration | {"fingerprint": data.fingerprint(samples)},
         "groups": [
             {
                 "name": group.name,

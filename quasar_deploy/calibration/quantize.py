@@ -11,20 +11,16 @@ from ..scheme import QMAX, quantize_weight
 from .fold import LayerDecision
 
 
+@torch.no_grad()
 def quantize_layers(linears: Iterable[tuple[str, Linear]], layers: dict[str, LayerDecision]) -> list[str]:
     """Quantize ``linears`` in place; returns the quantized names in their order (the manifest's ``quantized_layers``)."""
     quantized = []
     for name, linear in linears:
         if layers[name].quantized:
-            _quantize(linear, layers[name].static_absmax)
+            absmax, (wq, w_scale) = layers[name].static_absmax, quantize_weight(linear.weight.data)
+            linear.set_quantized(wq, w_scale, None if absmax is None else static_input_scale(absmax))
             quantized.append(name)
     return quantized
-
-
-@torch.no_grad()
-def _quantize(linear: Linear, input_absmax: torch.Tensor | None) -> None:
-    wq, w_scale = quantize_weight(linear.weight.data)
-    linear.set_quantized(wq, w_scale, None if input_absmax is None else static_input_scale(input_absmax))
 
 
 def static_input_scale(input_absmax: torch.Tensor) -> torch.Tensor:

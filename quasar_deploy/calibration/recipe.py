@@ -1,9 +1,6 @@
 """``CalibrationRecipe``: every choice that shapes an artifact, validated once, before any slow work starts.
 
-Like torchao's and llm-compressor's config objects, the recipe is a frozen value: it can be
-built by the CLI, by the demo or by a caller, compared, and used as a cache key. Errors name
-the CLI flag because most recipes come from the command line.
-"""
+A frozen value (comparable, a cache key); errors name the CLI flag, where most recipes come from."""
 
 from __future__ import annotations
 
@@ -34,16 +31,9 @@ def _check_count(flag: str, value: object, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class CalibrationRecipe:
-    """How to turn a float checkpoint into a W8A8 artifact.
-
-    ``alpha``: "auto" (searched per smoothing group), "off" (no smoothing) or a fixed value in
-    [0, 1]. ``keep_float``: glob patterns of linear layers to leave in float. ``keep_float_above``:
-    also keep in float any layer whose relative quantization error stays above this after
-    smoothing. ``calib_data``: a JSONL or text file; None for the built-in set. ``int8_lm_head``: quantize the lm_head
-    too (per-channel int8 weight, the recipe's activation mode, no smoothing), a separate copy when the source ties it to
-    the embeddings; it is most of the bytes a small model's W8A8 step reads, at a fidelity cost ``quasar-deploy eval``
-    measures.
-    """
+    """How to turn a float checkpoint into a W8A8 artifact: ``alpha`` "auto" (searched per smoothing group), "off" or in
+    [0, 1]; ``keep_float``: globs of linears left float; ``keep_float_above``: also any whose relative error stays above
+    this; ``calib_data``: a JSONL or text file (None: built-in); ``int8_lm_head``: quantize the lm_head too."""
 
     alpha: str | float = "auto"
     activation: ActivationMode = "dynamic"

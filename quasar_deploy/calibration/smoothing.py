@@ -1,12 +1,7 @@
 """SmoothQuant with a searched alpha, folded offline into the preceding norm or linear.
 
-Per input channel ``s = max|X|^alpha / max|W|^(1-alpha)``; the layer then sees
-``X / s`` and ``W * s`` (same float output), which moves activation outliers into
-the weights where per-channel quantization absorbs them. "Enhanced": alpha is
-chosen per group on calibration rows, minimizing the quantized group's output
-error against float (Intel Neural Compressor's auto-alpha idea); "off" (no
-smoothing) competes too, so smoothing is never chosen when it hurts.
-"""
+Per input channel ``s = max|X|^alpha / max|W|^(1-alpha)``; the layer sees ``X / s`` and ``W * s``. Alpha is chosen per
+group by the quantized output error on calibration rows, "off" competing, so smoothing is never chosen when it hurts."""
 
 from __future__ import annotations
 
@@ -35,19 +30,10 @@ def smoothing_scales(absmax: torch.Tensor, weights: list[torch.Tensor], alpha: f
 
 
 def _dequantized_weight(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """``scheme.quantize_weight(weight * scales)`` dequantized, value for value, in one new tensor modified in place
-    (an 8B model's MLP weights are 50M values; the search makes one of these per alpha)."""
+    """``scheme.quantize_weight(weight * scales)`` dequantized, value for value, in one new tensor modified in place."""
     w = weight * scales if scales is not None else weight.clone()
     scale = weight_scale(w)
     return w.div_(scale).round_().clamp_(-QMAX, QMAX).mul_(scale)
-
-
-def _quantized_output(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, static_scale: torch.Tensor | None
-) -> torch.Tensor:
-    """The scheme's W8A8 output of ``x`` through ``weight * scales``, dequantized in float32 (the search only ranks alphas)."""
-    scale = per_token_scale(x) if static_scale is None else static_scale
-    return (quantize_activation(x, scale) * scale) @ _dequantized_weight(weight, scales).t()
 
 
 def group_errors(
@@ -61,11 +47,11 @@ def group_errors(
     """Relative output error per linear; ``references`` are the float outputs ``rows @ weight.T``, the same for every alpha."""
     x = rows if scales is None else rows / scales
     s = torch.ones_like(absmax) if scales is None else scales
-    static_scale = (absmax / s).max().clamp(min=1e-12).reshape(1, 1) / QMAX if static else None
+    scale = (absmax / s).max().clamp(min=1e-12).reshape(1, 1) / QMAX if static else per_token_scale(x)
+    xq = quantize_activation(x, scale) * scale  # the scheme's W8A8 input, dequantized in float32 (the search only ranks)
     errors = {}
     for name, weight in weights.items():
-        reference = references[name]
-        quantized = _quantized_output(x, weight, scales, static_scale)
+        reference, quantized = references[name], xq @ _dequantized_weight(weight, scales).t()
         errors[name] = float((quantized - reference).pow(2).sum() / reference.pow(2).sum().clamp(min=1e-30))
     return errors
 
@@ -75,23 +61,12 @@ def _total(errors: dict[str, float]) -> float:
 
 
 def search(
-    rows: torch.Tensor,
-    absmax: torch.Tensor,
-    weights: dict[str, torch.Tensor],
-    alpha: str | float,
-    static: bool,
-    smoothable: bool,
+    rows: torch.Tensor, absmax: torch.Tensor, weights: dict[str, torch.Tensor], alpha: str | float, static: bool, smoothable: bool
 ) -> SearchResult:
     """``alpha``: "auto" (grid search, "off" included), "off", or a fixed float."""
     references = {name: rows @ weight.t() for name, weight in weights.items()}
     before = group_errors(rows, absmax, weights, None, static, references)
-    candidates: list[float | None]
-    if not smoothable or alpha == "off":
-        candidates = [None]
-    elif alpha == "auto":
-        candidates = [None, *ALPHA_GRID]
-    else:
-        candidates = [float(alpha)]
+    candidates = [None] if not smoothable or alpha == "off" else [None, *ALPHA_GRID] if alpha == "auto" else [float(alpha)]
     best: tuple[float, float | None, torch.Tensor | None, dict[str, float]] | None = None
     for candidate in candidates:
         scales = None if candidate is None else smoothing_scales(absmax, list(weights.values()), candidate)

@@ -1,14 +1,7 @@
 """Activation statistics of a layer's smoothing groups, collected while the calibration hidden states pass through it.
 
-Smoothing is function-preserving in float, so the statistics of the original model are valid
-for every group. Per group we keep the per-channel max |x| over all calibration tokens and a
-bounded sample of input rows for the alpha search (so memory stays small next to a layer).
-
-Which rows are sampled comes from one generator drawn in the order a whole-model pass meets
-the groups: per sample, every group of every layer. The draws depend only on the sample
-lengths, so ``row_picks`` makes them all up front, and a layer-by-layer pass samples exactly
-the rows a whole-model pass would.
-"""
+Per group: the per-channel max |x| over all tokens, and sampled input rows for the alpha search, drawn up front
+(``row_picks``) so a layer-by-layer pass samples the rows a whole-model pass would."""
 
 from __future__ import annotations
 

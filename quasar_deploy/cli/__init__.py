@@ -1,9 +1,6 @@
 """``quasar-deploy``: a thin layer over the Python API, one module per command.
 
-Every failure the user can fix is one line on stderr and exit code 1. Command
-modules import the heavy parts (torch, transformers) inside the command, so
-``--help`` stays instant.
-"""
+A failure the user can fix is one ``error:`` line and exit code 1; commands import torch inside, so ``--help`` is instant."""
 
 from __future__ import annotations
 

@@ -36,8 +36,7 @@ def list_command(as_json) -> None:
         when = datetime.datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M")
         source = "orphaned: " + ", ".join(entry.sources) + " gone" if entry.orphaned else ", ".join(entry.sources)
         click.echo(f"{entry.bytes / 1e9:8.2f} GB  {when}  {entry.path.name}  {source}".rstrip())
-    total = sum(e.bytes for e in found)
-    click.echo(f"{total / 1e9:.2f} GB in {len(found)} entries at {cache_dir()} (limit {size_limit() / 1e9:.1f} GB)")
+    click.echo(f"{sum(e.bytes for e in found) / 1e9:.2f} GB in {len(found)} entries at {cache_dir()} (limit {size_limit() / 1e9:.1f} GB)")
 
 
 @cache_group.command("clear")

@@ -28,34 +28,12 @@ import click
     show_default=True,
     help="Where the forward passes, statistics and alpha search run; the artifact is written from the host.",
 )
-def calibrate(
-    model_dir,
-    output,
-    calib_data,
-    num_samples,
-    seq_len,
-    alpha,
-    activation,
-    keep_float,
-    keep_float_above,
-    int8_lm_head,
-    trust_remote_code,
-    device,
-):
+def calibrate(model_dir, output, trust_remote_code, device, **recipe_fields):
     """Calibrate MODEL_DIR (a local HF checkpoint) into a W8A8 artifact."""
     from ..calibration import CalibrationRecipe
     from ..calibration import calibrate as run
 
-    recipe = CalibrationRecipe(
-        alpha=alpha,
-        activation=activation,
-        num_samples=num_samples,
-        seq_len=seq_len,
-        keep_float=keep_float,
-        keep_float_above=keep_float_above,
-        calib_data=calib_data,
-        int8_lm_head=int8_lm_head,
-    )
+    recipe = CalibrationRecipe(**recipe_fields)
     artifact = run(model_dir, output=output, recipe=recipe, trust_remote_code=trust_remote_code, device=device)
     manifest = artifact.manifest
     click.echo(f"\n{'group':<32} {'alpha':>6} {'error before':>13} {'error after':>12}")

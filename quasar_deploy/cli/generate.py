@@ -1,8 +1,4 @@
-"""``quasar-deploy generate``: one completion from the command line, streamed as the verifier accepts it.
-
-Errors are left to the CLI group, which prints them as one ``error: ...`` line; click's
-types check the numbers, so a bad value is reported under its flag's name.
-"""
+"""``quasar-deploy generate``: one completion from the command line, streamed as the verifier accepts it."""
 
 from __future__ import annotations
 
@@ -38,14 +34,8 @@ def _prompt(prompt: str | None, prompt_file: str | None, chat: bool) -> str | li
     return [{"role": "user", "content": prompt}] if chat else prompt
 
 
-def _print_stats(stats: dict) -> None:
-    for name, value in stats.items():
-        click.echo(f"{name:>18}: {value:.4g}" if isinstance(value, float) else f"{name:>18}: {value}", err=True)
-
-
 def _memory(paths: list[str], backend: str, result) -> dict:
-    """What this process holds now, next to the cpu backend's estimate for the models at ``paths`` (exact mode: both weight
-    sets and both caches) at this sequence's length."""
+    """What this process holds now, next to the cpu backend's estimate for the models at ``paths`` at this length."""
     from ..artifact import open_model_files
     from ..memory import MIB, estimate, resident
 
@@ -107,8 +97,7 @@ def generate(path, prompt, prompt_file, chat, backend, provider, verify, exact_s
     """Generate a completion with the model at PATH (W8A8 artifact or Hugging Face checkpoint; --verify exact: an
     artifact, whose float model's own output is generated)."""
     text = _prompt(prompt, prompt_file, chat)
-    needs = draft_needs(options["draft"])
-    engine = load_engine(path, backend, provider, needs, verify, exact_source, rounds)
+    engine = load_engine(path, backend, provider, draft_needs(options["draft"]), verify, exact_source, rounds)
     stream = engine.stream(text, skip_layers=_layers(skip_layers), **options)
     if as_json:
         for _ in stream:
@@ -131,4 +120,5 @@ def generate(path, prompt, prompt_file, chat, backend, provider, verify, exact_s
         click.echo(json.dumps({**result.to_dict(), **models}))
     elif show_stats:
         memory = _memory([path, *([str(engine.source)] if verify == "exact" else [])], engine.backend, result)
-        _print_stats({**models, "finish_reason": result.finish_reason, **result.stats.to_dict(), **memory})
+        for name, value in {**models, "finish_reason": result.finish_reason, **result.stats.to_dict(), **memory}.items():
+            click.echo(f"{name:>18}: {value:.4g}" if isinstance(value, float) else f"{name:>18}: {value}", err=True)

@@ -41,8 +41,7 @@ provider_option = click.option(
 
 
 def backend_options(path: str, backend: str, provider: str | None, needs: tuple[str, ...] = ()) -> dict[str, str]:
-    """The options ``api.load`` passes to the backend: ``--provider`` goes to onnxruntime (named, or what "auto" picks)
-    and is refused for any other backend, in one line."""
+    """The options ``api.load`` passes to the backend: ``--provider`` for onnxruntime, refused for any other backend."""
     if provider is None:
         return {}
     from ..backends.registry import resolve_backend
@@ -59,9 +58,7 @@ ENV_PREFIX = "QUASAR_"
 
 def options_from_env(command: click.Command) -> click.Command:
     """Read every option of ``command`` from ``QUASAR_<LONG NAME>`` too (``--num-draft`` -> ``QUASAR_NUM_DRAFT``), shown in
-    ``--help``: a container is configured through its environment (``docker run -e``, compose) instead of a rewritten
-    command line. The command line wins over the environment, the environment over the default. Applied to the finished
-    command (the outermost decorator), so every option it has, now or added later, gets its variable."""
+    ``--help``, for containers; the command line wins over it, it over the default. Apply it outermost: every option gets one."""
     for param in command.params:
         if isinstance(param, click.Option):
             param.envvar = ENV_PREFIX + max(param.opts, key=len).lstrip("-").upper().replace("-", "_")

@@ -1,7 +1,4 @@
-"""``quasar-deploy serve``: an OpenAI-compatible HTTP server on our runtime, or ``vllm serve`` with the right flags.
-
-Heavy imports (torch, FastAPI) happen inside the command, so ``--help`` stays instant.
-"""
+"""``quasar-deploy serve``: an OpenAI-compatible HTTP server on our runtime, or ``vllm serve`` with the right flags."""
 
 from __future__ import annotations
 
@@ -15,25 +12,10 @@ from ..backends.registry import BACKENDS
 from ..serve.needs import REQUEST_DRAFTERS, SERVER_NEEDS
 from .options import exact_options, load_engine, options_from_env, provider_option
 
-# flags our engine honours and `vllm serve` has no counterpart for: refused with --engine vllm (--max-sequences,
-# --chat-template, --tensor-parallel-size, --draft/--num-draft ngram have counterparts and are passed on)
-QUASAR_ONLY = (
-    "adaptive-k",
-    "backend",
-    "provider",
-    "max-queue",
-    "max-body-bytes",
-    "max-num-draft",
-    "max-stop",
-    "max-stop-chars",
-    "default-max-tokens",
-    "request-timeout",
-    "body-timeout",
-    "kv-cache-mib",
-    "prefill-tokens",
-    "row-budget",
-    "drain-timeout",
-    "suffix-cache-tokens",
+# flags our engine honours and `vllm serve` has no counterpart for: refused with --engine vllm (the others are passed on)
+QUASAR_ONLY = tuple(
+    """adaptive-k backend provider max-queue max-body-bytes max-num-draft max-stop max-stop-chars default-max-tokens
+    request-timeout body-timeout kv-cache-mib prefill-tokens row-budget drain-timeout suffix-cache-tokens""".split()
 )
 VLLM_ONLY = ("tensor-parallel-size", "vllm-arg")
 
@@ -127,22 +109,7 @@ def seconds_option(name: str, default: float, help: str):
 )
 @exact_options
 def serve(
-    path,
-    engine_name,
-    host,
-    port,
-    api_key,
-    model_name,
-    backend,
-    provider,
-    draft,
-    num_draft,
-    adaptive_k,
-    chat_template,
-    verify,
-    exact_source,
-    rounds,
-    **limits,
+    path, engine_name, host, port, api_key, model_name, draft, num_draft, adaptive_k, chat_template, verify, exact_source, rounds, **options
 ):
     """Serve the model at PATH over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
 
@@ -153,9 +120,9 @@ def serve(
     if engine_name == "vllm":
         if verify == "exact":
             raise QuasarError("--verify exact runs on --engine quasar (vLLM serves the W8A8 model's own output)")
-        return serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits)
+        return serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, options)
     for name in VLLM_ONLY:
-        if limits[name.replace("-", "_")]:
+        if options[name.replace("-", "_")]:
             raise QuasarError(f"--{name} applies to --engine vllm only")
     from ..engine import check_can_fork
     from ..exact_mode import ExactEngine
@@ -164,25 +131,20 @@ def serve(
     from ..serve.scheduler import default_kv_cache_bytes
     from ..serve.server import run
 
-    kv_cache_mib = limits["kv_cache_mib"]
+    kv_cache_mib = options["kv_cache_mib"]
+    names = "max_body_bytes max_sequences max_queue request_timeout body_timeout prefill_tokens row_budget suffix_cache_tokens"
+    limits = RequestLimits(options["max_num_draft"], options["max_stop"], options["max_stop_chars"], options["default_max_tokens"])
     config = ServeConfig(  # checked before the model loads: a bad combination of flags fails at once
         served_name(path, model_name),
         api_key=api_key,
-        max_body_bytes=limits["max_body_bytes"],
-        max_sequences=limits["max_sequences"],
-        max_queue=limits["max_queue"],
         draft=draft,
         num_draft=num_draft,
         adaptive_k=adaptive_k,
-        request_timeout=limits["request_timeout"],
-        body_timeout=limits["body_timeout"],
         kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,
-        prefill_tokens=limits["prefill_tokens"],
-        row_budget=limits["row_budget"],
-        suffix_cache_tokens=limits["suffix_cache_tokens"],
-        limits=RequestLimits(limits["max_num_draft"], limits["max_stop"], limits["max_stop_chars"], limits["default_max_tokens"]),
+        limits=limits,
+        **{name: options[name] for name in names.split()},
     )
-    engine = load_engine(path, backend, provider, SERVER_NEEDS, verify, exact_source, rounds)
+    engine = load_engine(path, options["backend"], options["provider"], SERVER_NEEDS, verify, exact_source, rounds)
     check_can_fork(engine.lm)
     if isinstance(engine, ExactEngine):  # every request's W8A8 rounds run on a sequence of its own
         check_can_fork(engine.middle)
@@ -193,30 +155,24 @@ def serve(
     app = create_app(engine, config)
     # what serves, before uvicorn's own lines: the backend auto chose, its threads and kernels (bench serve reads it)
     click.echo(f"serving {config.model} on {engine.lm.description}", err=True)
-    run(app, host, port, limits["drain_timeout"])
+    run(app, host, port, options["drain_timeout"])
 
 
 def serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits: dict) -> None:
     """Replace this process with ``vllm serve``, once no flag it cannot honour was given."""
+    from ..errors import QuasarError
     from ..serve.vllm import exec_vllm, vllm_command
 
     ctx = click.get_current_context()
-    refuse_for_vllm(ctx)
+    for name in QUASAR_ONLY:  # set on the command line: one line, never silently ignored
+        if set_explicitly(ctx, name.replace("-", "_")):
+            raise QuasarError(f"--{name} has no vLLM counterpart; drop it with --engine vllm (or pass vLLM's own with --vllm-arg)")
     # --max-sequences only when given: vLLM's scheduler, with its paged KV cache, sizes its own batch otherwise
     max_sequences = limits["max_sequences"] if set_explicitly(ctx, "max_sequences") else None
     tensor_parallel_size, extra = limits["tensor_parallel_size"], limits["vllm_arg"]
     exec_vllm(
         *vllm_command(path, host, port, api_key, model_name, draft, num_draft, tensor_parallel_size, max_sequences, chat_template, extra)
     )
-
-
-def refuse_for_vllm(ctx: click.Context) -> None:
-    """``--engine vllm`` with a flag only our engine honours, set on the command line: one line, never silently ignored."""
-    from ..errors import QuasarError
-
-    for name in QUASAR_ONLY:
-        if set_explicitly(ctx, name.replace("-", "_")):
-            raise QuasarError(f"--{name} has no vLLM counterpart; drop it with --engine vllm (or pass vLLM's own with --vllm-arg)")
 
 
 def set_explicitly(ctx: click.Context, name: str) -> bool:

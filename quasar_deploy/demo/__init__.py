@@ -20,11 +20,8 @@ DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS = 4, 64  # built-in prompts measured, new 
 
 
 def demo_model_path(variant: str = "plain") -> Path:
-    """Directory of the shipped demo model (a Hugging Face Qwen3 checkpoint, ~5.8M parameters).
-
-    ``variant="outlier"``: the same function with planted activation outliers
-    (``quasar_deploy.outliers``), built on first use in the cache, never shipped.
-    """
+    """Directory of the shipped demo model; ``variant="outlier"``: the same function with planted activation outliers
+    (``quasar_deploy.outliers``), built on first use in the cache."""
     plain = Path(__file__).resolve().parent.parent / "demo_model"
     if variant == "plain":
         return plain

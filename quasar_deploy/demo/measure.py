@@ -1,13 +1,4 @@
-"""The demo's end-to-end timing: each mode (an engine decoding with n-gram drafting) on the same prompts, taking turns.
-
-Machines drift (thermal, neighbours), so the modes take turns on each prompt, and a speed-up is the
-median of per-prompt ratios measured seconds apart. ``quasar-deploy bench e2e`` does the same with
-more modes and the anchors; the demo keeps its own few lines so that the product never imports the benchmarks.
-
-The modes of one backend take turns (``timed_runs``); backends run one after another (``run.py``), so that one
-0.6B-shape float model is in memory at a time, and ``figures`` then compares every mode with the fastest float
-mode of either backend on the same prompt.
-"""
+"""The demo's end-to-end timing: each mode (an engine decoding with n-gram drafting) on the same prompts, taking turns."""
 
 from __future__ import annotations
 
@@ -27,7 +18,7 @@ def _run(engine: Engine, ids: list[int], max_new_tokens: int) -> GenerationStats
 def timed_runs(engines: Mapping[str, Engine], encoded: Sequence[list[int]], max_new_tokens: int) -> dict[str, list[GenerationStats]]:
     """Each mode's generation of every prompt, the modes taking turns prompt by prompt (a different one first each time)."""
     modes = list(engines)
-    for engine in engines.values():  # first calls pay one-time costs (weight packing, allocator): kept out of the figures
+    for engine in engines.values():  # one-time costs (weight packing, allocator) kept out of the figures
         _run(engine, encoded[0], 4)
     runs: dict[str, list[GenerationStats]] = {m: [] for m in modes}
     for i, ids in enumerate(encoded):
@@ -37,17 +28,15 @@ def timed_runs(engines: Mapping[str, Engine], encoded: Sequence[list[int]], max_
 
 
 def figures(runs: Mapping[str, Sequence[GenerationStats]], float_modes: Sequence[str]) -> dict[str, dict]:
-    """Per mode: tokens/s (median and range), acceptance length (mean, and per prompt), verify-step ms, and
-    ``vs_best_float``, the median over prompts of its tokens/s over the fastest of ``float_modes`` on the same prompt."""
+    """Per mode: tokens/s, acceptance length, verify-step ms, and ``vs_best_float``: the median per-prompt ratio to the
+    fastest of ``float_modes``."""
     count = len(next(iter(runs.values())))
     best = [max(runs[m][i].tokens_per_s for m in float_modes) for i in range(count)]
     result = {}
     for mode, stats in runs.items():
         speeds = [s.tokens_per_s for s in stats]
-        result[mode] = {
-            "tokens_per_s": statistics.median(speeds),
-            "tokens_per_s_min": min(speeds),
-            "tokens_per_s_max": max(speeds),
+        result[mode] = {"tokens_per_s": statistics.median(speeds), "tokens_per_s_min": min(speeds), "tokens_per_s_max": max(speeds)}
+        result[mode] |= {
             "acceptance_length": statistics.mean(s.acceptance_length for s in stats),
             "acceptance_lengths": [s.acceptance_length for s in stats],
             "verify_step_ms": 1000 * sum(s.verify_s for s in stats) / max(1, sum(s.verify_steps for s in stats)),

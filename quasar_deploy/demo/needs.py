@@ -1,12 +1,4 @@
-"""What ``quasar-deploy demo`` needs before it starts: memory at its peak, and the cache's disk for what its first run writes.
-
-From tensor headers alone (``memory.estimate_headers``), also of the models the first run has not written yet: the
-demo model inflated to the 0.6B body (``inflate.py``'s shapes, the demo model's dtypes, layer 0's for new layers) and
-its W8A8 artifact (every decoder linear int8 with float32 per-row scales, as the demo recipe calibrates it). The peak
-is the heavier backend's float and W8A8 engines side by side (the demo loads one backend's at a time, ``run.py``),
-plus the libraries; the disk is every cache entry still missing: the demo artifact, the inflated model and artifact,
-and their ONNX exports.
-"""
+"""What ``quasar-deploy demo`` needs before it starts: memory at its peak, and the cache's disk for what its first run writes."""
 
 from __future__ import annotations
 
@@ -28,8 +20,7 @@ from ..tokenizer import load_tokenizer
 from .measure import NUM_DRAFT
 
 GB = 10**9
-# torch, ONNX Runtime, tokenizers and the interpreter, resident before any model loads (measured: 307 MiB)
-LIBRARIES = 320 * MIB
+LIBRARIES = 320 * MIB  # torch, ONNX Runtime, tokenizers and the interpreter, resident before any model loads
 Headers = tuple[dict[str, tuple[int, ...]], dict[str, str]]
 
 
@@ -47,8 +38,7 @@ class DemoNeeds:
 
 
 def model_headers(spec: DecoderSpec, dtypes: dict[str, str], w8a8: bool) -> Headers:
-    """The tensors a float checkpoint (or, ``w8a8``, an artifact) of ``spec`` holds, with their stored dtypes: a tied
-    head is the table; an artifact's linears are int8 with a float32 scale per row."""
+    """The tensors and stored dtypes of a float checkpoint (``w8a8``: an artifact, int8 linears) of ``spec``."""
     shapes, stored = {}, {}
     for name, shape in expected_shapes(spec).items():
         if not name.endswith(".weight") or (name.startswith("lm_head.") and spec.tie_word_embeddings):
@@ -97,21 +87,16 @@ def demo_needs(prompts: list[str], max_new_tokens: int, with_ort: bool) -> DemoN
     inflated = (model_headers(big, dtypes, False), model_headers(big, dtypes, True))
     memory = LIBRARIES + max(_engines_bytes(source.spec, *small, tokens, with_ort), _engines_bytes(big, *inflated, tokens, with_ort))
     artifact, (big_model, big_artifact) = demo.demo_artifact_path(), demo.inflated_demo_paths()
-    entries = [(_missing(artifact, MANIFEST), _file_bytes(small[1])), (_missing(big_model, "config.json"), _file_bytes(inflated[0]))]
-    entries.append((_missing(big_artifact, MANIFEST), _file_bytes(inflated[1])))
+    models = [(demo.demo_model_path(), "config.json", small[0]), (artifact, MANIFEST, small[1])]
+    models += [(big_model, "config.json", inflated[0]), (big_artifact, MANIFEST, inflated[1])]
+    disk = sum(_file_bytes(headers) for path, marker, headers in models[1:] if _missing(path, marker))  # the demo model ships
     if with_ort:
-        entries += [
-            (_export_missing(demo.demo_model_path(), "config.json"), graph_bytes(*small[0])),
-            (_export_missing(artifact, MANIFEST), graph_bytes(*small[1])),
-            (_export_missing(big_model, "config.json"), graph_bytes(*inflated[0])),
-            (_export_missing(big_artifact, MANIFEST), graph_bytes(*inflated[1])),
-        ]
-    return DemoNeeds(memory, sum(size for missing, size in entries if missing))
+        disk += sum(graph_bytes(*headers) for path, marker, headers in models if _export_missing(path, marker))
+    return DemoNeeds(memory, disk)
 
 
 def check_needs(needs: DemoNeeds, available: int | None = None, free: int | None = None) -> None:
-    """Refuse in one line, before anything is written or loaded, where the memory available now (default MemAvailable)
-    or the cache's free disk (default: what its disk has) is short of ``needs``: the run would be killed, or fail, minutes in."""
+    """Refuse in one line, before anything is written or loaded, where memory or the cache's disk is short of ``needs``."""
     available = memory_available() if available is None else available
     if needs.memory > available:
         raise QuasarError(

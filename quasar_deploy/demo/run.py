@@ -1,10 +1,5 @@
 """``quasar-deploy demo``: the shipped model and its function-preserving inflation to the Qwen3-0.6B body, each decoded with
-n-gram drafting on float and W8A8 verifiers, end to end.
-
-The demo model (5.8M parameters) sits in the CPU caches, where int8 weights save no bandwidth; inflated
-(``inflate.py``), every step reads a 0.6B body's weights while the outputs, and so the acceptance lengths,
-stay the trained model's. That is where W8A8 verification pays, measured here rather than asserted.
-"""
+n-gram drafting on float and W8A8 verifiers, end to end (why the inflation: ``inflate.py``)."""
 
 from __future__ import annotations
 
@@ -42,20 +37,11 @@ STREAMED_PROMPT = "import os\n\n\ndef list_python_files(root):\n"
 BACKEND_MODES = {"cpu": ("ngram-float", "ngram-w8a8"), "onnxruntime": ("ngram-float-ort", "ngram-w8a8-ort")}
 
 
-def stream_one(engine: Engine, echo: Callable[[str], None], max_new_tokens: int = 96) -> None:
-    echo(STREAMED_PROMPT)
-    for piece in engine.stream(STREAMED_PROMPT, max_new_tokens=max_new_tokens, draft="ngram"):
-        echo(piece)
-    echo("\n")
-
-
 def parameters_read_per_step(model: str | Path) -> int:
     """Weights one forward step reads: every linear and the lm_head (the embedding lookup reads a few rows)."""
-    spec = open_model_files(model).spec
-    shapes = expected_shapes(spec)
-    names = [n for n in shapes if n.endswith("_proj.weight")] + [
-        "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
-    ]
+    shapes = expected_shapes(open_model_files(model).spec)
+    head = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
+    names = [n for n in shapes if n.endswith("_proj.weight")] + [head]
     return sum(math.prod(shapes[n]) for n in names)
 
 
@@ -67,9 +53,7 @@ def _measure(
     max_new_tokens: int,
     before: Callable[[dict[str, Engine]], None] | None = None,
 ) -> dict:
-    """Every mode on the built-in prompts: one backend's float and W8A8 engines at a time, taking turns prompt by
-    prompt, freed before the next backend's load (the 0.6B body's float engines weigh 1.8 GB each: two at once would
-    put the demo past 3 GB); ``before(engines)`` runs on the first backend's (the streamed sample)."""
+    """Every mode on the prompts, one backend's engines at a time; ``before(engines)`` runs on the first backend's."""
     runs: dict[str, list] = {}
     backends: dict[str, str] = {}
     encoded: list[list[int]] = []
@@ -86,21 +70,15 @@ def _measure(
         del engines
         gc.collect()  # the next backend's engines load into the memory these held
         return_freed_memory()
-    return {
-        "model": str(model),
-        "artifact": str(artifact),
-        "modes": figures(runs, [mode for mode in runs if "float" in mode]),
-        "backends": backends,
-        "spec": asdict(open_model_files(model).spec),
-        "parameters_read_per_step": parameters_read_per_step(model),
-    }
+    modes = figures(runs, [mode for mode in runs if "float" in mode])
+    result = {"model": str(model), "artifact": str(artifact), "modes": modes, "backends": backends}
+    return result | {"spec": asdict(open_model_files(model).spec), "parameters_read_per_step": parameters_read_per_step(model)}
 
 
 def run_demo(
     echo: Callable[[str], None], progress: bool = True, limit: int = DEFAULT_LIMIT, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
 ) -> dict:
-    """Calibrate and inflate (cached), stream one W8A8 generation of the inflated model, then measure both models end to
-    end; refused first where this machine lacks the memory or the cache's disk it needs (``needs.py``)."""
+    """Calibrate and inflate (cached), stream one W8A8 generation, then measure both models, once ``needs.py`` agrees."""
     with_ort = unavailable("onnxruntime") is None
     prompts = read_texts(BUILTIN["prompts"])[:limit]
     needs = demo_needs(prompts, max_new_tokens, with_ort)
@@ -119,22 +97,17 @@ def run_demo(
 
     def stream(engines: dict[str, Engine]) -> None:
         echo(f"--- inflated model, W8A8 verifier, n-gram drafting (k={NUM_DRAFT}, n {NGRAM[0]}..{NGRAM[1]}), streamed ---\n")
-        stream_one(engines["ngram-w8a8"], echo)
+        echo(STREAMED_PROMPT)
+        for piece in engines["ngram-w8a8"].stream(STREAMED_PROMPT, max_new_tokens=96, draft="ngram"):
+            echo(piece)
+        echo("\n")
 
     inflated = _measure(big_model, big_artifact, with_ort, prompts, max_new_tokens, before=stream)
     demo = _measure(demo_model_path(), artifact, with_ort, prompts, max_new_tokens)
     fidelity: Fidelity = evaluate(artifact, demo_model_path(), num_samples=len(read_texts(None, "eval")), progress=False)
     default = auto_backend(big_artifact)
-    return {
-        "inflated": inflated,
-        "demo": demo,
-        "fidelity": fidelity.to_dict(),
-        "artifact": str(artifact),
-        "onnxruntime": with_ort,
-        "prompt_count": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "default_backend": default,
-    }
+    result = {"inflated": inflated, "demo": demo, "fidelity": fidelity.to_dict(), "artifact": str(artifact), "onnxruntime": with_ort}
+    return result | {"prompt_count": len(prompts), "max_new_tokens": max_new_tokens, "default_backend": default}
 
 
 def _table(measured: dict) -> list[str]:

@@ -1,37 +1,7 @@
 """Export a W8A8 artifact to msModelSlim's AscendV1 layout, which vLLM-Ascend serves with ``quantization="ascend"``.
 
-Output directory (written to a temp dir, then renamed):
-
-- ``config.json``: the artifact's config without ``quantization_config`` (vLLM would otherwise
-  insist on compressed-tensors) and with ``torch_dtype`` set to the export dtype: bfloat16 unless
-  ``dtype="float16"`` is asked for, which only the static scheme can run (see ``export_dtype``);
-- tokenizer and generation files, copied;
-- ``quasar-export.json``: the sha256 of every other file (for a future loader of ours; vLLM ignores it);
-- ``quant_model_description.json``: ``model_quant_type``, ``version`` and one type per tensor:
-  ``W8A8_DYNAMIC`` (our default per-token scheme) or ``W8A8`` (static per-tensor) for every
-  tensor of a quantized linear, ``FLOAT`` for everything else (embeddings, norms, float linears),
-  and ``"lm_head.weight": "FLOAT"`` for a model whose head is tied to its embeddings (no such tensor
-  is written): vLLM's Llama builds a ``ParallelLMHead`` under the prefix ``lm_head`` before tying it,
-  and vLLM-Ascend looks that prefix up in the description (msModelSlim writes the same entry);
-- ``quant_model_weights.safetensors`` (above 5 GB: ``quant_model_weights-0000i-of-0000N.safetensors``
-  and ``quant_model_weights.safetensors.index.json``, as msModelSlim shards; vLLM loads every
-  ``*.safetensors`` of the directory), written tensor by tensor so that an 8B export never holds
-  the model; per quantized linear (weight [n, k]):
-  - dynamic: ``weight`` int8 [n, k], ``weight_scale`` float32 [n, 1], ``weight_offset`` float32 [n, 1] (zeros);
-  - static: those three plus ``input_scale`` and ``input_offset`` [1] in the model dtype,
-    ``quant_bias`` int32 [n], ``deq_scale`` [n] (float32 for bfloat16 models, the float32 bit
-    pattern as int64 for float16 models);
-  - ``bias`` in the model dtype where the layer has one.
-
-The smoothing is already folded into the norm weights (``input_layernorm`` /
-``post_attention_layernorm``) and into ``v_proj`` / ``up_proj`` rows, which is where
-msModelSlim's anti-outlier pass leaves it; SmoothQuant has no shift, so no ``norm.bias`` is
-written (its presence switches vLLM-Ascend to a fused quantizing RMSNorm).
-
-Static numerics: the activation scale vLLM-Ascend quantizes with is ``input_scale`` as stored
-(model dtype), so ``deq_scale = float32(input_scale as stored) * weight_scale`` keeps the pair
-consistent, and ``quant_bias = round(bias / deq_scale)`` carries the float bias.
-"""
+The layout tensor by tensor, and the static numerics (``deq_scale``, ``quant_bias``): docs/npu.md. The smoothing is
+already folded into the norms and ``v_proj`` / ``up_proj`` rows, so no ``norm.bias`` is written."""
 
 from __future__ import annotations
 
@@ -58,12 +28,7 @@ FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("
 
 
 def export_dtype(requested: str | None, activation: str) -> str:
-    """The export's model dtype: bfloat16 whatever the source's, float16 only on request and only for the static scheme.
-
-    vLLM-Ascend's W8A8_DYNAMIC linear hands ``npu_quant_matmul`` its weight scale in the model dtype together with a
-    per-token scale, and that op takes a float16 output with a per-token scale only from a float32 weight scale: a
-    float16 dynamic export would not run. The static scheme's int64 ``deq_scale`` is the float16 encoding the op takes.
-    """
+    """The export's model dtype: bfloat16, or float16 on request for the static scheme (vLLM-Ascend's dynamic one can't)."""
     if requested is None:
         return "bfloat16"
     if requested not in EXPORT_DTYPES:
@@ -109,11 +74,8 @@ def quantized_tensors(prefix: str, files: ModelFiles, activation: str, dtype: to
     wq = ckpt.tensor(f"{prefix}.weight")
     w_scale = ckpt.tensor(f"{prefix}.weight_scale").float().reshape(-1, 1)
     bias = ckpt.tensor(f"{prefix}.bias") if f"{prefix}.bias" in ckpt.names else None
-    out = {
-        f"{prefix}.weight": wq.contiguous(),
-        f"{prefix}.weight_scale": w_scale.contiguous(),
-        f"{prefix}.weight_offset": torch.zeros_like(w_scale),
-    }
+    out = {f"{prefix}.weight": wq.contiguous(), f"{prefix}.weight_scale": w_scale.contiguous()}
+    out[f"{prefix}.weight_offset"] = torch.zeros_like(w_scale)
     if bias is not None:
         out[f"{prefix}.bias"] = bias.to(dtype).contiguous()
     if activation == "static":
@@ -125,10 +87,8 @@ def quantized_tensors(prefix: str, files: ModelFiles, activation: str, dtype: to
             if steps.abs().max() > torch.iinfo(torch.int32).max:
                 raise QuasarError(f"{files.path}: {prefix}.bias does not fit an int32 quant_bias at its dequantization scale")
             quant_bias = steps.to(torch.int32)
-        out[f"{prefix}.input_scale"] = input_scale
-        out[f"{prefix}.input_offset"] = torch.zeros(1, dtype=dtype)
-        out[f"{prefix}.quant_bias"] = quant_bias
-        out[f"{prefix}.deq_scale"] = encode_deq_scale(deq_scale, dtype)
+        out |= {f"{prefix}.input_scale": input_scale, f"{prefix}.input_offset": torch.zeros(1, dtype=dtype)}
+        out |= {f"{prefix}.quant_bias": quant_bias, f"{prefix}.deq_scale": encode_deq_scale(deq_scale, dtype)}
     return out
 
 
@@ -140,17 +100,14 @@ def export(files: ModelFiles, output: Path, dtype: str | None = None, max_shard_
     output = require_new(output)
     torch_dtype = EXPORT_DTYPES[dtype]
     quantized = set(files.manifest["quantized_layers"])
-    if HEAD in quantized:
-        # vLLM-Ascend's lm_head is a ParallelLMHead (an embedding class), not one of the Linear layers its W8A8 methods run
+    if HEAD in quantized:  # vLLM-Ascend's lm_head is a ParallelLMHead, not a Linear its W8A8 methods run
         raise QuasarError(
             f"{files.path}: has an int8 lm_head (calibrate --int8-lm-head), which msModelSlim's W8A8 layouts do not cover "
             "for vLLM-Ascend; calibrate without --int8-lm-head for the npu target"
         )
     check_fused_groups(files, quantized)
 
-    config = dict(files.checkpoint.config)
-    config.pop("quantization_config", None)
-    config["torch_dtype"] = dtype
+    config = {key: value for key, value in files.checkpoint.config.items() if key != "quantization_config"} | {"torch_dtype": dtype}
     if "dtype" in config:  # transformers >= 4.56 writes "dtype"; both must name the export's type
         config["dtype"] = dtype
 
@@ -171,7 +128,7 @@ def _write_weights(files: ModelFiles, writer: ShardWriter, quantized: set[str], 
     quant_type = QUANT_TYPES[activation]
     description: dict[str, str] = {"model_quant_type": quant_type, "version": FORMAT_VERSION}
     if files.spec.tie_word_embeddings:
-        description[f"{HEAD}.weight"] = "FLOAT"  # looked up though no such tensor exists (module docstring)
+        description[f"{HEAD}.weight"] = "FLOAT"  # looked up though no such tensor exists (docs/npu.md)
     groups = by_layer(ckpt.names, files.spec)
     for _, names in tqdm(groups, desc="exporting npu", unit="layer", disable=not progress):
         for name in names:

@@ -1,11 +1,4 @@
-"""``export --target onnx``: the decoder graph, its weights, and a ``genai_config.json`` sidecar.
-
-The output directory is self-contained for ``quasar_deploy.load(DIR, backend="onnxruntime")``
-and for onnxruntime-genai style front ends: ``model.onnx`` (+ ``model.onnx.data`` when the
-weights pass ``EXTERNAL_DATA_THRESHOLD``), ``genai_config.json`` describing inputs and outputs,
-the source's ``config.json``, ``generation_config.json`` and tokenizer files, and
-``quasar-export.json`` with the sha256 of each, which ``load_onnx`` verifies.
-"""
+"""``export --target onnx``: the decoder graph, its weights, and a ``genai_config.json`` sidecar."""
 
 from __future__ import annotations
 
@@ -38,10 +31,7 @@ MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 CONFIG_FILE = "genai_config.json"
 SIDECAR_FORMAT = 1
-# Weights above this go to ``model.onnx.data`` as the graph is built. Inside ``model.onnx`` (protobuf refuses 2 GiB in
-# any case) the export holds them whole in memory, and ONNX Runtime's session build reads them into a second copy
-# beside its own: the inflated demo's 1.8 GB float graph peaked at 2.2 GB loading, 1.6 GB with the file mapped (ORT maps
-# external data at page-aligned offsets), and its export at 2 GB against 0.3 GB
+# weights above this go to ``model.onnx.data`` as the graph is built (held whole and copied by ORT otherwise)
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 LINEAR_DESCRIPTIONS = {
     "integer": "u8xs8 MatMulInteger, exact int32 accumulation",
@@ -50,38 +40,21 @@ LINEAR_DESCRIPTIONS = {
 
 
 def genai_config(files: ModelFiles, precision: str, linear_format: str | None, head_outside: bool = False) -> dict:
-    """onnxruntime-genai's ``genai_config.json`` layout, plus a ``quasar`` block saying what the graph computes (a graph
-    whose head is outside ends in ``hidden_states``: quasar-deploy's own, not for other front ends)."""
-    spec, config = files.spec, files.checkpoint.config
-    scheme = files.scheme
+    """onnxruntime-genai's ``genai_config.json`` layout, plus a ``quasar`` block saying what the graph computes."""
+    spec, config, scheme = files.spec, files.checkpoint.config, files.scheme
+    inputs = {name: name for name in ("input_ids", "attention_mask", "position_ids")}
+    inputs |= {"past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
+    outputs = {HIDDEN: HIDDEN} if head_outside else {"logits": "logits"}
+    outputs |= {"present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
+    decoder = {"filename": MODEL_FILE, "head_size": spec.head_dim, "hidden_size": spec.hidden_size, "num_attention_heads": spec.num_heads}
+    decoder |= {"num_key_value_heads": spec.num_kv_heads, "num_hidden_layers": spec.num_layers, "inputs": inputs, "outputs": outputs}
     return {
         "model": {
             "type": config.get("model_type", spec.architecture),
             "context_length": spec.max_position_embeddings,
             "vocab_size": spec.vocab_size,
-            "bos_token_id": config.get("bos_token_id"),
-            "eos_token_id": config.get("eos_token_id"),
-            "pad_token_id": config.get("pad_token_id"),
-            "decoder": {
-                "filename": MODEL_FILE,
-                "head_size": spec.head_dim,
-                "hidden_size": spec.hidden_size,
-                "num_attention_heads": spec.num_heads,
-                "num_key_value_heads": spec.num_kv_heads,
-                "num_hidden_layers": spec.num_layers,
-                "inputs": {
-                    "input_ids": "input_ids",
-                    "attention_mask": "attention_mask",
-                    "position_ids": "position_ids",
-                    "past_key_names": "past_key_values.%d.key",
-                    "past_value_names": "past_key_values.%d.value",
-                },
-                "outputs": {
-                    **({HIDDEN: HIDDEN} if head_outside else {"logits": "logits"}),
-                    "present_key_names": "present.%d.key",
-                    "present_value_names": "present.%d.value",
-                },
-            },
+            **{key: config.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
+            "decoder": decoder,
         },
         "search": {"max_length": spec.max_position_embeddings, "past_present_share_buffer": False},
         "quasar": {
@@ -91,7 +64,6 @@ def genai_config(files: ModelFiles, precision: str, linear_format: str | None, h
             "linear": LINEAR_DESCRIPTIONS[linear_format] if linear_format else "float32 MatMul",
             "opset": OPSETS[linear_format or "integer"],
             "ir_version": IR_VERSIONS[OPSETS[linear_format or "integer"]],
-            # the artifact's manifest checksums every file it has (one weights file or many shards): its own hash names it
             "source_manifest_sha256": sha256_files(files.path / MANIFEST) if files.manifest else None,
         },
     }
@@ -111,8 +83,7 @@ def _linear_format(files: ModelFiles, precision: str, linear_format: str) -> str
         if linear_format != "integer":
             raise QuasarError(f"--format {linear_format} applies to W8A8 graphs; a float graph has no quantized linears")
         return None
-    if linear_format == "qdq" and files.scheme.activation != "static":
-        # TensorRT and ORT's QDQ fusions need constant scales; per-token scales would leave float math (docs/onnx.md)
+    if linear_format == "qdq" and files.scheme.activation != "static":  # TensorRT and ORT's QDQ fusions need constant scales
         raise QuasarError(
             f"{files.path}: --format qdq needs per-tensor static activation scales, this artifact has "
             f"{files.scheme.activation!r} ones; calibrate with --activation static, or export --format integer"
@@ -121,17 +92,10 @@ def _linear_format(files: ModelFiles, precision: str, linear_format: str) -> str
 
 
 def save_graph(model: onnx.ModelProto, directory: Path) -> None:
-    """One file up to ``EXTERNAL_DATA_THRESHOLD`` of weights, else weights in ``model.onnx.data`` (a graph whose weights are already in
-    ``ExternalData`` is written as it is); the checker reads it back either way."""
-    weight_bytes = sum(len(t.raw_data) for t in model.graph.initializer)
-    external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+    """One file up to ``EXTERNAL_DATA_THRESHOLD`` of weights, else weights in ``model.onnx.data``; then checked."""
+    external = sum(len(t.raw_data) for t in model.graph.initializer) > EXTERNAL_DATA_THRESHOLD
     onnx.save_model(model, str(directory / MODEL_FILE), save_as_external_data=external, all_tensors_to_one_file=True, location=DATA_FILE)
     onnx.checker.check_model(str(directory / MODEL_FILE))
-
-
-def graph_weight_bytes(files: ModelFiles) -> int:
-    """What the graph's initializers will weigh (``memory.graph_bytes``)."""
-    return graph_bytes(files.checkpoint.shapes, files.checkpoint.dtypes)
 
 
 def source_graph(
@@ -143,10 +107,8 @@ def source_graph(
     linear_format: str = "integer",
     head_outside: bool = False,
 ) -> tuple[onnx.ModelProto, set[str]]:
-    """The graph built one decoder layer at a time from ``source``, and the names of its quantized linears; with
-    ``external``, each layer's weights are in that file before the next layer is read, and the embedding table and
-    lm_head go there block by block. An 8B graph never holds its weights twice, or whole. ``head_outside``: a float
-    lm_head is left to the caller (``onnx_graph.HEAD_OUTSIDE``) and a bf16 table stays bf16."""
+    """The graph built one layer at a time from ``source`` (weights to ``external`` as it goes), and its quantized linears;
+    ``head_outside``: a float lm_head is left to the caller and a bf16 table stays bf16."""
     load = tensor_loader(source, torch.float32)
     quantized: set[str] = set()
 
@@ -197,8 +159,7 @@ def streamed_graph(
 
 
 def write_graph(directory: Path, build: Callable[[ExternalData | None], onnx.ModelProto], external: bool) -> None:
-    """``build(weights file or None)``'s graph saved in ``directory``; with ``external``, its weights were written to
-    ``model.onnx.data`` while it was built."""
+    """``build(weights file or None)``'s graph saved in ``directory`` (``external``: weights in ``model.onnx.data``)."""
     data = ExternalData(directory / DATA_FILE) if external else None
     try:
         model = build(data)
@@ -214,8 +175,7 @@ def write_head(files: ModelFiles, path: Path) -> None:
 
     source = files.checkpoint
     names = {"weight": EMBEDDINGS if files.spec.tie_word_embeddings else f"{HEAD}.weight", "bias": f"{HEAD}.bias"}
-    tensors = {key: source.tensor(name).contiguous() for key, name in names.items() if name in source.names}
-    save_file(tensors, str(path))
+    save_file({key: source.tensor(name).contiguous() for key, name in names.items() if name in source.names}, str(path))
 
 
 def export(
@@ -227,22 +187,17 @@ def export(
     progress: bool = True,
     head_outside: bool = False,
 ) -> Path:
-    """Write the ONNX decoder for ``files`` to the new directory ``output`` (temp dir, then rename), one layer at a time.
+    """Write the ONNX decoder for ``files`` to the new directory ``output``, one layer at a time.
 
-    ``linear_format``: ``integer`` (exact u8 x s8 ``MatMulInteger``, for CPUs) or ``qdq`` (int8 Q/DQ pairs that
-    TensorRT fuses; static-activation artifacts only). The manifest records it, so the loader knows its graph.
-    ``external``: weights in ``model.onnx.data`` (written as the graph is built) rather than inside ``model.onnx``;
-    by default above ``EXTERNAL_DATA_THRESHOLD``. ``head_outside``: a W8A8 graph without its float lm_head,
-    ending in ``hidden_states`` (the onnxruntime backend computes the head beside it, in bf16 where the CPU has it:
-    ORT's CPU kernels have no bf16 MatMul); an int8 head stays in the graph.
-    """
+    ``linear_format``: ``integer`` or ``qdq``; ``external``: weights in ``model.onnx.data`` (default: above
+    ``EXTERNAL_DATA_THRESHOLD``); ``head_outside``: a W8A8 graph ending in ``hidden_states``, its float lm_head beside it."""
     linear = _linear_format(files, precision, linear_format)
     if head_outside and precision != "w8a8":
         raise QuasarError("a graph without its lm_head is made of W8A8 artifacts only")
     outside = head_outside and f"{HEAD}.weight_scale" not in files.checkpoint.names
     output = Path(output)
     if external is None:
-        external = graph_weight_bytes(files) > EXTERNAL_DATA_THRESHOLD
+        external = graph_bytes(files.checkpoint.shapes, files.checkpoint.dtypes) > EXTERNAL_DATA_THRESHOLD
     with atomic_directory(output) as tmp:
         name = f"{files.spec.architecture}-{precision}"
         write_graph(tmp, lambda data: streamed_graph(files, name, data, progress, linear or "integer", outside), external)

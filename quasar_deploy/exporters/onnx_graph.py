@@ -1,31 +1,10 @@
 """The ONNX decoder graph: one graph for prefill, k+1-token verify and single-token decode.
 
-Inputs and outputs follow Optimum / onnxruntime-genai naming (``input_ids``, ``attention_mask``,
-``position_ids``, ``past_key_values.{i}.key|value`` in; ``logits``, ``present.{i}.key|value`` out),
-with dynamic batch, sequence and past axes, so the same file serves every step of the speculative
-loop and loads in other ONNX Runtime front ends.
-
-W8A8 linears come in two forms (``LINEAR_FORMATS``; docs/onnx.md has the measurements):
-
-- ``integer`` (the default): the one form that is both fast on ORT's CPU kernels and exact to
-  ``scheme.py``. The activation is quantized in the graph (per token: ``Abs -> ReduceMax -> /127``;
-  static: the calibrated constant), shifted to uint8 with zero point 128, and multiplied by the
-  int8 weight in ``MatMulInteger`` (int32 accumulation), then scaled by
-  ``acc * act_scale * weight_scale`` in the reference's order. This u8 x s8 product is exact where
-  MLAS multiplies with VNNI (``vpdpbusd`` sums into 32-bit lanes) and faster there than u8 x u8, which VNNI
-  cannot multiply (``bench onnx layers`` times both); MLAS's AVX2 u8 x s8 kernel sums product pairs in
-  saturating 16-bit lanes, so on x64 CPUs without VNNI the backend sets ``session.x64quantprecision``,
-  under which ORT re-encodes these weights as uint8 at load and runs its exact u8 x u8 kernel
-  (``backends/onnxruntime``'s probe picks the option by running both). Per-row activation scales cannot go through
-  ``DequantizeLinear`` fused kernels (ORT does not fuse a run-time per-row scale), hence the
-  explicit integer form.
-- ``qdq``: the standard Q/DQ form that TensorRT and ORT's QDQ-aware execution providers fuse into
-  int8 GEMMs: ``QuantizeLinear``/``DequantizeLinear`` with an int8 activation, zero point 0 and a
-  constant per-tensor scale (static artifacts only: TensorRT needs build-time constant scales),
-  and ``DequantizeLinear`` of the int8 weight with one scale per output channel, around a
-  ``MatMul``. A ``Clip`` to +-127 scales comes first, because the scheme saturates at -127 where
-  ``QuantizeLinear`` would give -128.
-"""
+Optimum / onnxruntime-genai input and output names, with dynamic batch, sequence and past axes. W8A8 linears take one of
+``LINEAR_FORMATS`` (docs/onnx.md): ``integer`` (bit-exact to ``scheme.py``: the activation quantized in the graph,
+shifted to uint8 with zero point 128, times the int8 weight in ``MatMulInteger``, scaled in the reference's order; ORT
+fuses no run-time per-row scale into ``DequantizeLinear``) or ``qdq`` (static artifacts: Q/DQ pairs around a float
+``MatMul``, which TensorRT fuses; a ``Clip`` first, as the scheme saturates at -127, ``QuantizeLinear`` at -128)."""
 
 from __future__ import annotations
 
@@ -58,14 +37,12 @@ def present_names(layer: int) -> tuple[str, str]:
 
 
 class ExternalData:
-    """The weights file of an exported graph, filled as initializers are made: the graph itself then holds only
-    references (offset, length), so an 8B export never has its weights in memory twice, or whole."""
+    """The weights file of an exported graph, filled as initializers are made, so its weights are never in memory whole."""
 
     ALIGN = 4096  # page-aligned offsets let ONNX Runtime map the file instead of copying it
 
     def __init__(self, path: Path, min_bytes: int = 1024):
-        self.path = Path(path)
-        self.min_bytes = min_bytes
+        self.path, self.min_bytes = Path(path), min_bytes
         self._file = open(self.path, "wb+")
         self._end = 0
 
@@ -101,11 +78,7 @@ class ExternalData:
 
 
 class GraphBuilder:
-    """Nodes and initializers with generated names; keeps the decoder code readable as math.
-
-    ``linear_format`` names the form every W8A8 linear of this graph takes (a key of ``LINEAR_FORMATS``). With
-    ``external``, every initializer of at least ``external.min_bytes`` goes to that file as it is made.
-    """
+    """Nodes and initializers with generated names; big initializers go to ``external`` as they are made."""
 
     def __init__(self, linear_format: str = "integer", external: ExternalData | None = None) -> None:
         self.linear_format = linear_format
@@ -123,8 +96,7 @@ class GraphBuilder:
     def model(
         self, name: str, inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto], domains: Iterable[tuple[str, int]] = ()
     ) -> onnx.ModelProto:
-        """The nodes and initializers made so far as a model declaring this form's opset and its IR version (and
-        ``domains``, e.g. ORT's contrib ops): ``onnx_versions``, so the installed onnx's own versions never leak in."""
+        """The graph so far as a model declaring this form's opset, its IR version (``onnx_versions``) and ``domains``."""
         return make_model(helper.make_graph(self.nodes, name, inputs, outputs, self.initializers), self.opset, domains)
 
     def _name(self, hint: str) -> str:
@@ -150,8 +122,7 @@ class GraphBuilder:
         return name
 
     def rank0(self, value: float, dtype, name: str) -> str:
-        """A named 0-d initializer: Q/DQ scales and zero points must be scalars for per-tensor quantization (a
-        one-element 1-D scale means per-axis to the ONNX spec and to TensorRT)."""
+        """A named 0-d initializer: per-tensor Q/DQ needs scalars (a one-element 1-D scale means per-axis)."""
         self.initializers.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
         return name
 
@@ -171,9 +142,7 @@ class GraphBuilder:
         return names[0] if len(names) == 1 else names
 
     def row_zero_point(self, x: str) -> str:
-        """uint8 128 shaped [..., 1] like ``x``'s per-row scales: a blocked ``QuantizeLinear`` wants its zero point in
-        its scale's shape. Made once per graph from the first activation it is asked for, since every quantized
-        activation of a decoder graph has the same leading [batch, sequence] axes."""
+        """uint8 128 shaped [..., 1] like ``x``'s per-row scales, as a blocked ``QuantizeLinear`` wants; made once."""
         if self._row_zero_point is None:
             rows = self.op("Slice", self.op("Shape", x), self.ints([0]), self.ints([-1]))
             shape = self.op("Concat", rows, self.ints([1]), axis=0)
@@ -182,10 +151,7 @@ class GraphBuilder:
 
 
 def activation_codes(g: GraphBuilder, x: str, depth: int, input_scale: float | None) -> tuple[str, str]:
-    """``scheme``'s int8 codes of ``x`` (last axis ``depth``), as uint8 with zero point 128, and the scale they were
-    taken with: per row (``row_max / 127``, floored at 1e-12) or the calibrated constant. ``QuantizeLinear`` rounds
-    half to even like the reference and saturates at -128; per-row codes never reach it, a static scale's are clipped
-    first (the scheme saturates at -127)."""
+    """``scheme``'s int8 codes of ``x`` as uint8 with zero point 128, and their scale: per row, or the calibrated one."""
     if input_scale is None:
         row_max = g.op("ReduceMax", g.op("Abs", x), g.ints([-1]), keepdims=1)
         scale = g.op("Max", g.op("Div", row_max, g.scalar(QMAX)), g.scalar(1e-12))
@@ -196,12 +162,10 @@ def activation_codes(g: GraphBuilder, x: str, depth: int, input_scale: float | N
 
 
 def w8a8_linear(g: GraphBuilder, x: str, wq: np.ndarray, w_scale: np.ndarray, input_scale: float | None, prefix: str) -> str:
-    """``scheme.reference_linear`` on the last axis of ``x``, bit for bit (exact int32 accumulation)."""
+    """``scheme.reference_linear`` on the last axis of ``x``, bit for bit (integer-exact int32 accumulation)."""
     codes, scale = activation_codes(g, x, wq.shape[1], input_scale)
     weight = g.const(np.ascontiguousarray(wq.astype(np.int8).T), f"{prefix}.weight_int8")
-    # The weight's zero point (0) is given, not left implicit: with session.x64quantprecision (set on CPUs whose u8 x s8
-    # sums saturate) ONNX Runtime 1.20 and 1.21 read that input unchecked and abort the process when it is absent. One
-    # per linear: that option rewrites each node's weight zero point in place, and 1.32 refuses to rewrite a shared one.
+    # explicit, one per linear: under session.x64quantprecision ORT 1.20-1.21 abort without it, 1.32 refuses a shared one
     zero_points = (g.scalar(ZERO_POINT, np.uint8), g.rank0(0, np.int8, f"{prefix}.weight_zero_point"))
     acc = g.op("Cast", g.op("MatMulInteger", codes, weight, *zero_points), to=TensorProto.FLOAT)
     return g.op("Mul", g.op("Mul", acc, scale), g.const(w_scale.reshape(-1).astype(np.float32), f"{prefix}.weight_scale"))
@@ -211,13 +175,10 @@ def qdq_linear(g: GraphBuilder, x: str, wq: np.ndarray, w_scale: np.ndarray, inp
     """``scheme.reference_linear`` with a static scale, as Q/DQ pairs around a float ``MatMul`` (the form TensorRT fuses)."""
     if input_scale is None:
         raise ValueError("the QDQ form needs a constant (static) activation scale")
-    # one scale per linear, named after it: shared initializers let ORT merge the Q/DQ of q/k/v (and gate/up) into one
-    # DequantizeLinear with three consumers, which its QDQ fusion then leaves as float MatMuls
+    # one scale per linear: shared ones let ORT merge q/k/v's Q/DQ into one node its QDQ fusion leaves as float MatMuls
     scale, zero = g.rank0(input_scale, np.float32, f"{prefix}.input_scale"), g.rank0(0, np.int8, f"{prefix}.input_zero_point")
-    low, high = (
-        g.rank0(-QMAX * input_scale, np.float32, f"{prefix}.input_min"),
-        g.rank0(QMAX * input_scale, np.float32, f"{prefix}.input_max"),
-    )
+    low = g.rank0(-QMAX * input_scale, np.float32, f"{prefix}.input_min")
+    high = g.rank0(QMAX * input_scale, np.float32, f"{prefix}.input_max")
     clipped = g.op("Clip", x, low, high)  # the scheme saturates at -127, QuantizeLinear at -128
     activation = g.op("DequantizeLinear", g.op("QuantizeLinear", clipped, scale, zero), scale, zero)
     weight = g.const(np.ascontiguousarray(wq.astype(np.int8).T), f"{prefix}.weight_int8")  # [in, out]
@@ -241,10 +202,7 @@ def linear(g: GraphBuilder, x: str, layer: Linear, prefix: str) -> str:
 
 
 def shared_input_linears(g: GraphBuilder, x: str, layers: Sequence[Linear], prefixes: Sequence[str], fused: str) -> list[str]:
-    """Linears reading the same ``x`` (q/k/v, gate/up) as one product whose output is split, where that changes no
-    number: W8A8 ones of the integer form that quantize ``x`` alike (every output column is its own exact sum), or
-    float ones. One wide product instead of three small ones, and one epilogue, is what a verify step's few rows need:
-    on a CPU their time goes to per-node overhead as much as to the weights. Other groups stay separate."""
+    """Linears reading the same ``x`` as one product whose output is split, where that changes no number."""
     scales = {None if layer.input_scale is None else float(layer.input_scale.item()) for layer in layers}
     quantized = {layer.quantized for layer in layers}
     if quantized == {True} and g.linear_format == "integer" and len(scales) == 1:
@@ -303,22 +261,18 @@ def attention(g: GraphBuilder, spec: DecoderSpec, x: str, attn: Attention, i: in
     """Grouped-query attention without copying K/V: queries are grouped as [batch, kv, group, seq, dim]."""
     prefix = f"{spec.layer_prefix(i)}.self_attn"
     heads, kv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     names = [f"{prefix}.{name}" for name in ("q_proj", "k_proj", "v_proj")]
-    q, k, v = shared_input_linears(g, x, projections, names, f"{prefix}.qkv_proj")
-    q = g.op("Reshape", q, g.ints([0, 0, heads, dim]))
-    k = g.op("Reshape", k, g.ints([0, 0, kv, dim]))
-    v = g.op("Reshape", v, g.ints([0, 0, kv, dim]))
+    q, k, v = shared_input_linears(g, x, (attn.q_proj, attn.k_proj, attn.v_proj), names, f"{prefix}.qkv_proj")
+    q, k, v = (g.op("Reshape", t, g.ints([0, 0, n, dim])) for t, n in ((q, heads), (k, kv), (v, kv)))
     if spec.qk_norm:
         q = rms_norm(g, q, attn.q_norm, f"{prefix}.q_norm.weight")
         k = rms_norm(g, k, attn.k_norm, f"{prefix}.k_norm.weight")
     q = rotate(g, g.op("Transpose", q, perm=[0, 2, 1, 3]), cos, sin, dim)
     k = rotate(g, g.op("Transpose", k, perm=[0, 2, 1, 3]), cos, sin, dim)
     v = g.op("Transpose", v, perm=[0, 2, 1, 3])
-    past_k, past_v = past_names(i)
     present_k, present_v = present_names(i)
-    g.op("Concat", past_k, k, axis=2, outputs=[present_k])
-    g.op("Concat", past_v, v, axis=2, outputs=[present_v])
+    for past, new, present in zip(past_names(i), (k, v), (present_k, present_v)):
+        g.op("Concat", past, new, axis=2, outputs=[present])
     q5 = g.op("Reshape", q, g.ints([0, kv, heads // kv, -1, dim]))
     keys_t = g.op("Unsqueeze", g.op("Transpose", present_k, perm=[0, 1, 3, 2]), g.ints([2]))
     scores = g.op("Add", g.op("Mul", g.op("MatMul", q5, keys_t), g.scalar(dim**-0.5)), bias)
@@ -351,12 +305,8 @@ def build_graph(
     head: Fill | Linear | None,
     table_dtype: np.dtype = FLOAT32,
 ) -> onnx.ModelProto:
-    """The decoder graph from its parts; ``layers`` may be built one at a time (each is dropped once its nodes exist),
-    ``embed`` fills the [vocab, hidden] table; ``head`` fills the [hidden, vocab] transposed float lm_head, or is the
-    int8 lm_head (a W8A8 linear in the graph's format, like the layers'), or None (tied to the table), or
-    ``HEAD_OUTSIDE``: no head, the graph outputs the final normed ``hidden_states`` for a head computed beside it (a bf16
-    one on torch's kernel, where ORT's CPU kernels have none). ``table_dtype``: the table's stored dtype, float32 or
-    ``BFLOAT16`` (rows gathered, then cast: half the table's memory, the same values, for a graph whose head is outside)."""
+    """The decoder graph from its parts, ``layers`` built one at a time; ``head``: a [hidden, vocab] fill, the int8 lm_head,
+    None (tied) or ``HEAD_OUTSIDE`` (the graph ends in ``hidden_states``); ``table_dtype``: float32 or ``BFLOAT16``."""
     cos, sin = rotary(g, "position_ids", inv_freq)
     bias = attention_bias(g, spec, "attention_mask", past_names(0)[0], "input_ids")
     table = g.const_filled("model.embed_tokens.weight", table_dtype, (spec.vocab_size, spec.hidden_size), embed)
@@ -365,14 +315,10 @@ def build_graph(
         x = g.op("Cast", x, to=TensorProto.FLOAT)
     for i, layer in enumerate(layers):
         p = spec.layer_prefix(i)
-        x = g.op(
-            "Add",
-            x,
-            attention(g, spec, rms_norm(g, x, layer.input_layernorm, f"{p}.input_layernorm.weight"), layer.self_attn, i, cos, sin, bias),
-        )
-        x = g.op(
-            "Add", x, mlp(g, rms_norm(g, x, layer.post_attention_layernorm, f"{p}.post_attention_layernorm.weight"), layer.mlp, f"{p}.mlp")
-        )
+        normed = rms_norm(g, x, layer.input_layernorm, f"{p}.input_layernorm.weight")
+        x = g.op("Add", x, attention(g, spec, normed, layer.self_attn, i, cos, sin, bias))
+        normed = rms_norm(g, x, layer.post_attention_layernorm, f"{p}.post_attention_layernorm.weight")
+        x = g.op("Add", x, mlp(g, normed, layer.mlp, f"{p}.mlp"))
     normed = rms_norm(g, x, norm, "model.norm.weight")
     if head is HEAD_OUTSIDE:
         g.op("Identity", normed, outputs=[HIDDEN])
@@ -387,15 +333,10 @@ def build_graph(
 
     cache_shape = [BATCH, spec.num_kv_heads, PAST, spec.head_dim]
     present_shape = [BATCH, spec.num_kv_heads, TOTAL, spec.head_dim]
-    inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [BATCH, SEQUENCE]),
-        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [BATCH, TOTAL]),
-        helper.make_tensor_value_info("position_ids", TensorProto.INT64, [BATCH, SEQUENCE]),
-    ]
-    if head is HEAD_OUTSIDE:
-        outputs = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [BATCH, SEQUENCE, spec.hidden_size])]
-    else:
-        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH, SEQUENCE, spec.vocab_size])]
+    ids = (("input_ids", SEQUENCE), ("attention_mask", TOTAL), ("position_ids", SEQUENCE))
+    inputs = [helper.make_tensor_value_info(name, TensorProto.INT64, [BATCH, axis]) for name, axis in ids]
+    out, width = (HIDDEN, spec.hidden_size) if head is HEAD_OUTSIDE else ("logits", spec.vocab_size)
+    outputs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, [BATCH, SEQUENCE, width])]
     for i in range(spec.num_layers):
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_shape) for n in past_names(i)]
         outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, present_shape) for n in present_names(i)]

@@ -1,15 +1,8 @@
 """The decoder as small ONNX graphs over stacked rows, for the batched ONNX Runtime decoder (``backends/onnx_layered``).
 
-Each layer is two graphs on rows [rows, hidden] that may belong to several sequences: ``attention_inputs`` (input
-norm, q/k/v, q/k norms, rotary: q, k, v out) and ``layer_output`` (o_proj, residual, post-attention norm, MLP,
-residual). Between them each sequence attends over its own cache alone, in one shared ``attention`` graph (ORT's
-``GroupQueryAttention``, which writes the new keys and values into the cache buffer in place). Every op of the row
-graphs works row by row (exact int8 products, norms and quantization scales per row, elementwise ops), so a row's
-values do not depend on the rows beside it, and attention never sees another sequence: a request's output is the same
-alone and among others (``BatchVerifyingLM``), on ONNX Runtime's own kernels.
-
-The linears take the ``integer`` form of ``onnx_graph`` (exact ``MatMulInteger``): the helpers the whole-graph export uses.
-"""
+Per layer, ``attention_inputs`` and ``layer_output`` on rows of several sequences, and between them each sequence's
+``attention`` (ORT's ``GroupQueryAttention``, writing the cache in place). Every row-graph op works row by row, so a
+request's output is the same alone and among others. The linears take ``onnx_graph``'s ``integer`` form."""
 
 from __future__ import annotations
 
@@ -35,8 +28,7 @@ def _serialized(g: GraphBuilder, name: str, inputs: list, outputs: list, domains
 
 
 def attention_inputs(spec: DecoderSpec, layer: DecoderLayer, i: int) -> bytes:
-    """x [rows, hidden], cos/sin [rows, head_dim] -> q [rows, heads * dim], k and v [rows, kv_heads * dim]: the input
-    norm, the q/k/v projections (one fused product where exact), the q/k norms and rotary, as ``Attention.rotated_qkv``."""
+    """x, cos, sin [rows, ...] -> q, k, v: the input norm, the q/k/v projections, the q/k norms and rotary."""
     g = GraphBuilder("integer")
     p, attn = f"{spec.layer_prefix(i)}.self_attn", layer.self_attn
     heads, kv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -82,35 +74,15 @@ def int8_head(spec: DecoderSpec, head: Linear) -> bytes:
 
 
 def attention(spec: DecoderSpec) -> bytes:
-    """One sequence's attention: q [1, n, heads * dim], k/v [1, n, kv_heads * dim] of its n new rows (rotated), and its
-    cache [1, kv_heads, capacity, dim], into which the new keys and values are written at positions
-    ``seqlens_k + 1 - n .. seqlens_k`` (the output cache is bound to the input's buffer). Causal over the cache."""
+    """One sequence's attention over its cache [1, kv_heads, capacity, dim], into which its n new keys and values are
+    written at ``seqlens_k + 1 - n .. seqlens_k`` (the output cache is bound to the input's buffer)."""
     g = GraphBuilder("integer")
     heads, kv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    g.op(
-        "GroupQueryAttention",
-        Q,
-        K,
-        V,
-        CACHE_KEY,
-        CACHE_VALUE,
-        SEQLEN,
-        TOTAL,
-        outputs=[Y, f"{CACHE_KEY}_out", f"{CACHE_VALUE}_out"],
-        domain=CONTRIB,
-        num_heads=heads,
-        kv_num_heads=kv,
-        scale=float(dim**-0.5),
-    )
+    attrs = dict(domain=CONTRIB, num_heads=heads, kv_num_heads=kv, scale=float(dim**-0.5))
+    key_out, value_out = f"{CACHE_KEY}_out", f"{CACHE_VALUE}_out"
+    g.op("GroupQueryAttention", Q, K, V, CACHE_KEY, CACHE_VALUE, SEQLEN, TOTAL, outputs=[Y, key_out, value_out], **attrs)
     cache = [1, kv, "capacity", dim]
-    inputs = [
-        _value(Q, [1, "n", heads * dim]),
-        _value(K, [1, "n", kv * dim]),
-        _value(V, [1, "n", kv * dim]),
-        _value(CACHE_KEY, cache),
-        _value(CACHE_VALUE, cache),
-        _value(SEQLEN, [1], TensorProto.INT32),
-        _value(TOTAL, [], TensorProto.INT32),
-    ]
-    outputs = [_value(Y, [1, "n", heads * dim]), _value(f"{CACHE_KEY}_out", cache), _value(f"{CACHE_VALUE}_out", cache)]
+    inputs = [_value(Q, [1, "n", heads * dim]), _value(K, [1, "n", kv * dim]), _value(V, [1, "n", kv * dim]), _value(CACHE_KEY, cache)]
+    inputs += [_value(CACHE_VALUE, cache), _value(SEQLEN, [1], TensorProto.INT32), _value(TOTAL, [], TensorProto.INT32)]
+    outputs = [_value(Y, [1, "n", heads * dim]), _value(key_out, cache), _value(value_out, cache)]
     return _serialized(g, "attention", inputs, outputs, ((CONTRIB, 1),))

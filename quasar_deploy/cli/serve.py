@@ -132,7 +132,6 @@ def serve(
     from ..serve.server import run
 
     kv_cache_mib = options["kv_cache_mib"]
-    names = "max_body_bytes max_sequences max_queue request_timeout body_timeout prefill_tokens row_budget suffix_cache_tokens"
     limits = RequestLimits(options["max_num_draft"], options["max_stop"], options["max_stop_chars"], options["default_max_tokens"])
     config = ServeConfig(  # checked before the model loads: a bad combination of flags fails at once
         served_name(path, model_name),
@@ -142,7 +141,14 @@ def serve(
         adaptive_k=adaptive_k,
         kv_cache_bytes=kv_cache_mib << 20 if kv_cache_mib else None,
         limits=limits,
-        **{name: options[name] for name in names.split()},
+        max_body_bytes=options["max_body_bytes"],
+        max_sequences=options["max_sequences"],
+        max_queue=options["max_queue"],
+        request_timeout=options["request_timeout"],
+        body_timeout=options["body_timeout"],
+        prefill_tokens=options["prefill_tokens"],
+        row_budget=options["row_budget"],
+        suffix_cache_tokens=options["suffix_cache_tokens"],
     )
     engine = load_engine(path, options["backend"], options["provider"], SERVER_NEEDS, verify, exact_source, rounds)
     check_can_fork(engine.lm)

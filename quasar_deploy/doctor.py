@@ -46,7 +46,7 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
 
 
 def _half_text(half_ms: float | None, float32_ms: float) -> str:
-    """What timing the quasar-half kernel showed (``kernels.half_probe_ms``), or why it does not run."""
+    """What timing the quasar-half kernel showed (``linears.half_probe_ms``), or why it does not run."""
     if half_ms is None:
         from .cpu import half_linear
 

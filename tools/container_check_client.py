@@ -19,7 +19,7 @@ import time
 import openai
 
 PROMPT = "def fibonacci(n):"
-# long enough that a stream is still running when docker stop's SIGTERM reaches the server
+# with drafting off, long enough that a stream is still running when docker stop's SIGTERM reaches the server
 DRAIN_TOKENS = 1500
 
 
@@ -60,7 +60,11 @@ def chat(client: openai.OpenAI, model: str) -> None:
 
 
 def drain(client: openai.OpenAI, model: str, command: list[str]) -> None:
-    events = client.completions.create(model=model, prompt=PROMPT, max_tokens=DRAIN_TOKENS, temperature=0, stream=True)
+    # drafting off: the tiny model's drafted stream can end before `docker stop` has the daemon send SIGTERM; one token
+    # a step keeps it in flight for seconds
+    events = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=DRAIN_TOKENS, temperature=0, stream=True, extra_body={"draft": "none"}
+    )
     stopper, after, reason, last = None, 0, None, 0
     for event in events:
         if not event.choices:

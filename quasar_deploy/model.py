@@ -194,8 +194,12 @@ def fuse_linears(linears: list[Linear], kernels: KernelFactory) -> LinearFn | No
     bias_dtype = next((lin.bias.dtype for lin in linears if lin.bias is not None), None)
     bias = None
     if bias_dtype is not None:  # a member without a bias contributes zeros
-        zeros = [torch.zeros(lin.out_features, dtype=bias_dtype, device=weight.device) for lin in linears]
-        bias = torch.cat([zero if lin.bias is None else lin.bias.data for lin, zero in zip(linears, zeros)])
+        bias = torch.cat(
+            [
+                torch.zeros(lin.out_features, dtype=bias_dtype, device=weight.device) if lin.bias is None else lin.bias.data
+                for lin in linears
+            ]
+        )
     scale = torch.cat([lin.weight_scale for lin in linears]) if first.quantized else None
     fn = kernels(weight, scale, bias, first.input_scale)
     for lin in linears:

@@ -159,9 +159,11 @@ def _head_stored(path: str | None) -> str:
 def _dtypes_of(path: str) -> dict[str, str]:
     """What a run of the model at ``path`` computes in: an artifact's W8A8, or a float checkpoint's float dtype."""
     from ..artifact import open_model_files
+    from ..memory import head_dtype_name
 
-    dtypes = _float_vs_int8(head_stored=_head_stored(path))
-    return {"w8a8": dtypes["w8a8"]} if open_model_files(path).is_artifact else {"float": dtypes["float"]}
+    files = open_model_files(path)  # opened (and its files verified) once
+    dtypes = _float_vs_int8(head_stored=head_dtype_name(files.checkpoint.dtypes))
+    return {"w8a8": dtypes["w8a8"]} if files.is_artifact else {"float": dtypes["float"]}
 
 
 @bench.command("roofline")

@@ -20,7 +20,7 @@ from .cpu.linears import (
     float_probe,
     half_probe_ms,
     onednn_available,
-    onednn_int8_exact,
+    onednn_int8_bit_exact,
     vnni_available,
 )
 from .cpu.machine import ISA_FLAGS, cpu_flags, cpu_model
@@ -59,7 +59,7 @@ def _half_text(half_ms: float | None, float32_ms: float) -> str:
 
 def probes() -> dict:
     """What running the kernels once showed (``kernels``'s probes), and the float dtype chosen from it."""
-    from .backends.ort_session import exact_int8_entries
+    from .backends.ort_session import bit_exact_int8_entries
     from .backends.registry import unavailable
     from .cpu import decoder_ops, int8_linear
 
@@ -68,10 +68,10 @@ def probes() -> dict:
     chosen = os.environ.get(FLOAT_DTYPE_ENV)
     int8 = int8_probe()
     half = half_probe_ms()
-    found = {"fbgemm_int8_sums_32bit": vnni_available(), "onednn_int8_exact": onednn_int8_exact()}
+    found = {"fbgemm_int8_sums_32bit": vnni_available(), "onednn_int8_bit_exact": onednn_int8_bit_exact()}
     found |= {"quasar_int8_why_not": int8_linear.why_not(), "quasar_int8_build": int8_linear.build()}
     found |= {"int8_ms": {name: round(ms, 3) for name, ms in int8.ms.items()}, "int8_kernel_why": int8.reason}
-    found["onnxruntime_int8_options"] = [f"{k}={v}" for k, v in exact_int8_entries()] if unavailable("onnxruntime") is None else None
+    found["onnxruntime_int8_options"] = [f"{k}={v}" for k, v in bit_exact_int8_entries()] if unavailable("onnxruntime") is None else None
     found["layer_graph_attention"] = attention.description if attention else "ORT GroupQueryAttention"
     found["layer_graph_attention_why"] = None if attention else decoder_ops.why_not()
     found |= {"float32_ms": round(probe.float32_ms, 3), "bfloat16_ms": None if probe.bfloat16_ms is None else round(probe.bfloat16_ms, 3)}

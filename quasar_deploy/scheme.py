@@ -54,7 +54,7 @@ def quantize_activation(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).round_().clamp_(-QMAX, QMAX)  # one new tensor, rounded and clamped in place
 
 
-def int8_matmul_exact(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+def int8_matmul_int32(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """Integer-exact accumulation of int8 x int8: float64 holds any realistic int32 sum exactly."""
     return xq.double() @ wq.double().t()
 
@@ -64,7 +64,7 @@ def reference_linear(
 ) -> torch.Tensor:
     """The oracle: W8A8 linear on a 2-D input [rows, in]; dynamic when input_scale is None."""
     act_scale = per_token_scale(x) if input_scale is None else input_scale.float().reshape(1, 1)
-    acc = int8_matmul_exact(quantize_activation(x, act_scale), wq)
+    acc = int8_matmul_int32(quantize_activation(x, act_scale), wq)
     y = acc.float() * act_scale * w_scale.float().reshape(1, -1)
     if bias is not None:
         y = y + bias.float()

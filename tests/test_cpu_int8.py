@@ -105,7 +105,7 @@ def test_every_build_that_runs_here_is_the_reference_at_tile_shapes(monkeypatch,
         assert torch.equal(linears.int8_linear(wq, scale, bias, None, "quasar")(x[:1]), expected[:1]), name
 
 
-def test_extreme_codes_and_deep_rows_sum_exactly(each_build):
+def test_extreme_codes_and_deep_rows_sum_bit_exact(each_build):
     """Full-range codes at K = 12288 (sums past 2^24, where float32 rounds them: as the reference's ``.float()`` does)."""
     k = 12288
     wq = torch.full((70, k), 127, dtype=torch.int8)
@@ -254,18 +254,18 @@ def test_fbgemms_split_kernel_is_timed_only_where_its_own_kernel_saturates(monke
     in 32 bits its one-call kernel is timed instead."""
     monkeypatch.setattr(linears, "fbgemm_available", lambda: True)
     monkeypatch.setattr(linears, "vnni_available", lambda: fbgemm_32bit)
-    monkeypatch.setattr(linears, "onednn_int8_exact", lambda: False)
+    monkeypatch.setattr(linears, "onednn_int8_bit_exact", lambda: False)
     monkeypatch.setattr(linears, "quasar_int8_available", lambda: True)
-    monkeypatch.setattr(choice, "onnxruntime_int8_exact", lambda: False)
+    monkeypatch.setattr(choice, "onnxruntime_int8_bit_exact", lambda: False)
     assert choice.int8_kernels_to_time() == (["fbgemm-vnni", "quasar"] if fbgemm_32bit else ["quasar", "fbgemm"])
 
 
-def test_with_no_exact_kernel_but_the_reference_the_reference_runs(monkeypatch):
+def test_with_no_bit_exact_kernel_but_the_reference_the_reference_runs(monkeypatch):
     monkeypatch.setattr(choice, "int8_kernels_to_time", lambda: [])
     choice.int8_probe.cache_clear()
     try:
         assert choice.default_int8_kernel("cpu") == "reference"
-        assert choice.int8_probe().reason.startswith("no exact int8 kernel but the reference here")
+        assert choice.int8_probe().reason.startswith("no bit-exact int8 kernel but the reference here")
     finally:
         choice.int8_probe.cache_clear()
 
@@ -293,12 +293,12 @@ def test_w8a8_artifacts_run_where_the_int8_linear_timed_faster(monkeypatch, ort_
     assert ("W8A8 artifacts run there" in probe.reason) == (backend == "onnxruntime")
 
 
-def test_onnx_runtime_is_timed_beside_the_kernels_where_it_is_exact(monkeypatch):
+def test_onnx_runtime_is_timed_beside_the_kernels_where_it_is_bit_exact(monkeypatch):
     monkeypatch.setattr(linears, "fbgemm_available", lambda: True)
     monkeypatch.setattr(linears, "vnni_available", lambda: False)
-    monkeypatch.setattr(linears, "onednn_int8_exact", lambda: False)
+    monkeypatch.setattr(linears, "onednn_int8_bit_exact", lambda: False)
     monkeypatch.setattr(linears, "quasar_int8_available", lambda: True)
-    monkeypatch.setattr(choice, "onnxruntime_int8_exact", lambda: True)
+    monkeypatch.setattr(choice, "onnxruntime_int8_bit_exact", lambda: True)
     assert choice.int8_kernels_to_time() == ["quasar", "fbgemm", choice.ONNXRUNTIME]
     monkeypatch.setattr(linears, "fbgemm_available", lambda: False)
     monkeypatch.setattr(linears, "quasar_int8_available", lambda: False)

@@ -185,9 +185,9 @@ def test_the_int8_probe_tells_a_saturating_kernel_from_an_exact_one():
     def failing(wq, w_scale):
         raise RuntimeError("no kernel for this CPU")
 
-    assert not linears._sums_exactly(saturating)
-    assert not linears._sums_exactly(failing)
-    assert linears._sums_exactly(lambda wq, w_scale: linears._reference(wq, w_scale, None, None))
+    assert not linears._sums_bit_exact(saturating)
+    assert not linears._sums_bit_exact(failing)
+    assert linears._sums_bit_exact(lambda wq, w_scale: linears._reference(wq, w_scale, None, None))
 
 
 def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
@@ -214,9 +214,9 @@ def test_the_default_int8_kernel_follows_the_probes(monkeypatch):
 def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgemm, onednn, ours):
     monkeypatch.setattr(linears, "fbgemm_available", lambda: fbgemm)  # without it, no split kernel to time either
     monkeypatch.setattr(linears, "vnni_available", lambda: fbgemm)
-    monkeypatch.setattr(linears, "onednn_int8_exact", lambda: onednn)
+    monkeypatch.setattr(linears, "onednn_int8_bit_exact", lambda: onednn)
     monkeypatch.setattr(linears, "quasar_int8_available", lambda: ours)
-    monkeypatch.setattr(choice, "onnxruntime_int8_exact", lambda: False)  # ORT beside them: tests/test_cpu_int8.py
+    monkeypatch.setattr(choice, "onnxruntime_int8_bit_exact", lambda: False)  # ORT beside them: tests/test_cpu_int8.py
     choice.int8_probe.cache_clear()
     try:
         probe = choice.int8_probe()

@@ -177,17 +177,17 @@ def test_int8_options_are_the_fastest_exact_ones(monkeypatch):
     from quasar_deploy.backends import ort_session as backend
 
     def probe_with(exact_under):
-        backend.exact_int8_entries.cache_clear()
-        monkeypatch.setattr(backend, "_int8_matmul_exact", lambda entries: entries in exact_under)
-        return backend.exact_int8_entries()
+        backend.bit_exact_int8_entries.cache_clear()
+        monkeypatch.setattr(backend, "_int8_sums_bit_exact", lambda entries: entries in exact_under)
+        return backend.bit_exact_int8_entries()
 
     try:
         assert probe_with([(), (backend.PRECISE_INT8_OPTION,)]) == ()
         assert probe_with([(backend.PRECISE_INT8_OPTION,)]) == (backend.PRECISE_INT8_OPTION,)
-        with pytest.raises(QuasarError, match="not exact on this CPU"):
+        with pytest.raises(QuasarError, match="not bit-exact on this CPU"):
             probe_with([])
     finally:
-        backend.exact_int8_entries.cache_clear()
+        backend.bit_exact_int8_entries.cache_clear()
 
 
 def test_int8_probe_agrees_with_this_cpu():
@@ -195,9 +195,9 @@ def test_int8_probe_agrees_with_this_cpu():
     from quasar_deploy.backends import ort_session as backend
     from quasar_deploy.cpu.machine import cpu_flags
 
-    assert backend._int8_matmul_exact((backend.PRECISE_INT8_OPTION,))
+    assert backend._int8_sums_bit_exact((backend.PRECISE_INT8_OPTION,))
     if "avx512_vnni" in cpu_flags():
-        assert backend._int8_matmul_exact(())
+        assert backend._int8_sums_bit_exact(())
 
 
 def test_decoder_sessions_plan_no_memory_per_shape(tiny_onnx, tiny_artifact):

@@ -29,7 +29,7 @@ pytest.importorskip("onnxruntime")
 from onnx import helper  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-from quasar_deploy.backends.ort_session import PRECISE_INT8_OPTION, exact_int8_entries, int8_probe  # noqa: E402
+from quasar_deploy.backends.ort_session import PRECISE_INT8_OPTION, bit_exact_int8_entries, int8_probe  # noqa: E402
 from quasar_deploy.exporters import export, onnx_layers  # noqa: E402
 from quasar_deploy.exporters.onnx_versions import IR_VERSIONS, OPSETS  # noqa: E402
 from quasar_deploy.model import DecoderLayer, RMSNorm, load_linear, tensor_loader  # noqa: E402
@@ -113,7 +113,7 @@ def cases(tiny_qwen3, tiny_artifact, tiny_static_artifact, tiny_int8_head_artifa
 
 def _config() -> list[list[str]]:
     """The session config the backend runs graphs with (exact u8 x s8 on this CPU), for every release alike."""
-    return [list(entry) for entry in exact_int8_entries()]
+    return [list(entry) for entry in bit_exact_int8_entries()]
 
 
 @pytest.fixture(scope="module")

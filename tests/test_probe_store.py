@@ -20,9 +20,9 @@ def two_exact_kernels(monkeypatch, tmp_path):
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.delenv(REPROBE_ENV, raising=False)
     monkeypatch.setattr(linears, "vnni_available", lambda: True)
-    monkeypatch.setattr(linears, "onednn_int8_exact", lambda: True)
+    monkeypatch.setattr(linears, "onednn_int8_bit_exact", lambda: True)
     monkeypatch.setattr(linears, "quasar_int8_available", lambda: False)
-    monkeypatch.setattr(choice, "onnxruntime_int8_exact", lambda: False)
+    monkeypatch.setattr(choice, "onnxruntime_int8_bit_exact", lambda: False)
     timings = [{"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, {"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, {"fbgemm-vnni": 3.0, "onednn-vnni": 1.0}]
     monkeypatch.setattr(choice, "_time_int8_kernels", lambda names: timings.pop(0))
     choice.int8_probe.cache_clear()

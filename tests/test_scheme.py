@@ -8,11 +8,11 @@ from quasar_deploy.cpu.linears import (
     fbgemm_available,
     int8_linear,
     onednn_int8_available,
-    onednn_int8_exact,
+    onednn_int8_bit_exact,
     quasar_int8_available,
     vnni_available,
 )
-from quasar_deploy.scheme import int8_matmul_exact, per_token_scale, quantize_activation, quantize_weight, reference_linear
+from quasar_deploy.scheme import int8_matmul_int32, per_token_scale, quantize_activation, quantize_weight, reference_linear
 
 
 def _layer(out_features=48, in_features=96, seed=0):
@@ -32,12 +32,12 @@ def test_weight_quantization_is_symmetric_per_channel():
     assert (q.float() * scale - weight).abs().max() <= scale.max() / 2 + 1e-6
 
 
-def test_reference_accumulates_exactly():
+def test_reference_accumulates_integer_exact():
     weight, x, _ = _layer(in_features=4096)
     wq, _ = quantize_weight(weight)
     xq = quantize_activation(x, per_token_scale(x))
     exact = (xq.to(torch.int64) @ wq.to(torch.int64).t()).double()
-    assert torch.equal(int8_matmul_exact(xq, wq), exact)
+    assert torch.equal(int8_matmul_int32(xq, wq), exact)
 
 
 def test_reference_is_batch_invariant():
@@ -52,7 +52,7 @@ NEEDS_VNNI = "needs AVX-512 VNNI"
 EXACT_KERNELS = [
     pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is x86-only")),
     pytest.param("fbgemm-vnni", marks=pytest.mark.skipif(not (fbgemm_available() and vnni_available()), reason="needs AVX-512 VNNI")),
-    pytest.param("onednn-vnni", marks=pytest.mark.skipif(not (onednn_int8_available() and onednn_int8_exact()), reason=NEEDS_VNNI)),
+    pytest.param("onednn-vnni", marks=pytest.mark.skipif(not (onednn_int8_available() and onednn_int8_bit_exact()), reason=NEEDS_VNNI)),
     pytest.param("quasar", marks=pytest.mark.skipif(not quasar_int8_available(), reason="our VNNI kernel does not run here")),
 ]
 VNNI_KERNELS = EXACT_KERNELS[2:]
@@ -87,16 +87,16 @@ def test_32_bit_kernels_are_exact_past_float32s_integer_range(kernel):
 
 
 def test_the_default_int8_kernel_follows_the_cpu():
-    from quasar_deploy.cpu.choice import ONNXRUNTIME, onnxruntime_int8_exact
+    from quasar_deploy.cpu.choice import ONNXRUNTIME, onnxruntime_int8_bit_exact
 
     offered = (
         ("fbgemm-vnni", vnni_available()),
-        ("onednn-vnni", onednn_int8_exact()),
+        ("onednn-vnni", onednn_int8_bit_exact()),
         ("quasar", quasar_int8_available()),
         ("fbgemm", fbgemm_available() and not vnni_available()),
     )
     exact = [name for name, ok in offered if ok]
-    exact += [ONNXRUNTIME] if exact and onnxruntime_int8_exact() else []
+    exact += [ONNXRUNTIME] if exact and onnxruntime_int8_bit_exact() else []
     probe = int8_probe()
     assert sorted(probe.ms) == sorted(exact)  # every exact kernel timed (ONNX Runtime's beside them), and no other
     expected = probe.kernel if exact else "reference"
@@ -120,7 +120,7 @@ def test_full_range_activations_overflow_without_the_split_unless_the_cpu_has_vn
     pin = torch.zeros(2, 1024)
     pin[0, 0], pin[1, 0] = -127.0, 128.0
     naive = torch.ops.quantized.linear_dynamic(torch.cat([xq, pin]), packed, False)[:7] / scale.reshape(1, -1)
-    exact = int8_matmul_exact(xq, wq).float()
+    exact = int8_matmul_int32(xq, wq).float()
     if vnni_available():  # the probe (codes at the extremes) found FBGEMM's 32-bit kernel; flags may list one it does not run
         assert (naive - exact).abs().max() < 0.5
     else:

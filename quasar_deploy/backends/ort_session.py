@@ -1,4 +1,4 @@
-"""What every ONNX Runtime session of ours shares: its options (threads, spinning, the exact int8 entries), whether ORT
+"""What every ONNX Runtime session of ours shares: its options (threads, spinning, the bit-exact int8 entries), whether ORT
 is installed, and the float lm_head that runs beside a graph on torch.
 """
 
@@ -31,33 +31,33 @@ def allow_spinning(environ=os.environ) -> str:
 
 
 def session_options(threads: int | None = None, head_on_torch: bool = False, fixed_shape: bool = False):
-    """The options every ORT session of ours gets: ``threads``, ``exact_int8_entries``, ``allow_spinning`` (off with
+    """The options every ORT session of ours gets: ``threads``, ``bit_exact_int8_entries``, ``allow_spinning`` (off with
     ``head_on_torch``), and ORT's memory pattern off unless ``fixed_shape`` (a decoder's shapes change at every step)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or default_threads()
     options.enable_mem_pattern = fixed_shape
-    for entry in exact_int8_entries():
+    for entry in bit_exact_int8_entries():
         options.add_session_config_entry(*entry)
     options.add_session_config_entry(SPINNING_OPTION, "0" if head_on_torch else allow_spinning())
     return options
 
 
 @functools.cache
-def exact_int8_entries() -> tuple[tuple[str, str], ...]:
+def bit_exact_int8_entries() -> tuple[tuple[str, str], ...]:
     """The config (none, else ``PRECISE_INT8_OPTION``) under which ORT's ``MatMulInteger`` is integer-exact here."""
     for entries in ((), (PRECISE_INT8_OPTION,)):
-        if _int8_matmul_exact(entries):
+        if _int8_sums_bit_exact(entries):
             return entries
     raise QuasarError(
-        "ONNX Runtime's int8 MatMulInteger is not exact on this CPU, even with session.x64quantprecision=1; "
+        "ONNX Runtime's int8 MatMulInteger is not bit-exact on this CPU, even with session.x64quantprecision=1; "
         "run W8A8 on the cpu backend (--backend cpu)"
     )
 
 
 def int8_probe() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
-    """The model ``exact_int8_entries`` runs (a u8 x s8 ``MatMulInteger``), its weight and codes (pair sums past 16 bits)."""
+    """The model ``bit_exact_int8_entries`` runs (a u8 x s8 ``MatMulInteger``), its weight and codes (pair sums past 16 bits)."""
     from onnx import TensorProto, helper, numpy_helper
 
     from ..exporters.onnx_versions import OPSETS, make_model
@@ -81,7 +81,7 @@ def int8_probe() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
     return make_model(graph, OPSETS["integer"]), weight, codes
 
 
-def _int8_matmul_exact(entries: tuple[tuple[str, str], ...]) -> bool:
+def _int8_sums_bit_exact(entries: tuple[tuple[str, str], ...]) -> bool:
     """Whether u8 x s8 products at the codes' extremes (255 x +-127, whose pair sums overflow 16 bits) sum exactly."""
     import onnxruntime as ort
 

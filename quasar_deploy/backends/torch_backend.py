@@ -122,7 +122,7 @@ def load_cpu(
     float_dtype: str | None = None,
     attention: str = "auto",
 ) -> TorchCausalLM:
-    """W8A8 artifact or float checkpoint on the CPU, with the fastest exact kernels this CPU has. ``float_dtype`` (default
+    """W8A8 artifact or float checkpoint on the CPU, with the fastest bit-exact kernels this CPU has. ``float_dtype`` (default
     ``default_float_dtype``): a float checkpoint runs wholly in it; a W8A8 artifact's float lm_head computes in it."""
     files = path if isinstance(path, ModelFiles) else open_model_files(path)
     dtype = default_float_dtype("cpu", float_dtype)

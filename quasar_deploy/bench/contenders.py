@@ -80,7 +80,7 @@ def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[
 
 
 def trained_contenders(model: str | Path, artifact: str | Path, with_hf: bool = True, ort_workdir: Path | None = None) -> Contenders:
-    """A float checkpoint and its W8A8 artifact on the cpu backend (fastest exact kernels); on ONNX Runtime too with ``ort_workdir``."""
+    """A float checkpoint and its W8A8 artifact on the cpu backend (fastest bit-exact kernels); on ONNX Runtime too with ``ort_workdir``."""
     if not open_model_files(artifact).is_artifact:
         raise QuasarError(f"{artifact}: not a W8A8 artifact (no quasar.json)")
     if open_model_files(model).is_artifact:

@@ -29,7 +29,7 @@ try:
 except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
-from ..backends.ort_session import PRECISE_INT8_OPTION, exact_int8_entries, head_beside, session_options
+from ..backends.ort_session import PRECISE_INT8_OPTION, bit_exact_int8_entries, head_beside, session_options
 from ..backends.registry import cpu_runs_better
 from ..backends.torch_backend import bind_cpu_attention
 from ..cpu.choice import default_int8_kernel
@@ -65,7 +65,7 @@ def _session(
 ) -> ort.InferenceSession:
     """A CPU session with the backend's options; ``precise`` forces ORT's u8 x u8 re-encoding of int8 weights."""
     options = session_options(threads, head_on_torch)
-    if precise and PRECISE_INT8_OPTION not in exact_int8_entries():
+    if precise and PRECISE_INT8_OPTION not in bit_exact_int8_entries():
         options.add_session_config_entry(*PRECISE_INT8_OPTION)
     source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path.SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
@@ -113,7 +113,7 @@ def layers(size: int, depth: int, rows: tuple[int, ...], threads: int, repeats: 
         f"{size}x{size}, {depth} distinct layers, {threads} threads; integer linear bit-exact to scheme.reference_linear: "
         f"{torch.equal(torch.from_numpy(integer), reference_linear(x, *weights[0]))}; qdq linear (static scales) within float "
         f"rounding of it: {torch.allclose(torch.from_numpy(qdq), static, rtol=1e-6, atol=0)}; the backend's int8 options "
-        f"here: {dict(exact_int8_entries()) or 'none (u8 x s8 is exact on this CPU)'}"
+        f"here: {dict(bit_exact_int8_entries()) or 'none (u8 x s8 is exact on this CPU)'}"
     )
     for m in rows:
         feed = {"x": np.random.default_rng(m).standard_normal((m, size), dtype=np.float32)}

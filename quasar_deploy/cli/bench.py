@@ -311,7 +311,7 @@ def batched_step(artifact, sequences, tokens, context, repeats, prefill, backend
 @click.option("--tokens", default=6, show_default=True, type=click.IntRange(min=1), help="Tokens per step (k+1).")
 @click.option("--context", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens in the cache.")
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1), help="Timed pairs.")
-@click.option("--int8-kernel", help="reference, fbgemm, fbgemm-vnni, onednn-vnni or quasar (default: the fastest exact one this CPU has).")
+@click.option("--int8-kernel", help="reference, fbgemm, fbgemm-vnni, onednn-vnni or quasar (default: the fastest bit-exact one here).")
 @click.option("--int8-lm-head", is_flag=True, help="The W8A8 twin's lm_head in int8 too (as `calibrate --int8-lm-head` makes it).")
 @click.option(
     "--float-dtype",

@@ -32,7 +32,7 @@ def doctor(path, as_json, exact, exact_source):
     click.echo(f"openmp waits   {info['omp_wait_policy']}")
     click.echo(f"isa listed     {' '.join(info['isa']) or 'none detected'} (/proc/cpuinfo; kernels are chosen by running them)")
     click.echo(f"torch          {info['torch']} (python {info['python']})")
-    click.echo(f"int8 kernel    {info['int8_kernel']} (exact W8A8; {info['probes']['int8_kernel_why']})")
+    click.echo(f"int8 kernel    {info['int8_kernel']} (bit-exact W8A8; {info['probes']['int8_kernel_why']})")
     click.echo(f"float kernel   {info['float_kernel']} (oneDNN {'available' if info['onednn'] else 'missing'})")
     probes = info["probes"]
     float_why = "; ".join(filter(None, ("float models wholly, W8A8 models' lm_head", probes["float_dtype_why"], probes["bf16_rows"])))
@@ -41,8 +41,8 @@ def doctor(path, as_json, exact, exact_source):
         click.echo(f"16-bit floats  {probes['half_weights']}")
     int8 = "32-bit sums" if probes["fbgemm_int8_sums_32bit"] else "16-bit saturating sums: split kernel"
     ort = probes["onnxruntime_int8_options"]
-    ort_text = "not installed" if ort is None else ", ".join(ort) or "exact without options"
-    onednn = "exact" if probes["onednn_int8_exact"] else "not exact"
+    ort_text = "not installed" if ort is None else ", ".join(ort) or "bit-exact without options"
+    onednn = "bit-exact" if probes["onednn_int8_bit_exact"] else "not bit-exact"
     build = probes["quasar_int8_build"]
     ours = probes["quasar_int8_why_not"] or f"runs ({build}: {SUMS[build]}; its self-check passed)"
     click.echo(f"int8 probes    fbgemm {int8}; onednn int8 {onednn}; quasar {ours}; onnxruntime {ort_text}")

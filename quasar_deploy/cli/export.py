@@ -16,7 +16,7 @@ from ..exporters import ONNX_FORMATS, TARGETS
     "--format",
     "linear_format",
     type=click.Choice(ONNX_FORMATS),
-    help="onnx only: integer (default; exact u8xs8 MatMulInteger, for CPUs) or qdq (int8 Q/DQ for TensorRT; static artifacts).",
+    help="onnx only: integer (default; integer-exact u8xs8 MatMulInteger, for CPUs) or qdq (int8 Q/DQ for TensorRT; static artifacts).",
 )
 @click.option(
     "--dtype",
@@ -24,7 +24,7 @@ from ..exporters import ONNX_FORMATS, TARGETS
     help="npu only: the model dtype (default bfloat16; float16 for static artifacts only).",
 )
 def export_command(artifact, target, output, precision, linear_format, dtype):
-    """Export ARTIFACT for a target: onnx (KV-cache I/O; W8A8 linears as an exact integer MatMulInteger graph,
+    """Export ARTIFACT for a target: onnx (KV-cache I/O; W8A8 linears as an integer-exact integer MatMulInteger graph,
     or as QDQ for TensorRT with --format qdq) or npu (msModelSlim layout for vLLM-Ascend)."""
     from ..errors import QuasarError
     from ..exporters import export

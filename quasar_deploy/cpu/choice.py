@@ -1,4 +1,4 @@
-"""Choosing the int8 kernel: one timing of every exact int8 kernel here (and of ONNX Runtime's int8 linear, which
+"""Choosing the int8 kernel: one timing of every bit-exact int8 kernel here (and of ONNX Runtime's int8 linear, which
 decides where ``auto`` runs an artifact), kept across processes.
 
 The pick also decides whether ``auto`` runs an artifact on the cpu backend or ONNX Runtime, which round differently,
@@ -65,14 +65,14 @@ ONNXRUNTIME_MARGIN = 1.25
 
 @dataclass(frozen=True)
 class Int8Probe:
-    """What timing the exact int8 kernels showed (``int8_probe``): per kernel, ms of a call at each of ``PROBE_ROWS``, summed."""
+    """What timing the bit-exact int8 kernels showed (``int8_probe``): per kernel, ms of a call at each of ``PROBE_ROWS``, summed."""
 
     ms: dict[str, float]
     timed: str | None = None  # when it was timed (UTC), here or by an earlier process (``recall``); None: not timed
 
     @property
     def kernel(self) -> str:
-        """The fastest exact kernel of the torch backend; with none here, the reference."""
+        """The fastest bit-exact kernel of the torch backend; with none here, the reference."""
         ours = {name: ms for name, ms in self.ms.items() if name != ONNXRUNTIME}
         return min(ours, key=ours.__getitem__) if ours else "reference"
 
@@ -84,9 +84,9 @@ class Int8Probe:
     @property
     def reason(self) -> str:
         if not self.ms:
-            return "no exact int8 kernel but the reference here (no FBGEMM, and no build of ours runs)"
+            return "no bit-exact int8 kernel but the reference here (no FBGEMM, and no build of ours runs)"
         if len(self.ms) == 1:
-            return "the only exact int8 kernel here"
+            return "the only bit-exact int8 kernel here"
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
         when = f"; timed {self.timed}, kept: {REPROBE_ENV}=1 times again" if self.timed else ""
         ort = "" if self.cpu_beats_onnxruntime else f"; ours not {ONNXRUNTIME_MARGIN}x faster than ONNX Runtime's: W8A8 artifacts run there"
@@ -99,7 +99,7 @@ PROBE_COPIES = 6  # packed copies of it timed in turn: 48 MB, more than a server
 
 @functools.cache
 def int8_probe() -> Int8Probe:
-    """Times the exact int8 kernels here once per machine, interleaved, each on ``PROBE_COPIES`` packed copies of a
+    """Times the bit-exact int8 kernels here once per machine, interleaved, each on ``PROBE_COPIES`` packed copies of a
     verify-step linear (more than a cache holds: weights come from memory); the timing is kept (``keep``)."""
     kernels = int8_kernels_to_time()
     if len(kernels) < 2:
@@ -114,26 +114,26 @@ def int8_probe() -> Int8Probe:
 
 def int8_kernels_to_time() -> list[str]:
     """The int8 kernels ``int8_probe`` times here: those that sum in 32 bits, ``quasar`` where it runs, FBGEMM's split one
-    where its own saturates; and ONNX Runtime's exact ``MatMulInteger`` (``ONNXRUNTIME``, weighed by the backend choice)."""
+    where its own saturates; and ONNX Runtime's integer-exact ``MatMulInteger`` (``ONNXRUNTIME``, weighed by the backend choice)."""
     offered = (
         ("fbgemm-vnni", linears.vnni_available()),
-        ("onednn-vnni", linears.onednn_int8_exact()),
+        ("onednn-vnni", linears.onednn_int8_bit_exact()),
         ("quasar", linears.quasar_int8_available()),
         ("fbgemm", linears.fbgemm_available() and not linears.vnni_available()),
     )
     kernels = [name for name, here in offered if here]
-    return [*kernels, ONNXRUNTIME] if kernels and onnxruntime_int8_exact() else kernels
+    return [*kernels, ONNXRUNTIME] if kernels and onnxruntime_int8_bit_exact() else kernels
 
 
 @functools.cache
-def onnxruntime_int8_exact() -> bool:
+def onnxruntime_int8_bit_exact() -> bool:
     """Whether ONNX Runtime is installed and its CPU ``MatMulInteger`` sums exactly here (with or without options)."""
-    from ..backends.ort_session import exact_int8_entries, unavailable  # ONNX Runtime is optional
+    from ..backends.ort_session import bit_exact_int8_entries, unavailable  # ONNX Runtime is optional
 
     if unavailable() is not None:
         return False
     try:
-        exact_int8_entries()
+        bit_exact_int8_entries()
     except QuasarError:
         return False
     return True
@@ -181,7 +181,7 @@ def _chain_ms(linears: list[LinearFn], rows: torch.Tensor) -> float:
 
 
 def default_int8_kernel(device: str = "cpu") -> str:
-    """The fastest exact int8 kernel here (``int8_probe``); ``reference`` off the CPU."""
+    """The fastest bit-exact int8 kernel here (``int8_probe``); ``reference`` off the CPU."""
     return int8_probe().kernel if device == "cpu" else "reference"
 
 

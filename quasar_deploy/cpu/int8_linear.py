@@ -32,7 +32,7 @@ SUMS = {  # how each build sums, for doctor
     AMX_BUILD: "AMX tiles, 512-bit VNNI vectors for a single row",
     "cpu_int8-avx512vnni": "512-bit VNNI vectors",
     "cpu_int8-avxvnni": "256-bit VNNI vectors (AVX-VNNI)",
-    "cpu_int8-avx2": "AVX2 16-bit pair products widened to 32 bits, exact",
+    "cpu_int8-avx2": "AVX2 16-bit pair products widened to 32 bits, bit-exact",
 }
 BUILD_ENV = "QUASAR_INT8_BUILD"  # one name of BUILDS: the only build tried
 BLOCK = 64  # output columns per packed block, the unit of a thread's share

@@ -10,7 +10,7 @@ Int8 kernels all compute the W8A8 scheme of ``scheme.py`` with integer-exact acc
   rounding) is integer-exact while each half's |acc| < 2^23. 2M+2 rows of compute, one pass over the weights.
 - ``fbgemm-vnni``: no split, where FBGEMM sums into 32 bits (``vnni_available``): pinning rows -127 and 128.
 - ``onednn-vnni``: oneDNN's u8 x s8 linear (``qlinear_pointwise``) on the codes shifted to uint8, unit scales: its
-  float32 output is the int32 accumulation; offered where running it shows 32-bit sums (``onednn_int8_exact``).
+  float32 output is the int32 accumulation; offered where running it shows 32-bit sums (``onednn_int8_bit_exact``).
 - ``quasar``: our own kernel (``int8_linear``: AMX, AVX-512 VNNI, AVX-VNNI or AVX2), reading at the memory's rate.
 
 All compute the same bits, so the default (``choice.int8_probe``, the fastest) moves speed, never an output.
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..errors import QuasarError
 from ..files import first_line
-from ..scheme import int8_matmul_exact, per_token_scale, quantize_activation
+from ..scheme import int8_matmul_int32, per_token_scale, quantize_activation
 from . import half_linear as half_kernel
 from . import int8_linear as int8_kernel
 
@@ -58,7 +58,7 @@ def onednn_int8_available() -> bool:
 @functools.cache
 def vnni_available() -> bool:
     """Whether FBGEMM's u8 x s8 kernel sums into 32 bits here, found by running it on codes whose pairs overflow 16 bits."""
-    return fbgemm_available() and _sums_exactly(lambda wq, w_scale: _fbgemm(wq, w_scale, None, None, split=False))
+    return fbgemm_available() and _sums_bit_exact(lambda wq, w_scale: _fbgemm(wq, w_scale, None, None, split=False))
 
 
 def quasar_int8_available() -> bool:
@@ -67,13 +67,13 @@ def quasar_int8_available() -> bool:
 
 
 @functools.cache
-def onednn_int8_exact() -> bool:
+def onednn_int8_bit_exact() -> bool:
     """Whether oneDNN's u8 x s8 linear sums integer-exactly here, found by running it once like ``vnni_available``."""
-    return onednn_int8_available() and _sums_exactly(lambda wq, w_scale: _onednn_int8(wq, w_scale, None, None))
+    return onednn_int8_available() and _sums_bit_exact(lambda wq, w_scale: _onednn_int8(wq, w_scale, None, None))
 
 
-def _sums_exactly(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> bool:
-    """Whether ``make(wq, w_scale)`` equals the reference on codes whose pair sums overflow 16 bits (an error: not exact)."""
+def _sums_bit_exact(make: Callable[[torch.Tensor, torch.Tensor], LinearFn]) -> bool:
+    """Whether ``make(wq, w_scale)`` equals the reference on codes whose pair sums overflow 16 bits (an error: not bit-exact)."""
     depth, width = 512, 32
     wq = torch.randint(-127, 128, (width, depth), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
     wq[:8], wq[8:16] = 127, -127
@@ -289,7 +289,7 @@ def _reference(wq, w_scale, bias, input_scale) -> LinearFn:
 
     def run(x: torch.Tensor) -> torch.Tensor:
         scale = _activation_scale(x, input_scale)
-        return _scaled(int8_matmul_exact(quantize_activation(x, scale), wq), scale, w_row, bias)
+        return _scaled(int8_matmul_int32(quantize_activation(x, scale), wq), scale, w_row, bias)
 
     return run
 
@@ -305,7 +305,7 @@ def _fbgemm_packed(wq: torch.Tensor, w_scale: torch.Tensor):
 
 
 def _fbgemm(wq, w_scale, bias, input_scale, split: bool) -> LinearFn:
-    """FBGEMM's dynamic linear made exact: ``split`` sends 7-bit halves (AVX2), else full-range rows (VNNI)."""
+    """FBGEMM's dynamic linear made bit-exact: ``split`` sends 7-bit halves (AVX2), else full-range rows (VNNI)."""
     packed = _fbgemm_packed(wq, w_scale)
     w_row = w_scale.float().reshape(1, -1)
     inv_w = 1.0 / w_scale.double().reshape(1, -1)
@@ -369,14 +369,14 @@ def int8_kernel_label(kernel: str) -> str:
 
 
 def check_int8_kernel(kernel: str) -> None:
-    """Refuse in one line an int8 kernel that does not exist, or that this CPU or PyTorch build cannot run exactly."""
+    """Refuse in one line an int8 kernel that does not exist, or that this CPU or PyTorch build cannot run bit-exact."""
     if kernel not in INT8_KERNELS:
         raise QuasarError(f"unknown kernel {kernel!r}: the int8 kernels are {', '.join(INT8_KERNELS)}")
     if kernel.startswith("fbgemm") and not fbgemm_available():
         raise QuasarError(f"the {kernel} kernel needs a PyTorch build with FBGEMM (x86 CPUs)")
     if kernel == "fbgemm-vnni" and not vnni_available():
         raise QuasarError("the fbgemm-vnni kernel needs a CPU with AVX-512 VNNI (its AVX2 kernel would overflow)")
-    if kernel == "onednn-vnni" and not onednn_int8_exact():
+    if kernel == "onednn-vnni" and not onednn_int8_bit_exact():
         raise QuasarError("the onednn-vnni kernel needs a CPU where oneDNN's int8 linear sums in 32 bits (AVX-512 VNNI)")
     if kernel == "quasar" and not quasar_int8_available():
         raise QuasarError(f"the quasar kernel does not run here: {int8_kernel.why_not()}")

@@ -34,7 +34,7 @@ SIDECAR_FORMAT = 1
 # weights above this go to ``model.onnx.data`` as the graph is built (held whole and copied by ORT otherwise)
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 LINEAR_DESCRIPTIONS = {
-    "integer": "u8xs8 MatMulInteger, exact int32 accumulation",
+    "integer": "u8xs8 MatMulInteger, integer-exact int32 accumulation",
     "qdq": "int8 QuantizeLinear/DequantizeLinear around MatMul: static per-tensor activations, per-channel weights",
 }
 

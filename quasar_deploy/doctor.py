@@ -29,15 +29,27 @@ from .cpu.machine import ISA_FLAGS, cpu_flags, cpu_model
 def report(path: str | None = None, exact: bool = False, exact_source: str | None = None) -> dict:
     """Everything ``quasar-deploy doctor`` prints, as data; with ``path``, that model's memory too (``exact``: exact mode's)."""
     flags = cpu_flags()
-    info = {"cpu": cpu_model(), "isa": sorted(f for f in ISA_FLAGS if f in flags), "threads": torch.get_num_threads()}
-    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "unset (the OpenMP runtime's default: spin, then sleep)")
-    info |= {"torch": torch.__version__, "python": platform.python_version(), "fbgemm": fbgemm_available(), "onednn": onednn_available()}
-    info |= {"int8_kernel": default_int8_kernel("cpu"), "float_kernel": default_float_kernel("cpu"), "probes": probes()}
-    info |= {"gpu": gpu_status(), "targets": available_backends(), "artifact_backend": auto_choice(artifact=True)}
-    info["checkpoint_backend"] = auto_choice(artifact=False)
-    info["layer_skip_backend"] = auto_choice(artifact=True, needs=("layer_skip",))  # a W8A8 artifact's
-    info["layer_skip_checkpoint_backend"] = auto_choice(artifact=False, needs=("layer_skip",))
-    info |= {"cache": cache_summary(), "demo": demo_summary()}
+    info = {
+        "cpu": cpu_model(),
+        "isa": sorted(f for f in ISA_FLAGS if f in flags),
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (the OpenMP runtime's default: spin, then sleep)"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "fbgemm": fbgemm_available(),
+        "onednn": onednn_available(),
+        "int8_kernel": default_int8_kernel("cpu"),
+        "float_kernel": default_float_kernel("cpu"),
+        "probes": probes(),
+        "gpu": gpu_status(),
+        "targets": available_backends(),
+        "artifact_backend": auto_choice(artifact=True),
+        "checkpoint_backend": auto_choice(artifact=False),
+        "layer_skip_backend": auto_choice(artifact=True, needs=("layer_skip",)),  # a W8A8 artifact's
+        "layer_skip_checkpoint_backend": auto_choice(artifact=False, needs=("layer_skip",)),
+        "cache": cache_summary(),
+        "demo": demo_summary(),
+    }
     if path is not None:
         info |= {"memory": model_memory(path), "auto_backend": auto_backend(path)}
     if path is not None and exact:
@@ -68,18 +80,25 @@ def probes() -> dict:
     chosen = os.environ.get(FLOAT_DTYPE_ENV)
     int8 = int8_probe()
     half = half_probe_ms()
-    found = {"fbgemm_int8_sums_32bit": vnni_available(), "onednn_int8_bit_exact": onednn_int8_bit_exact()}
-    found |= {"quasar_int8_why_not": int8_linear.why_not(), "quasar_int8_build": int8_linear.build()}
-    found |= {"int8_ms": {name: round(ms, 3) for name, ms in int8.ms.items()}, "int8_kernel_why": int8.reason}
-    found["onnxruntime_int8_options"] = [f"{k}={v}" for k, v in bit_exact_int8_entries()] if unavailable("onnxruntime") is None else None
-    found["layer_graph_attention"] = attention.description if attention else "ORT GroupQueryAttention"
-    found["layer_graph_attention_why"] = None if attention else decoder_ops.why_not()
-    found |= {"float32_ms": round(probe.float32_ms, 3), "bfloat16_ms": None if probe.bfloat16_ms is None else round(probe.bfloat16_ms, 3)}
-    found |= {"bf16_invariant_rows": probe.bf16_invariant_rows, "bf16_rows": probe.rows_text}
-    found |= {"half_ms": None if half is None else round(half, 3), "half_weights": _half_text(half, probe.float32_ms)}
-    found["float_dtype"] = dtype_name(default_float_dtype("cpu"))
-    found["float_dtype_why"] = f"set by {FLOAT_DTYPE_ENV}={chosen}" if chosen else probe.reason
-    return found
+    return {
+        "fbgemm_int8_sums_32bit": vnni_available(),
+        "onednn_int8_bit_exact": onednn_int8_bit_exact(),
+        "quasar_int8_why_not": int8_linear.why_not(),
+        "quasar_int8_build": int8_linear.build(),
+        "int8_ms": {name: round(ms, 3) for name, ms in int8.ms.items()},
+        "int8_kernel_why": int8.reason,
+        "onnxruntime_int8_options": [f"{k}={v}" for k, v in bit_exact_int8_entries()] if unavailable("onnxruntime") is None else None,
+        "layer_graph_attention": attention.description if attention else "ORT GroupQueryAttention",
+        "layer_graph_attention_why": None if attention else decoder_ops.why_not(),
+        "float32_ms": round(probe.float32_ms, 3),
+        "bfloat16_ms": None if probe.bfloat16_ms is None else round(probe.bfloat16_ms, 3),
+        "bf16_invariant_rows": probe.bf16_invariant_rows,
+        "bf16_rows": probe.rows_text,
+        "half_ms": None if half is None else round(half, 3),
+        "half_weights": _half_text(half, probe.float32_ms),
+        "float_dtype": dtype_name(default_float_dtype("cpu")),
+        "float_dtype_why": f"set by {FLOAT_DTYPE_ENV}={chosen}" if chosen else probe.reason,
+    }
 
 
 def cache_summary() -> dict:

@@ -68,7 +68,9 @@ def evaluate(
         nll_quant -= float(logp_q[:-1].gather(1, targets[:, None]).sum())
         count += len(ids)
     predicted = count - len(samples)
-    return Fidelity(count, agree / count, kl / count, math.exp(nll_float / predicted), math.exp(nll_quant / predicted))
+    ppl_float = math.exp(nll_float / predicted)
+    ppl_w8a8 = math.exp(nll_quant / predicted)
+    return Fidelity(tokens=count, top1_agreement=agree / count, mean_kl=kl / count, ppl_float=ppl_float, ppl_w8a8=ppl_w8a8)
 
 
 STUDY_ALPHAS: tuple[str | float, ...] = ("off", 0.5, "auto")

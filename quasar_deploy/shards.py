@@ -19,8 +19,10 @@ STEM = "model"
 WEIGHTS = f"{STEM}.safetensors"
 INDEX = f"{STEM}.safetensors.index.json"
 MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default, "5GB"
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-DTYPES |= {torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8"}
+DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
+}  # fmt: skip
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 
 

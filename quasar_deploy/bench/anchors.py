@@ -234,9 +234,14 @@ def anchor_phase(
     return results, skipped
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: the first position where they differ, else the shorter length."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def token_match(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> dict:
     """How far an anchor's greedy tokens follow ours: the share equal at the same position, and the mean common prefix."""
     total = sum(len(r) for r in reference)
     same = sum(sum(x == y for x, y in zip(t, r)) for t, r in zip(tokens, reference))
-    prefixes = [next((i for i, (x, y) in enumerate(zip(t, r)) if x != y), min(len(t), len(r))) for t, r in zip(tokens, reference)]
+    prefixes = [_common_prefix(t, r) for t, r in zip(tokens, reference)]
     return {"share": same / total if total else 1.0, "mean_common_prefix": sum(prefixes) / len(prefixes) if prefixes else 0.0}

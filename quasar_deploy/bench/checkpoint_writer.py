@@ -24,8 +24,10 @@ from .synthetic import synthetic_spec
 
 BLOCK_BYTES = 1 << 26  # float32 bytes generated at a time
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0}
-_QWEN3 |= {"max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645}
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
+}  # fmt: skip
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5}
 # the config fields beyond the dimensions (which come from synthetic.SHAPES), as the published configs give them
 FAMILIES = {

@@ -101,9 +101,19 @@ def _hf_twin(spec: DecoderSpec, tensors: Mapping[str, torch.Tensor]):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    same = ("vocab_size", "hidden_size", "intermediate_size", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
-    renamed = dict(num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads)
-    config = Qwen3Config(**{name: getattr(spec, name) for name in (*same, "tie_word_embeddings")}, **renamed)
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        head_dim=spec.head_dim,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+    )
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model.load_state_dict(dict(tensors), assign=True, strict=False)

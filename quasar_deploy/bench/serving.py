@@ -89,10 +89,13 @@ class WideVocabulary:
         return getattr(self._tokenizer, name)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return "".join(
-            self._tokenizer.decode(list(run), skip_special_tokens=skip_special_tokens) if known else "".join(f" <{t}>" for t in run)
-            for known, run in itertools.groupby(ids, lambda token: token < self._known)
-        )
+        pieces = []
+        for known, run in itertools.groupby(ids, lambda token: token < self._known):
+            if known:
+                pieces.append(self._tokenizer.decode(list(run), skip_special_tokens=skip_special_tokens))
+            else:
+                pieces.extend(f" <{token}>" for token in run)
+        return "".join(pieces)
 
 
 def synthetic_engine(shape: str) -> tuple[Engine, str]:

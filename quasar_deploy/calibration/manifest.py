@@ -18,16 +18,26 @@ def build_manifest(
     source: ModelFiles, recipe: CalibrationRecipe, samples: list[list[int]], folded: Folded, quantized_layers: list[str]
 ) -> dict:
     """Everything but ``format_version`` and ``files``, which ``ArtifactWriter.finish`` adds once every file exists."""
-    record = {"scheme": recipe.scheme.to_dict(), "alpha": recipe.alpha, "alpha_grid": list(ALPHA_GRID) if recipe.alpha == "auto" else None}
-    record |= {"num_samples": recipe.num_samples, "seq_len": recipe.seq_len, "keep_float": list(recipe.keep_float)}
-    record |= {"keep_float_above": recipe.keep_float_above, "int8_lm_head": recipe.int8_lm_head}
-    calibration = {"data": recipe.calib_data or "built-in", "samples": len(samples), "tokens": sum(len(s) for s in samples)}
     return {
         "quasar_deploy_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source": {"path": str(source.path), "architecture": source.spec.architecture, "sha256": source.checkpoint.fingerprint()},
-        "recipe": record,
-        "calibration": calibration | {"fingerprint": data.fingerprint(samples)},
+        "recipe": {
+            "scheme": recipe.scheme.to_dict(),
+            "alpha": recipe.alpha,
+            "alpha_grid": list(ALPHA_GRID) if recipe.alpha == "auto" else None,
+            "num_samples": recipe.num_samples,
+            "seq_len": recipe.seq_len,
+            "keep_float": list(recipe.keep_float),
+            "keep_float_above": recipe.keep_float_above,
+            "int8_lm_head": recipe.int8_lm_head,
+        },
+        "calibration": {
+            "data": recipe.calib_data or "built-in",
+            "samples": len(samples),
+            "tokens": sum(len(s) for s in samples),
+            "fingerprint": data.fingerprint(samples),
+        },
         "groups": [
             {
                 "name": group.name,

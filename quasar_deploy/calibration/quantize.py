@@ -17,7 +17,8 @@ def quantize_layers(linears: Iterable[tuple[str, Linear]], layers: dict[str, Lay
     quantized = []
     for name, linear in linears:
         if layers[name].quantized:
-            absmax, (wq, w_scale) = layers[name].static_absmax, quantize_weight(linear.weight.data)
+            absmax = layers[name].static_absmax
+            wq, w_scale = quantize_weight(linear.weight.data)
             linear.set_quantized(wq, w_scale, None if absmax is None else static_input_scale(absmax))
             quantized.append(name)
     return quantized

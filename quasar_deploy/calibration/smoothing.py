@@ -66,7 +66,10 @@ def search(
     """``alpha``: "auto" (grid search, "off" included), "off", or a fixed float."""
     references = {name: rows @ weight.t() for name, weight in weights.items()}
     before = group_errors(rows, absmax, weights, None, static, references)
-    candidates = [None] if not smoothable or alpha == "off" else [None, *ALPHA_GRID] if alpha == "auto" else [float(alpha)]
+    if not smoothable or alpha == "off":
+        candidates = [None]
+    else:
+        candidates = [None, *ALPHA_GRID] if alpha == "auto" else [float(alpha)]
     best: tuple[float, float | None, torch.Tensor | None, dict[str, float]] | None = None
     for candidate in candidates:
         scales = None if candidate is None else smoothing_scales(absmax, list(weights.values()), candidate)

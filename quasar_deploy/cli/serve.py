@@ -13,10 +13,11 @@ from ..serve.needs import REQUEST_DRAFTERS, SERVER_NEEDS
 from .options import exact_options, load_engine, options_from_env, provider_option
 
 # flags our engine honours and `vllm serve` has no counterpart for: refused with --engine vllm (the others are passed on)
-QUASAR_ONLY = tuple(
-    """adaptive-k backend provider max-queue max-body-bytes max-num-draft max-stop max-stop-chars default-max-tokens
-    request-timeout body-timeout kv-cache-mib prefill-tokens row-budget drain-timeout suffix-cache-tokens""".split()
-)
+QUASAR_ONLY = (
+    "adaptive-k", "backend", "provider", "max-queue", "max-body-bytes", "max-num-draft", "max-stop", "max-stop-chars",
+    "default-max-tokens", "request-timeout", "body-timeout", "kv-cache-mib", "prefill-tokens", "row-budget",
+    "drain-timeout", "suffix-cache-tokens",
+)  # fmt: skip
 VLLM_ONLY = ("tensor-parallel-size", "vllm-arg")
 
 

@@ -35,8 +35,10 @@ def figures(runs: Mapping[str, Sequence[GenerationStats]], float_modes: Sequence
     result = {}
     for mode, stats in runs.items():
         speeds = [s.tokens_per_s for s in stats]
-        result[mode] = {"tokens_per_s": statistics.median(speeds), "tokens_per_s_min": min(speeds), "tokens_per_s_max": max(speeds)}
-        result[mode] |= {
+        result[mode] = {
+            "tokens_per_s": statistics.median(speeds),
+            "tokens_per_s_min": min(speeds),
+            "tokens_per_s_max": max(speeds),
             "acceptance_length": statistics.mean(s.acceptance_length for s in stats),
             "acceptance_lengths": [s.acceptance_length for s in stats],
             "verify_step_ms": 1000 * sum(s.verify_s for s in stats) / max(1, sum(s.verify_steps for s in stats)),

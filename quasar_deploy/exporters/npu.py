@@ -87,8 +87,10 @@ def quantized_tensors(prefix: str, files: ModelFiles, activation: str, dtype: to
             if steps.abs().max() > torch.iinfo(torch.int32).max:
                 raise QuasarError(f"{files.path}: {prefix}.bias does not fit an int32 quant_bias at its dequantization scale")
             quant_bias = steps.to(torch.int32)
-        out |= {f"{prefix}.input_scale": input_scale, f"{prefix}.input_offset": torch.zeros(1, dtype=dtype)}
-        out |= {f"{prefix}.quant_bias": quant_bias, f"{prefix}.deq_scale": encode_deq_scale(deq_scale, dtype)}
+        out[f"{prefix}.input_scale"] = input_scale
+        out[f"{prefix}.input_offset"] = torch.zeros(1, dtype=dtype)
+        out[f"{prefix}.quant_bias"] = quant_bias
+        out[f"{prefix}.deq_scale"] = encode_deq_scale(deq_scale, dtype)
     return out
 
 

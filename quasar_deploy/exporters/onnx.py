@@ -44,17 +44,24 @@ def genai_config(files: ModelFiles, precision: str, linear_format: str | None, h
     spec, config, scheme = files.spec, files.checkpoint.config, files.scheme
     inputs = {name: name for name in ("input_ids", "attention_mask", "position_ids")}
     inputs |= {"past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
-    outputs = {HIDDEN: HIDDEN} if head_outside else {"logits": "logits"}
-    outputs |= {"present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
-    decoder = {"filename": MODEL_FILE, "head_size": spec.head_dim, "hidden_size": spec.hidden_size, "num_attention_heads": spec.num_heads}
-    decoder |= {"num_key_value_heads": spec.num_kv_heads, "num_hidden_layers": spec.num_layers, "inputs": inputs, "outputs": outputs}
+    first_output = HIDDEN if head_outside else "logits"
+    outputs = {first_output: first_output, "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
     return {
         "model": {
             "type": config.get("model_type", spec.architecture),
             "context_length": spec.max_position_embeddings,
             "vocab_size": spec.vocab_size,
             **{key: config.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
-            "decoder": decoder,
+            "decoder": {
+                "filename": MODEL_FILE,
+                "head_size": spec.head_dim,
+                "hidden_size": spec.hidden_size,
+                "num_attention_heads": spec.num_heads,
+                "num_key_value_heads": spec.num_kv_heads,
+                "num_hidden_layers": spec.num_layers,
+                "inputs": inputs,
+                "outputs": outputs,
+            },
         },
         "search": {"max_length": spec.max_position_embeddings, "past_present_share_buffer": False},
         "quasar": {

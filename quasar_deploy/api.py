@@ -7,11 +7,9 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from .backends import create_backend, resolve_backend
-from .engine import VERIFY_MODES, Engine, stop_ids_of, warm_up
+from .engine import VERIFY_MODES, Engine, open_engine, warm_up
 from .errors import QuasarError
 from .exact_mode import load_exact
-from .tokenizer import load_tokenizer
 
 
 def load(
@@ -32,8 +30,6 @@ def load(
         return load_exact(path, exact_source, backend, trust_remote_code, needs, **backend_options)
     if exact_source is not None:
         raise QuasarError("exact_source applies to verify='exact'")
-    backend = resolve_backend(backend, path, needs, backend_options)
-    lm = create_backend(backend, path, needs, **backend_options)
-    engine = Engine(lm, load_tokenizer(path, trust_remote_code), stop_ids_of(path), backend)
-    warm_up(lm)
+    engine = open_engine(path, backend, needs, trust_remote_code, **backend_options)
+    warm_up(engine.lm)
     return engine

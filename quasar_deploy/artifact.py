@@ -113,6 +113,11 @@ class ModelFiles:
         return self.manifest is not None
 
     @property
+    def listed(self) -> dict[str, str] | None:
+        """The sha256 the manifest lists (None: a float checkpoint), against which readers check the small files they read."""
+        return self.manifest["files"] if self.manifest else None
+
+    @property
     def scheme(self) -> W8A8Scheme | None:
         return W8A8Scheme(**self.manifest["recipe"]["scheme"]) if self.manifest else None
 

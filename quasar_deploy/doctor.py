@@ -7,6 +7,7 @@ import platform
 
 import torch
 
+from .artifact import open_model_files
 from .backends import available_backends
 from .backends.cuda import gpu_status
 from .backends.registry import auto_backend, auto_choice
@@ -51,7 +52,7 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
         "demo": demo_summary(),
     }
     if path is not None:
-        info |= {"memory": model_memory(path), "auto_backend": auto_backend(path)}
+        info |= {"memory": model_memory(path), "auto_backend": auto_backend(open_model_files(path))}
     if path is not None and exact:
         info["exact_memory"] = exact_memory(path, exact_source)
     return info
@@ -136,7 +137,7 @@ def exact_memory(path: str, source: str | None = None) -> dict:
     from .exact_mode import float_source
     from .memory import MIB
 
-    parts = {"float": model_memory(str(float_source(path, source))), "w8a8": model_memory(path)}
+    parts = {"float": model_memory(str(float_source(open_model_files(path), source).path)), "w8a8": model_memory(path)}
     total = sum(part["total"] for part in parts.values())
     summary = (
         f"~{total / MIB:,.0f} MiB with both weight sets resident and both KV caches at {parts['w8a8']['tokens']:,} tokens: "

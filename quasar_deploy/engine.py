@@ -10,7 +10,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .backends import create_backend
+from .artifact import open_model_files
+from .backends import registry
 from .chat.renderer import RENDER_CHARS_PER_TOKEN, ChatRenderer
 from .errors import QuasarError
 from .integrity import listed_files, read_listed
@@ -31,7 +32,7 @@ from .speculative.loop import LoopStats, Speculation
 from .speculative.output_cache import OutputCache
 from .speculative.registry import check_drafter_options, create_drafter, default_num_draft, drafter_entry
 from .text import Detokenizer, StopStrings, check_text
-from .tokenizer import load_tokenizer
+from .tokenizer import read_tokenizer
 
 # Short and mixed (prose and code), so the layers chosen for skipping suit whatever the model writes.
 SKIP_CALIBRATION_TEXT = '''The quick brown fox jumps over the lazy dog. A language model predicts the next token from the ones before it.
@@ -434,16 +435,31 @@ class Engine:
         """The draft model at ``path`` on this engine's backend, loaded once; its tokenizer must match the verifier's."""
         key = str(Path(path).resolve())
         if key not in self._draft_lms:
-            lm = create_backend(self.backend, path)
-            check_same_vocabulary(self.tokenizer.get_vocab(), load_tokenizer(path).get_vocab(), str(path))
-            self._draft_lms[key] = lm
+            draft = open_engine(path, self.backend)
+            check_same_vocabulary(self.tokenizer.get_vocab(), draft.tokenizer.get_vocab(), str(path))
+            self._draft_lms[key] = draft.lm
         return self._draft_lms[key]
 
 
-def stop_ids_of(path: str | Path) -> frozenset[int]:
-    """End-of-sequence ids from ``generation_config.json`` and ``config.json`` (as the manifest vouches), as HF's generate uses."""
-    path = Path(path)
-    listed = listed_files(path)
+def open_engine(path: str | Path, backend: str, needs: Collection[str] = (), trust_remote_code: bool = False, **options: Any) -> Engine:
+    """The engine of the model directory at ``path``, opened and verified once (its ``ModelFiles`` passed down), or of the
+    export there, which no ``ModelFiles`` opens: its target's backend reads it (``create_export_backend``). Not warmed up."""
+    if backend != "auto":
+        registry.factory_options(backend, needs, options)  # a wrong choice costs no verification
+    directory = Path(path)
+    exported = registry.export_backend(backend, directory)
+    if exported is not None:
+        backend, lm = exported, registry.create_export_backend(exported, directory, needs, **options)
+        listed = listed_files(directory)
+    else:
+        files = open_model_files(directory)
+        backend = registry.resolve_backend(backend, files, needs, options)
+        lm, listed = registry.create_backend(backend, files, needs, **options), files.listed
+    return Engine(lm, read_tokenizer(directory, listed, trust_remote_code), stop_ids_of(directory, listed), backend)
+
+
+def stop_ids_of(path: Path, listed: dict[str, str] | None) -> frozenset[int]:
+    """End-of-sequence ids from ``generation_config.json`` and ``config.json`` as ``listed`` vouches, as HF's generate uses."""
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         data = read_listed(path, name, listed)

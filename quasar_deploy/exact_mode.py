@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .artifact import open_model_files
+from .artifact import ModelFiles, open_model_files
 from .backends import create_backend, resolve_backend
 from .engine import Engine, GenerationOptions, check_can_fork, stop_ids_of, warm_up
 from .errors import QuasarError
@@ -70,17 +70,17 @@ class ExactEngine(Engine):
         return Speculation(lm, drafter, prompt, sampler, lm.max_length, options.max_new_tokens, self.stop_ids, stats)
 
 
-def float_source(artifact: str | Path, source: str | Path | None = None) -> Path:
-    """The float checkpoint exact mode verifies with: ``source``, else the one ``artifact``'s manifest records."""
+def float_source(artifact: ModelFiles, source: str | Path | None = None) -> ModelFiles:
+    """The float checkpoint exact mode verifies with, opened: ``source``, else the one ``artifact``'s manifest records."""
     from .fidelity import reference_of
 
-    files = open_model_files(artifact)
-    if not files.is_artifact:
-        raise QuasarError(f"{files.path}: verify='exact' takes a W8A8 artifact (it drafts for its float model), not a float checkpoint")
-    path = Path(source) if source is not None else reference_of(files, "exact_source (--exact-source MODEL_DIR), its float checkpoint")
-    if open_model_files(path).is_artifact:
-        raise QuasarError(f"{path}: the exact source must be the float checkpoint, not a W8A8 artifact")
-    return path
+    if not artifact.is_artifact:
+        raise QuasarError(f"{artifact.path}: verify='exact' takes a W8A8 artifact (it drafts for its float model), not a float checkpoint")
+    path = source if source is not None else reference_of(artifact, "exact_source (--exact-source MODEL_DIR), its float checkpoint")
+    files = open_model_files(path)
+    if files.is_artifact:
+        raise QuasarError(f"{files.path}: the exact source must be the float checkpoint, not a W8A8 artifact")
+    return files
 
 
 def load_exact(
@@ -93,18 +93,19 @@ def load_exact(
 ) -> ExactEngine:
     """Both weight sets on one backend (with "auto", the float checkpoint's): the float checkpoint (``float_source``)
     verifying, the artifact at ``path`` drafting; they must share tokenizer and context window."""
-    source = float_source(path, source)
+    artifact = open_model_files(path)  # it and its float source are each opened and verified once
+    source = float_source(artifact, source)
     name = resolve_backend(backend, source, needs, backend_options)
     verifier = create_backend(name, source, **backend_options)
-    middle = create_backend(name, path, **backend_options)
+    middle = create_backend(name, artifact, **backend_options)
     if (middle.vocab_size, middle.max_length) != (verifier.vocab_size, verifier.max_length):
         raise QuasarError(
-            f"{path}: vocabulary {middle.vocab_size} and context {middle.max_length}, but its float source {source} has "
+            f"{path}: vocabulary {middle.vocab_size} and context {middle.max_length}, but its float source {source.path} has "
             f"{verifier.vocab_size} and {verifier.max_length}; exact mode needs the artifact of that checkpoint"
         )
     tokenizer = load_tokenizer(source, trust_remote_code)
-    check_same_vocabulary(tokenizer.get_vocab(), load_tokenizer(path, trust_remote_code).get_vocab(), str(path))
-    engine = ExactEngine(verifier, tokenizer, stop_ids_of(source), name, middle=middle, source=source)
+    check_same_vocabulary(tokenizer.get_vocab(), load_tokenizer(artifact, trust_remote_code).get_vocab(), str(path))
+    engine = ExactEngine(verifier, tokenizer, stop_ids_of(source.path, source.listed), name, middle=middle, source=source.path)
     warm_up(verifier)
     warm_up(middle)
     return engine

@@ -48,7 +48,7 @@ def evaluate(
         raise QuasarError(f"{float_files.path}: --reference must be the float checkpoint, not an artifact")
     if float_files.spec.vocab_size != quantized_files.spec.vocab_size:
         raise QuasarError("the artifact and the reference have different vocabularies")
-    tokenizer = load_tokenizer(float_files.path, trust_remote_code=False)
+    tokenizer = load_tokenizer(float_files, trust_remote_code=False)
     samples = data.token_samples(tokenizer, data.read_texts(eval_data, default="eval"), num_samples, seq_len)
     float_model = float_files.decoder()  # the reference: float32, the most precise float the CPU backend has
     float_model.prepare(default_float_kernel(), default_int8_kernel())

@@ -85,13 +85,12 @@ def read_listed(directory: Path, name: str, listed: dict[str, str] | None) -> by
 
 
 def listed_files(directory: Path) -> dict[str, str] | None:
-    """The ``files`` of ``directory``'s artifact or export manifest (None: it has neither: a float checkpoint)."""
-    for manifest in (MANIFEST, EXPORT_MANIFEST):
-        if inside_file(directory, manifest) is not None:
-            listed = _json_object(directory, manifest).get("files")
-            verify_files(directory, directory / manifest, listed, verify=False)
-            return listed
-    return None
+    """The ``files`` of ``directory``'s export manifest (None: it has none), its listing checked; readers check the bytes they read."""
+    if inside_file(directory, EXPORT_MANIFEST) is None:
+        return None
+    listed = _json_object(directory, EXPORT_MANIFEST).get("files")
+    verify_files(directory, directory / EXPORT_MANIFEST, listed, verify=False)
+    return listed
 
 
 def write_export_manifest(directory: Path, target: str, source: Path, details: dict | None = None) -> None:

@@ -9,9 +9,10 @@ import json
 import tempfile
 from pathlib import Path
 
+from .artifact import ModelFiles
 from .errors import QuasarError
 from .files import TOKENIZER_FILES, first_line, refuse_outside_links
-from .integrity import listed_files, read_listed
+from .integrity import read_listed
 
 # Any one of these is a tokenizer; without them transformers quietly builds a useless one-token tokenizer.
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -25,10 +26,13 @@ def _model_vocab_size(path: Path) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """The tokenizer beside a model; refused when missing, or when it has ids the model has no embedding for."""
-    path = Path(path)
-    listed = listed_files(path)
+def load_tokenizer(files: ModelFiles, trust_remote_code: bool = False):
+    """The tokenizer beside an opened model, read as its manifest vouches (``read_tokenizer``), without opening it again."""
+    return read_tokenizer(files.path, files.listed, trust_remote_code)
+
+
+def read_tokenizer(path: Path, listed: dict[str, str] | None, trust_remote_code: bool = False):
+    """The tokenizer in ``path`` as ``listed`` vouches; refused when missing, or when it has ids the model has no embedding for."""
     if listed is None:
         refuse_outside_links(path)
         return _load(path, path, trust_remote_code)

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends import onnx_export_cache, registry
 from quasar_deploy.errors import QuasarError
 
@@ -67,7 +68,7 @@ def test_a_float_checkpoint_is_exported_as_a_float_graph(tiny_qwen3, empty_cache
 def test_a_damaged_cache_entry_is_exported_again(tiny_artifact, empty_cache, capfd):
     from quasar_deploy import load
 
-    path = onnx_export_cache.cached_onnx_export(tiny_artifact.path, progress=False)
+    path = onnx_export_cache.cached_onnx_export(tiny_artifact, progress=False)
     (path / "model.onnx").write_bytes(b"damaged")
     engine = load(tiny_artifact.path)
     assert "the cached ONNX export is damaged" in capfd.readouterr().err
@@ -92,8 +93,7 @@ def test_the_key_follows_the_model_content(tiny_artifact, tiny_qwen3, tmp_path, 
 def test_processes_started_together_export_once(tiny_artifact, empty_cache, capfd):
     paths: list = []
     threads = [
-        threading.Thread(target=lambda: paths.append(onnx_export_cache.cached_onnx_export(tiny_artifact.path, progress=False)))
-        for _ in range(3)
+        threading.Thread(target=lambda: paths.append(onnx_export_cache.cached_onnx_export(tiny_artifact, progress=False))) for _ in range(3)
     ]
     for thread in threads:
         thread.start()
@@ -106,15 +106,15 @@ def test_processes_started_together_export_once(tiny_artifact, empty_cache, capf
 def test_needs_and_options_choose_a_backend_that_provides_them(tiny_artifact, tiny_qwen3):
     from quasar_deploy.serve.needs import SERVER_NEEDS
 
-    assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
+    assert registry.auto_backend(tiny_artifact) == "onnxruntime"
     # the layerskip drafter, and serving (requests may pick layerskip): ONNX Runtime's layer graphs of a W8A8 artifact
-    assert registry.auto_backend(tiny_artifact.path, needs=("layer_skip",)) == "onnxruntime"
-    assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "onnxruntime"
+    assert registry.auto_backend(tiny_artifact, needs=("layer_skip",)) == "onnxruntime"
+    assert registry.auto_backend(tiny_artifact, needs=SERVER_NEEDS) == "onnxruntime"
     # ...which a float checkpoint has none of: our torch decoder
-    assert registry.auto_backend(tiny_qwen3, needs=SERVER_NEEDS) == "cpu"
-    assert registry.auto_backend(tiny_artifact.path, options=("int8_kernel",)) == "cpu"
+    assert registry.auto_backend(open_model_files(tiny_qwen3), needs=SERVER_NEEDS) == "cpu"
+    assert registry.auto_backend(tiny_artifact, options=("int8_kernel",)) == "cpu"
     with pytest.raises(QuasarError, match="unknown backend capability 'gpu'"):
-        registry.auto_backend(tiny_artifact.path, needs=("gpu",))
+        registry.auto_backend(tiny_artifact, needs=("gpu",))
 
 
 def test_our_int8_kernel_keeps_artifacts_on_the_cpu_backend(tiny_artifact, tiny_qwen3, monkeypatch):
@@ -126,9 +126,9 @@ def test_our_int8_kernel_keeps_artifacts_on_the_cpu_backend(tiny_artifact, tiny_
 
     monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": "quasar")
     monkeypatch.setattr(choice, "int8_probe", lambda: choice.Int8Probe({"quasar": 1.0, choice.ONNXRUNTIME: 2.0}))
-    assert registry.auto_backend(tiny_artifact.path) == "cpu"
-    assert registry.auto_backend(tiny_artifact.path, needs=SERVER_NEEDS) == "cpu"
-    assert registry.auto_backend(tiny_qwen3) == "onnxruntime"  # float32 here (the suite's float dtype): ORT's float graph
+    assert registry.auto_backend(tiny_artifact) == "cpu"
+    assert registry.auto_backend(tiny_artifact, needs=SERVER_NEEDS) == "cpu"
+    assert registry.auto_backend(open_model_files(tiny_qwen3)) == "onnxruntime"  # float32 here (the suite's float dtype): ORT's float graph
 
 
 def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, monkeypatch):
@@ -139,9 +139,9 @@ def test_onnxruntime_is_not_chosen_where_its_copy_would_not_fit(tiny_artifact, m
     files = open_model_files(tiny_artifact.path)
     needed = estimate(files).total(report_tokens(files.spec)) * registry.ONNXRUNTIME_MEMORY_FACTOR
     monkeypatch.setattr(machine, "memory_available", lambda: needed - 1)
-    assert registry.auto_backend(tiny_artifact.path) == "cpu"
+    assert registry.auto_backend(tiny_artifact) == "cpu"
     monkeypatch.setattr(machine, "memory_available", lambda: needed)
-    assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
+    assert registry.auto_backend(tiny_artifact) == "onnxruntime"
 
 
 @pytest.mark.parametrize(("int8_kernel", "artifacts"), [("quasar", "cpu"), ("onednn-vnni", "onnxruntime")])

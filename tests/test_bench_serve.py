@@ -7,6 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.bench.serving import WideVocabulary, percentile
 from quasar_deploy.cli import main
 from quasar_deploy.demo import demo_model_path
@@ -72,7 +73,7 @@ def test_bench_serve_refuses_an_artifact_and_a_shape(tmp_path):
 
 
 def test_wide_vocabulary_shows_ids_past_the_tokenizer():
-    tokenizer = load_tokenizer(demo_model_path())
+    tokenizer = load_tokenizer(open_model_files(demo_model_path()))
     wide = WideVocabulary(tokenizer)
     known = tokenizer.encode("hello world")
     assert wide.decode(known) == tokenizer.decode(known)

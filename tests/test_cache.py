@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from quasar_deploy import cache
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends import onnx_export_cache
 from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
@@ -44,14 +45,14 @@ def _names(root) -> list[str]:
 def test_a_recreated_source_finds_its_export_and_a_deleted_one_is_orphaned(tiny_artifact, tiny_qwen3, tmp_path, empty_cache, capfd):
     pytest.importorskip("onnxruntime")
     first = copy_dir(tiny_artifact.path, tmp_path, "first")
-    export = onnx_export_cache.cached_onnx_export(first, progress=False)
+    export = onnx_export_cache.cached_onnx_export(open_model_files(first), progress=False)
     assert "exporting it to" in capfd.readouterr().err
     shutil.rmtree(first)
     listed = json.loads(CliRunner().invoke(main, ["cache", "list", "--json"]).output)["entries"]
     assert [(e["name"], e["orphaned"], e["sources"]) for e in listed] == [(export.name, True, [str(first)])]
     assert "orphaned: " + str(first) + " gone" in CliRunner().invoke(main, ["cache", "list"]).output
     again = copy_dir(tiny_artifact.path, tmp_path, "again")  # a new temporary directory of the same artifact
-    assert onnx_export_cache.cached_onnx_export(again, progress=False) == export
+    assert onnx_export_cache.cached_onnx_export(open_model_files(again), progress=False) == export
     assert "exporting" not in capfd.readouterr().err
     assert not cache.entries()[0].orphaned  # its new source is there
     # a checkpoint: its files' bytes, not their times or place, name it
@@ -82,16 +83,16 @@ def test_least_recently_used_entries_are_evicted_to_fit_the_limit(empty_cache, m
 
 def test_an_export_evicts_to_fit_and_is_refused_without_disk_space(tiny_artifact, empty_cache, monkeypatch):
     pytest.importorskip("onnxruntime")
-    need = onnx_export_cache.export_bytes(tiny_artifact.path)
+    need = onnx_export_cache.export_bytes(tiny_artifact)
     _entry(empty_cache, "stale", need, 1000.0, monkeypatch)
     monkeypatch.setenv("QUASAR_CACHE_MAX", str(int(need * 1.5)))
-    path = onnx_export_cache.cached_onnx_export(tiny_artifact.path, progress=False)
+    path = onnx_export_cache.cached_onnx_export(tiny_artifact, progress=False)
     assert _names(empty_cache) == [path.name]
     assert cache.entries()[0].bytes == pytest.approx(need, rel=0.2)  # the estimate the check makes is the export's size
     shutil.rmtree(path)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(10**12, 10**12 - need // 2, need // 2))
     with pytest.raises(QuasarError, match=rf"not enough disk space in {empty_cache}: this needs [\d.]+ GB, [\d.]+ GB free"):
-        onnx_export_cache.cached_onnx_export(tiny_artifact.path, progress=False)
+        onnx_export_cache.cached_onnx_export(tiny_artifact, progress=False)
     assert not path.exists()
 
 

@@ -32,7 +32,7 @@ ROWS = 256
 def whole_model_calibration(model_dir, recipe: CalibrationRecipe) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """The manifest's groups and the artifact's tensors as the whole-model path produced them."""
     source = open_model_files(model_dir)
-    samples = data.calibration_samples(load_tokenizer(source.path, False), recipe.calib_data, recipe.num_samples, recipe.seq_len)
+    samples = data.calibration_samples(load_tokenizer(source, False), recipe.calib_data, recipe.num_samples, recipe.seq_len)
     decoder = source.decoder(torch.float32)
     decoder.prepare("torch", "reference")
     modules = dict(decoder.named_modules())

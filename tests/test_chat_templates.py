@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.chat.renderer import ChatRenderer, RendererError
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.memory import tree_resident_mib
@@ -58,7 +59,7 @@ RUNAWAY = {
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_qwen3):
-    tokenizer = load_tokenizer(tiny_qwen3)
+    tokenizer = load_tokenizer(open_model_files(tiny_qwen3))
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

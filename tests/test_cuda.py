@@ -232,11 +232,11 @@ def test_unavailable_names_each_reason(monkeypatch):
 def test_registered_refused_here_and_auto_falls_back(naive_artifact):
     assert "cuda" in BACKENDS
     with pytest.raises(QuasarError, match="backend 'cuda' cannot run here"):
-        create_backend("cuda", naive_artifact)
+        create_backend("cuda", open_model_files(naive_artifact))
     with pytest.raises(QuasarError, match="backend 'cuda' cannot run here"):
-        cuda_backend.load_cuda(naive_artifact)
-    assert auto_backend(naive_artifact) in ("onnxruntime", "cpu")  # ONNX Runtime where it is installed
-    assert auto_backend(naive_artifact, needs=("layer_skip",)) in ("onnxruntime", "cpu")  # its layer graphs, or torch's
+        cuda_backend.load_cuda(open_model_files(naive_artifact))
+    assert auto_backend(open_model_files(naive_artifact)) in ("onnxruntime", "cpu")  # ONNX Runtime where it is installed
+    assert auto_backend(open_model_files(naive_artifact), needs=("layer_skip",)) in ("onnxruntime", "cpu")  # its layer graphs, or torch's
 
 
 def test_doctor_reports_the_gpu_status():
@@ -405,7 +405,7 @@ def test_gpu_ngram_benchmark_glue_on_cpu(tiny_qwen3, tiny_artifact):
     float_lm = cuda_backend.build_cuda_lm(open_model_files(tiny_qwen3), "cpu", "torch")
     quant_lm = cuda_backend.build_cuda_lm(tiny_artifact, "cpu", "torch")
     settings = GpuSettings(prompts=2, max_new_tokens=8, num_draft=3)
-    tokenizer = load_tokenizer(tiny_qwen3)
+    tokenizer = load_tokenizer(open_model_files(tiny_qwen3))
     row = _ngram_benchmark("tiny", float_lm, quant_lm, tokenizer, "random", settings)
     for lm, key in ((float_lm, "acceptance_bf16"), (quant_lm, "acceptance_w8a8")):
         engine = Engine(lm, tokenizer, frozenset(), "cuda")

@@ -26,7 +26,7 @@ def test_trained_far_below_unigram():
 
 
 def test_greedy_continuation_looks_like_python():
-    tokenizer = load_tokenizer(demo_model_path())
+    tokenizer = load_tokenizer(open_model_files(demo_model_path()))
     decoder = open_model_files(demo_model_path()).decoder()
     ids = tokenizer("import os\n\n\ndef list_files(path):\n")["input_ids"]
     cache = decoder.new_cache()

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from quasar_deploy import doctor
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends.torch_backend import load_cpu
 from quasar_deploy.cli import main
 from quasar_deploy.cpu import choice, linears
@@ -229,8 +230,8 @@ def test_the_int8_probe_times_only_when_two_kernels_are_exact(monkeypatch, fbgem
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_qwen3_tied"])
 def test_a_bf16_float_model_stays_close_to_float32_and_holds_no_float32_weight(request, checkpoint):
     skip_without_bf16()
-    path = request.getfixturevalue(checkpoint)
-    lm32, lm16 = load_cpu(path, float_dtype="float32"), load_cpu(path, float_dtype="bfloat16")
+    files = open_model_files(request.getfixturevalue(checkpoint))
+    lm32, lm16 = load_cpu(files, float_dtype="float32"), load_cpu(files, float_dtype="bfloat16")
     assert lm16.description.startswith("cpu float, ") and "float dtype bfloat16" in lm16.description
     floats = {p.dtype for p in lm16.decoder.parameters() if p.dtype.is_floating_point}
     assert floats == {torch.bfloat16}
@@ -252,7 +253,8 @@ def test_a_w8a8_model_computes_its_head_in_bf16(tiny_artifact):
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_artifact"])
 def test_bf16_speculative_output_is_the_verifiers_own_greedy_decode(request, checkpoint):
     skip_without_bf16()
-    lm = load_cpu(request.getfixturevalue(checkpoint), float_dtype="bfloat16")
+    model = request.getfixturevalue(checkpoint)
+    lm = load_cpu(open_model_files(getattr(model, "path", model)), float_dtype="bfloat16")
     expected = greedy(lm, PROMPT, 24)
     for k in (1, 3, 6):
         steps = speculate(lm, NgramDrafter(), PROMPT, Sampler(SamplingParams()), k, 24)

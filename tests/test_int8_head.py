@@ -140,7 +140,7 @@ def test_static_head_takes_one_calibrated_scale(static_head, tiny_qwen3_tied):
     largest = []
     float_model.model.norm.register_forward_hook(lambda _m, _args, out: largest.append(out.abs().max()))
     samples = calibration_samples(
-        load_tokenizer(tiny_qwen3_tied, False), None, FAST_CALIBRATION["num_samples"], FAST_CALIBRATION["seq_len"]
+        load_tokenizer(open_model_files(tiny_qwen3_tied), False), None, FAST_CALIBRATION["num_samples"], FAST_CALIBRATION["seq_len"]
     )
     for sample in samples:
         float_model(torch.tensor(sample), float_model.new_cache(len(sample)))
@@ -172,7 +172,7 @@ def test_onnx_export_runs_the_head_as_the_cpu_backend_does(tiny_int8_head_artifa
         assert ops["QuantizeLinear"] == 7 * files.spec.num_layers + 1
     assert not any(t.name.startswith("lm_head") and t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2 for t in graph.initializer)
     got = torch.from_numpy(run_full(ort_session(out / "model.onnx"), files.spec, ONNX_PROMPT))
-    expected = load_cpu(files.path, int8_kernel="reference").verify(ONNX_PROMPT)
+    expected = load_cpu(files, int8_kernel="reference").verify(ONNX_PROMPT)
     assert (got - expected).abs().max().item() < 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     in_memory = decoder_graph(files.decoder(), graph.name, form)

@@ -122,6 +122,30 @@ def test_a_damaged_artifact_is_refused_in_one_line(copy, name, damage, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("verify", ["model", "exact"])
+def test_one_load_verifies_each_file_of_the_model_once(tiny_artifact, monkeypatch, verify):
+    """``load`` opens the directory once and hands its ``ModelFiles`` down: "auto"'s memory check (which weighs ONNX Runtime
+    here, finds it does not fit and takes cpu), the backend, the tokenizer and the stop ids verify nothing again."""
+    from quasar_deploy import integrity
+    from quasar_deploy.api import load
+    from quasar_deploy.backends import registry
+    from quasar_deploy.cpu import machine
+    from quasar_deploy.files import verified_sha256
+
+    verified: list[str] = []
+
+    def counted(path):
+        verified.append(path.name)
+        return verified_sha256(path)
+
+    monkeypatch.setattr(integrity, "verified_sha256", counted)
+    monkeypatch.setattr(registry, "candidates", lambda needs=(), options=(): ["onnxruntime", "cpu"])
+    monkeypatch.setattr(registry, "cpu_runs_better", lambda artifact: False)
+    monkeypatch.setattr(machine, "memory_available", lambda: 0)
+    assert load(tiny_artifact.path, verify=verify).backend == "cpu"
+    assert sorted(verified) == sorted(tiny_artifact.listed)  # the float source of exact mode has no manifest
+
+
 def test_the_weights_of_a_stray_file_never_load(copy):
     """Before: the stray file's weight_scale silently replaced the artifact's."""
     stray_weights(copy)
@@ -189,12 +213,12 @@ ONNX_DAMAGE = [
 
 @pytest.mark.parametrize("name, damage, message", ONNX_DAMAGE, ids=[c[0] for c in ONNX_DAMAGE])
 def test_a_damaged_onnx_export_is_refused_in_one_line(onnx_export, tmp_path, name, damage, message):
-    from quasar_deploy.backends.onnxruntime import load_onnx
+    from quasar_deploy.backends.onnxruntime import load_onnx_export
 
     copy = shutil.copytree(onnx_export, tmp_path / "copy")
     damage(copy)
     with pytest.raises(QuasarError) as error:
-        load_onnx(copy, threads=1)
+        load_onnx_export(copy, threads=1)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

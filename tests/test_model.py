@@ -45,7 +45,7 @@ def test_logits_match_transformers(tmp_path, arch, overrides):
 
 
 def test_truncate_rolls_back(tiny_qwen3):
-    lm = create_backend("cpu", tiny_qwen3)
+    lm = create_backend("cpu", open_model_files(tiny_qwen3))
     ids = list(range(5, 25))
     full = lm.verify(ids)
     lm.truncate(12)

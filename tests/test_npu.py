@@ -100,7 +100,7 @@ def test_rollback_then_verify_matches_fresh_decode(artifact, fake_torch_npu):
 
 def test_bad_dtype_is_one_line(artifact, fake_torch_npu):
     with pytest.raises(QuasarError, match="bfloat16, float16"):
-        npu_backend.load_npu(artifact.path, dtype="float32", device="cpu")
+        npu_backend.load_npu(artifact, dtype="float32", device="cpu")
 
 
 def test_unavailable_without_torch_npu(monkeypatch):
@@ -148,7 +148,7 @@ def test_registered_and_refused_here(tiny_qwen3):
     reason = npu_backend.unavailable()
     if reason is not None:
         with pytest.raises(QuasarError, match="backend 'npu' cannot run here") as info:
-            create_backend("npu", tiny_qwen3)
+            create_backend("npu", quasar_deploy.artifact.open_model_files(tiny_qwen3))
         assert str(info.value) == f"backend 'npu' cannot run here: {reason}"
 
 
@@ -157,7 +157,7 @@ def test_the_registry_builds_the_npu_backend_where_it_can_run(tiny_artifact, fak
     from quasar_deploy.backends import create_backend
 
     monkeypatch.setattr(npu_backend, "unavailable", lambda: None)
-    lm = create_backend("npu", tiny_artifact.path, device="cpu")
-    direct = npu_backend.load_npu(tiny_artifact.path, device="cpu")
+    lm = create_backend("npu", tiny_artifact, device="cpu")
+    direct = npu_backend.load_npu(tiny_artifact, device="cpu")
     assert lm.description == direct.description and "npu W8A8" in lm.description
     assert torch.equal(lm.prefill(PROMPT), direct.prefill(PROMPT))

@@ -10,10 +10,10 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from quasar_deploy.artifact import open_model_files  # noqa: E402
-from quasar_deploy.backends import BACKENDS, create_backend  # noqa: E402
-from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx  # noqa: E402
+from quasar_deploy.backends import BACKENDS  # noqa: E402
+from quasar_deploy.backends.onnxruntime import choose_providers, load_onnx_export  # noqa: E402
 from quasar_deploy.backends.ort_session import unavailable  # noqa: E402
+from quasar_deploy.backends.registry import create_export_backend  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
 
@@ -29,19 +29,19 @@ from .helpers import ort_session as session  # noqa: E402
 
 @pytest.fixture
 def artifact_and_onnx(tiny_artifact, tiny_onnx):
-    return tiny_artifact.path, tiny_onnx
+    return tiny_artifact, tiny_onnx
 
 
 def test_greedy_decoding_matches_ort_and_torch(artifact_and_onnx):
     artifact, out = artifact_and_onnx
-    lm = load_onnx(out, threads=1)
+    lm = load_onnx_export(out, threads=1)
     assert isinstance(lm.prefill([1]), torch.Tensor) and lm.vocab_size == 4096 and lm.max_length == 512
     tokens = greedy(lm, PROMPT, 20)
     assert lm.length == len(PROMPT) + 19  # the last token is pending
     lm.verify(tokens[-1:])
     assert lm.length == len(PROMPT) + 20
     # ORT's own answer: recompute the whole sequence at every step, no cache
-    sess, spec, ort_tokens = session(out / "model.onnx"), open_model_files(artifact).spec, []
+    sess, spec, ort_tokens = session(out / "model.onnx"), artifact.spec, []
     for _ in range(20):
         ort_tokens.append(int(run_full(sess, spec, PROMPT + ort_tokens)[-1].argmax()))
     assert tokens == ort_tokens
@@ -51,7 +51,7 @@ def test_greedy_decoding_matches_ort_and_torch(artifact_and_onnx):
 
 def test_verify_after_truncate_matches_torch(artifact_and_onnx):
     artifact, out = artifact_and_onnx
-    lm = create_backend("onnxruntime", out, threads=1)
+    lm = create_export_backend("onnxruntime", out, threads=1)
     reference = load_cpu(artifact, int8_kernel="reference")
     draft = [17, 300, 300, 9, 2]
     for backend in (lm, reference):
@@ -76,13 +76,13 @@ def test_speculative_engine_on_onnxruntime_matches_cpu(artifact_and_onnx):
     artifact, out = artifact_and_onnx
     prompt = "the cat sat on the mat. the cat sat on the"
     got = load(out, backend="onnxruntime", threads=1).generate(prompt, max_new_tokens=16, draft="ngram")
-    expected = load(artifact, backend="cpu", int8_kernel="reference").generate(prompt, max_new_tokens=16, draft="ngram")
+    expected = load(artifact.path, backend="cpu", int8_kernel="reference").generate(prompt, max_new_tokens=16, draft="ngram")
     assert got.tokens == expected.tokens and len(got.tokens) > 0
 
 
 def test_new_sequences_share_the_session_and_interleave(tiny_onnx):
     """Two sequences over one ORT session, stepped in turn, each give the tokens they give alone."""
-    lm = load_onnx(tiny_onnx, threads=1)
+    lm = load_onnx_export(tiny_onnx, threads=1)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     alone = [greedy(lm, p, 6) for p in prompts]
     first, second = lm.new_sequence(), lm.new_sequence()
@@ -98,7 +98,7 @@ def test_new_sequences_share_the_session_and_interleave(tiny_onnx):
 
 def test_registered_and_available(tiny_onnx):
     assert "onnxruntime" in BACKENDS and unavailable() is None
-    lm, direct = create_backend("onnxruntime", tiny_onnx, threads=1), load_onnx(tiny_onnx, threads=1)  # the registry's factory is load_onnx
+    lm, direct = create_export_backend("onnxruntime", tiny_onnx, threads=1), load_onnx_export(tiny_onnx, threads=1)  # its export factory
     assert type(lm) is type(direct) and torch.equal(lm.prefill(PROMPT), direct.prefill(PROMPT))
 
 
@@ -145,7 +145,7 @@ def test_damaged_directory_is_one_line_error(artifact_and_onnx, tmp_path, damage
     damage(copy)
     reseal(copy, "quasar-export.json")  # the export manifest refuses each of these first; reach the checks behind it
     with pytest.raises(QuasarError, match=message) as info:
-        load_onnx(copy, threads=1)
+        load_onnx_export(copy, threads=1)
     assert "\n" not in str(info.value)
 
 
@@ -154,21 +154,21 @@ def test_cli_export(artifact_and_onnx, tmp_path):
 
     from quasar_deploy.cli import main
 
-    result = CliRunner().invoke(main, ["export", str(artifact_and_onnx[0]), "--target", "onnx", "--output", str(tmp_path / "cli")])
+    result = CliRunner().invoke(main, ["export", str(artifact_and_onnx[0].path), "--target", "onnx", "--output", str(tmp_path / "cli")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "cli" / "model.onnx").is_file()
 
 
 @pytest.mark.parametrize(("policy", "spinning"), [(None, "1"), ("PASSIVE", "0"), ("active", "1")])
 def test_ort_threads_spin_unless_openmp_waits_are_passive(tiny_onnx, monkeypatch, policy, spinning):
-    from quasar_deploy.backends.onnxruntime import load_onnx
+    from quasar_deploy.backends.onnxruntime import load_onnx_export
     from quasar_deploy.backends.ort_session import SPINNING_OPTION
 
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
-    lm = load_onnx(tiny_onnx)
+    lm = load_onnx_export(tiny_onnx)
     assert lm.session.get_session_options().get_session_config_entry(SPINNING_OPTION) == spinning
 
 
@@ -204,10 +204,10 @@ def test_decoder_sessions_plan_no_memory_per_shape(tiny_onnx, tiny_artifact):
     """ORT's memory pattern traces every new set of input shapes on its first run: a decoder meets a new past length at
     every step, so the first generation after load paid a trace per step that later ones of the same lengths did not."""
     from quasar_deploy.backends.onnx_layered import load_layered
-    from quasar_deploy.backends.onnxruntime import load_onnx
+    from quasar_deploy.backends.onnxruntime import load_onnx_export
     from quasar_deploy.backends.ort_session import session_options
 
-    assert not load_onnx(tiny_onnx).session.get_session_options().enable_mem_pattern
+    assert not load_onnx_export(tiny_onnx).session.get_session_options().enable_mem_pattern
     layered = load_layered(tiny_artifact, threads=1, progress=False).model
     sessions = [*layered.inputs, *layered.outputs, layered.final_norm]
     assert sessions and not any(s.get_session_options().enable_mem_pattern for s in sessions)

@@ -72,7 +72,7 @@ def test_graph_is_checker_clean_and_matches_torch(exported, kind, tmp_path):
     files = open_model_files(source)
     sess = session(out / "model.onnx", optimized=tmp_path / "optimized.onnx")
     got = torch.from_numpy(run_full(sess, files.spec, PROMPT))
-    expected = load_cpu(source, int8_kernel="reference").verify(PROMPT)
+    expected = load_cpu(open_model_files(source), int8_kernel="reference").verify(PROMPT)
     assert (got - expected).abs().max().item() < LOGIT_ATOL
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     ops = collections.Counter(node.op_type for node in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
@@ -177,7 +177,7 @@ def test_demo_model_w8a8_graph_is_torchs_on_the_same_codes(tmp_path, monkeypatch
         return theirs
 
     monkeypatch.setattr(linears, "quantize_activation", ort_code)
-    fed = load_cpu(artifact, int8_kernel="reference").verify(ids)
+    fed = load_cpu(open_model_files(artifact), int8_kernel="reference").verify(ids)
     assert len(flips) == len(ort_codes) == 4 * spec.num_layers
     assert (torch.from_numpy(ort_logits[0]) - fed).abs().max() < LOGIT_ATOL
 
@@ -188,7 +188,7 @@ def test_demo_model_float_graph_matches_torch(tmp_path):
     out = export(demo_model_path(), "onnx", tmp_path / "demo-onnx", precision="float")
     ids = list(range(3, 60, 3))
     got = torch.from_numpy(run_full(session(out / "model.onnx"), open_model_files(demo_model_path()).spec, ids))
-    assert (got - load_cpu(demo_model_path()).verify(ids)).abs().max() < LOGIT_ATOL
+    assert (got - load_cpu(open_model_files(demo_model_path())).verify(ids)).abs().max() < LOGIT_ATOL
 
 
 @pytest.mark.parametrize(
@@ -202,7 +202,7 @@ def test_other_families_match_torch(tmp_path, arch, overrides):
     spec = open_model_files(source).spec
     assert spec.sliding_window == overrides.get("sliding_window", spec.sliding_window)
     got = torch.from_numpy(run_full(session(export(source, "onnx", tmp_path / "onnx", precision="float") / "model.onnx"), spec, PROMPT))
-    expected = load_cpu(source).verify(PROMPT)
+    expected = load_cpu(open_model_files(source)).verify(PROMPT)
     assert (got - expected).abs().max().item() < LOGIT_ATOL
 
 

@@ -13,8 +13,9 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 import quasar_deploy  # noqa: E402
+from quasar_deploy.artifact import open_model_files  # noqa: E402
 from quasar_deploy.backends import onnx_export_cache, registry  # noqa: E402
-from quasar_deploy.backends.onnxruntime import load_onnx  # noqa: E402
+from quasar_deploy.backends.onnxruntime import load_onnx_export  # noqa: E402
 from quasar_deploy.cpu import choice, linears  # noqa: E402
 from quasar_deploy.cpu.linears import FloatProbe  # noqa: E402
 from quasar_deploy.exporters import ONNX_HEAD_FILE, ONNX_HIDDEN_OUTPUT, export  # noqa: E402
@@ -60,14 +61,14 @@ def test_the_graph_ends_in_hidden_states_and_the_head_is_stored_beside_it(export
 
 def test_logits_equal_the_in_graph_head_to_float_rounding(exports):
     """float32 here (the suite's dtype): the same head on torch's kernel instead of ORT's, the same numbers."""
-    inside, outside = (load_onnx(path, threads=1) for path in exports)
+    inside, outside = (load_onnx_export(path, threads=1) for path in exports)
     assert "float32 lm_head on torch" in outside.description
     assert (outside.verify(PROMPT) - inside.verify(PROMPT)).abs().max() < LOGIT_ATOL
     assert torch.equal(outside.prefill(PROMPT).argmax(), inside.prefill(PROMPT).argmax())
 
 
 def test_speculative_output_is_the_backends_own_greedy_decode(exports):
-    lm = load_onnx(exports[1], threads=1)
+    lm = load_onnx_export(exports[1], threads=1)
     expected = greedy(lm, PROMPT, 24)
     for k in (1, 4):
         steps = speculate(lm, NgramDrafter(), PROMPT, Sampler(SamplingParams()), k, 24)
@@ -86,8 +87,9 @@ def test_a_bf16_table_stays_bf16_in_the_graph(bf16_artifact, tmp_path):
     assert head.dtype == torch.bfloat16 and torch.equal(head, stored)
     rows = onnx.numpy_helper.to_array(table)[[5, 9]].astype(np.float32)
     assert np.array_equal(rows, stored[[5, 9]].float().numpy())
-    lm = load_onnx(out, threads=1)
-    assert greedy(lm, PROMPT, 8) == greedy(load_onnx(export(bf16_artifact, "onnx", tmp_path / "in", progress=False), threads=1), PROMPT, 8)
+    lm = load_onnx_export(out, threads=1)
+    inside = load_onnx_export(export(bf16_artifact, "onnx", tmp_path / "in", progress=False), threads=1)
+    assert greedy(lm, PROMPT, 8) == greedy(inside, PROMPT, 8)
 
 
 def test_an_int8_head_stays_in_the_graph(tiny_int8_head_artifact, tmp_path):
@@ -101,8 +103,8 @@ def test_auto_leaves_the_head_outside_where_the_cpu_computes_bf16(tiny_artifact,
     monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # whose int8 probe picks a library kernel
     assert onnx_export_cache.head_outside(tiny_artifact.path) and not onnx_export_cache.head_outside(tiny_qwen3)
     outside = onnx_export_cache.onnx_export_path(tiny_artifact.path)
-    assert registry.auto_backend(tiny_qwen3) == "cpu"  # a float checkpoint: bf16 on torch beats float32 on ORT
-    assert registry.auto_backend(tiny_artifact.path) == "onnxruntime"
+    assert registry.auto_backend(open_model_files(tiny_qwen3)) == "cpu"  # a float checkpoint: bf16 on torch beats float32 on ORT
+    assert registry.auto_backend(tiny_artifact) == "onnxruntime"
     monkeypatch.setattr(linears, "float_probe", lambda: FloatProbe(4.0, 20.0, 256))  # bf16 emulated
     assert not onnx_export_cache.head_outside(tiny_artifact.path) and onnx_export_cache.onnx_export_path(tiny_artifact.path) != outside
-    assert registry.auto_backend(tiny_qwen3) == "onnxruntime"
+    assert registry.auto_backend(open_model_files(tiny_qwen3)) == "onnxruntime"

@@ -9,8 +9,9 @@ import torch
 pytest.importorskip("onnxruntime")
 
 from quasar_deploy.api import load  # noqa: E402
+from quasar_deploy.artifact import open_model_files  # noqa: E402
 from quasar_deploy.backends.onnx_layered import ROTARY_CHUNK, LayeredOnnxLM, RotaryTable  # noqa: E402
-from quasar_deploy.backends.onnxruntime import load_onnx  # noqa: E402
+from quasar_deploy.backends.onnxruntime import load_onnx, load_onnx_export  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.cpu import decoder_ops  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
@@ -30,7 +31,7 @@ def layered(request, tiny_artifact) -> LayeredOnnxLM:
     with pytest.MonkeyPatch.context() as patch:
         if request.param != "kernel":
             patch.setattr(decoder_ops, "load", lambda dim=None: None)
-        lm = load_onnx(tiny_artifact.path, threads=2, needs=NEEDS)
+        lm = load_onnx(tiny_artifact, threads=2, needs=NEEDS)
     assert (lm.model.kernel is not None) == (request.param == "kernel")
     return lm
 
@@ -38,7 +39,7 @@ def layered(request, tiny_artifact) -> LayeredOnnxLM:
 @pytest.fixture(scope="module")
 def reference(tiny_artifact):
     """The torch decoder with the exact reference int8 kernel."""
-    return load_cpu(tiny_artifact.path, int8_kernel="reference")
+    return load_cpu(tiny_artifact, int8_kernel="reference")
 
 
 def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -94,9 +95,9 @@ def test_a_prompt_prefills_in_pieces_alone_and_among_others_alike(layered, monke
 
 
 def test_an_int8_head_runs_as_a_graph_of_its_own_and_batches(tiny_int8_head_artifact):
-    lm = load_onnx(tiny_int8_head_artifact.path, threads=1, needs=NEEDS)
+    lm = load_onnx(tiny_int8_head_artifact, threads=1, needs=NEEDS)
     assert "int8 lm_head graph" in lm.description
-    reference = load_cpu(tiny_int8_head_artifact.path, int8_kernel="reference")
+    reference = load_cpu(tiny_int8_head_artifact, int8_kernel="reference")
     assert close(lm.prefill(PROMPT), reference.prefill(PROMPT))
     # the head quantizes its input too: where the float parts before it differ by rounding, one int8 code can round
     # the other way (docs/architecture.md, "Numerics across backends"), which moves its row's logits by ~1e-3 here
@@ -185,11 +186,11 @@ def test_engines_on_the_layer_graphs_decode_as_the_cpu_backend(tiny_artifact):
 
 def test_what_cannot_run_as_layer_graphs_is_refused_in_one_line(tiny_onnx, tiny_qwen3, tiny_artifact):
     with pytest.raises(QuasarError, match="an export runs as one whole graph"):
-        load_onnx(tiny_onnx, needs=NEEDS)
+        load_onnx_export(tiny_onnx, needs=NEEDS)
     with pytest.raises(QuasarError, match="a float checkpoint"):
-        load_onnx(tiny_qwen3, needs=NEEDS)
+        load_onnx(open_model_files(tiny_qwen3), needs=NEEDS)
     with pytest.raises(QuasarError, match="run on its cpu provider, not cuda"):
-        load_onnx(tiny_artifact.path, provider="cuda", needs=NEEDS)
+        load_onnx(tiny_artifact, provider="cuda", needs=NEEDS)
 
 
 def test_a_position_gets_the_same_rotary_bits_in_any_company():

@@ -14,7 +14,7 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, helper  # noqa: E402
 
-from quasar_deploy.backends.onnxruntime import load_onnx, mismatch_note  # noqa: E402
+from quasar_deploy.backends.onnxruntime import load_onnx_export, mismatch_note  # noqa: E402
 from quasar_deploy.backends.torch_backend import load_cpu  # noqa: E402
 from quasar_deploy.errors import QuasarError  # noqa: E402
 from quasar_deploy.exporters import ONNX_FORMATS, export  # noqa: E402
@@ -75,7 +75,7 @@ def test_graph_is_checker_clean_and_matches_torch(tiny_static_artifact, qdq_onnx
     assert weight.data_type == TensorProto.INT8 and list(weight.dims) == [spec.intermediate_size, spec.hidden_size]
     assert list(initializers["model.layers.0.mlp.down_proj.input_scale"].dims) == []  # per-tensor: a scalar, not [1]
     got = torch.from_numpy(run_full(session(qdq_onnx / "model.onnx", optimized=tmp_path / "optimized.onnx"), spec, PROMPT))
-    expected = load_cpu(tiny_static_artifact.path, int8_kernel="reference").verify(PROMPT)
+    expected = load_cpu(tiny_static_artifact, int8_kernel="reference").verify(PROMPT)
     assert (got - expected).abs().max().item() < LOGIT_ATOL
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     optimized = collections.Counter(node.op_type for node in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
@@ -87,9 +87,9 @@ def test_manifest_and_sidecar_record_the_format(qdq_onnx, tiny_onnx):
     assert record["linear_format"] == "qdq" and record["precision"] == "w8a8"
     assert "QuantizeLinear" in json.loads((qdq_onnx / "genai_config.json").read_text())["quasar"]["linear"]
     assert json.loads((tiny_onnx / EXPORT_MANIFEST).read_text())["linear_format"] == "integer"
-    lm = load_onnx(qdq_onnx, threads=1)
+    lm = load_onnx_export(qdq_onnx, threads=1)
     assert lm.linear_format == "qdq" and lm.description.startswith("onnxruntime CPUExecutionProvider (W8A8 qdq graph), ")
-    assert load_onnx(tiny_onnx, threads=1).linear_format == "integer"
+    assert load_onnx_export(tiny_onnx, threads=1).linear_format == "integer"
 
 
 def test_a_manifest_format_that_does_not_fit_the_graph_is_refused(qdq_onnx, tmp_path):
@@ -98,7 +98,7 @@ def test_a_manifest_format_that_does_not_fit_the_graph_is_refused(qdq_onnx, tmp_
     (copy / EXPORT_MANIFEST).write_text(json.dumps({**record, "linear_format": "int4"}))
     reseal(copy, EXPORT_MANIFEST)
     with pytest.raises(QuasarError, match="linear_format 'int4' does not fit a W8A8 graph") as info:
-        load_onnx(copy, threads=1)
+        load_onnx_export(copy, threads=1)
     assert "\n" not in str(info.value)
 
 
@@ -148,7 +148,7 @@ def test_absent_gpu_provider_is_refused_naming_onnxruntime_gpu(qdq_onnx, provide
     if missing in ort.get_available_providers():
         pytest.skip(f"this onnxruntime has {missing}")
     with pytest.raises(QuasarError, match=f"{missing} is not available.*onnxruntime-gpu") as info:
-        load_onnx(qdq_onnx, provider=provider, threads=1)
+        load_onnx_export(qdq_onnx, provider=provider, threads=1)
     assert "\n" not in str(info.value)
 
 
@@ -158,7 +158,7 @@ def test_a_provider_that_falls_back_is_refused(qdq_onnx, monkeypatch):
         pytest.skip("this onnxruntime has CUDA: it would start")
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     with pytest.raises(QuasarError, match="CUDAExecutionProvider did not start.*fell back to CPUExecutionProvider"):
-        load_onnx(qdq_onnx, provider="cuda", threads=1)
+        load_onnx_export(qdq_onnx, provider="cuda", threads=1)
 
 
 def test_tensorrt_profile_spans_every_cache_length(qdq_onnx):

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends import BACKENDS, available_backends, create_backend
 from quasar_deploy.engine import GenerationOptions
 from quasar_deploy.errors import QuasarError
@@ -86,7 +87,7 @@ class OrtLike:
 
 
 def test_only_backends_that_can_skip_layers_are_layer_skipping(tiny_qwen3):
-    cpu = create_backend("cpu", tiny_qwen3)
+    cpu = create_backend("cpu", open_model_files(tiny_qwen3))
     assert isinstance(cpu, CausalLM) and isinstance(cpu, LayerSkippingLM)
     full = cpu.verify([5, 6, 7])
     cpu.truncate(0)
@@ -97,17 +98,18 @@ def test_only_backends_that_can_skip_layers_are_layer_skipping(tiny_qwen3):
 
 def test_auto_backend_follows_what_the_directory_holds(tiny_qwen3, tiny_artifact, tiny_onnx, tmp_path, monkeypatch):
     from quasar_deploy.api import load
-    from quasar_deploy.backends.registry import auto_backend, auto_choice
+    from quasar_deploy.backends.registry import auto_backend, auto_choice, export_backend
     from quasar_deploy.cpu import choice
 
     pytest.importorskip("onnxruntime")
     monkeypatch.setattr(choice, "default_int8_kernel", lambda device="cpu": "onednn-vnni")  # a CPU whose int8 probe picks a library kernel
     # no GPU here, onnxruntime installed: the exact integer graph, exported to the cache on first use (test_backend_choice.py)
-    assert auto_backend(tiny_qwen3) == auto_backend(tiny_artifact.path) == auto_choice(True) == auto_choice(False) == "onnxruntime"
+    checkpoint = open_model_files(tiny_qwen3)
+    assert auto_backend(checkpoint) == auto_backend(tiny_artifact) == auto_choice(True) == auto_choice(False) == "onnxruntime"
     # skipping layers: ONNX Runtime's layer graphs of a W8A8 artifact; a float checkpoint has none, so our torch decoder
-    assert auto_backend(tiny_artifact.path, needs=("layer_skip",)) == auto_choice(True, ("layer_skip",)) == "onnxruntime"
-    assert auto_backend(tiny_qwen3, needs=("layer_skip",)) == auto_choice(False, ("layer_skip",)) == "cpu"
-    assert auto_backend(tiny_onnx) == "onnxruntime"  # routed by the target its quasar-export.json records
+    assert auto_backend(tiny_artifact, needs=("layer_skip",)) == auto_choice(True, ("layer_skip",)) == "onnxruntime"
+    assert auto_backend(checkpoint, needs=("layer_skip",)) == auto_choice(False, ("layer_skip",)) == "cpu"
+    assert export_backend("auto", tiny_onnx) == "onnxruntime"  # routed by the target its quasar-export.json records
     engine = load(tiny_onnx)
     assert engine.lm.description.startswith("onnxruntime") and engine.backend == "onnxruntime"
     assert (
@@ -154,18 +156,18 @@ def test_exports_are_routed_or_refused_in_one_line(tmp_path, target, marker, mes
 
 
 def test_a_corrupted_export_manifest_is_one_line(tmp_path):
-    from quasar_deploy.backends.registry import auto_backend
+    from quasar_deploy.backends.registry import export_backend
 
     directory = _export_dir(tmp_path, "onnx")
     (directory / "quasar-export.json").write_text("{not json")
     with pytest.raises(QuasarError, match="not valid JSON"):
-        auto_backend(directory)
+        export_backend("auto", directory)
     (directory / "quasar-export.json").write_text("[]")
     with pytest.raises(QuasarError, match="expected a JSON object, not list"):
-        auto_backend(directory)
+        export_backend("auto", directory)
     (directory / "quasar-export.json").write_text("{}")
     with pytest.raises(QuasarError, match="no 'target' string"):
-        auto_backend(directory)
+        export_backend("auto", directory)
 
 
 def test_generate_runs_an_onnx_export_without_backend_and_names_the_backend(tiny_onnx, tiny_artifact, monkeypatch):

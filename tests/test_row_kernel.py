@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends.torch_backend import load_cpu
 from quasar_deploy.cpu import decoder_ops
 from quasar_deploy.model import RMSNorm
@@ -83,11 +84,11 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(rows, monkeypat
 
 @needs_kernel
 def test_the_row_ops_are_bound_with_the_attention_kernel(tiny_qwen3):
-    assert isinstance(load_cpu(tiny_qwen3).decoder.row_kernel, decoder_ops.TorchRows)
-    assert load_cpu(tiny_qwen3, attention="torch").decoder.row_kernel is None
+    assert isinstance(load_cpu(open_model_files(tiny_qwen3)).decoder.row_kernel, decoder_ops.TorchRows)
+    assert load_cpu(open_model_files(tiny_qwen3), attention="torch").decoder.row_kernel is None
 
 
 def test_without_a_kernel_the_decoder_keeps_torchs_ops(tiny_qwen3, monkeypatch):
     monkeypatch.setattr(decoder_ops, "load", lambda dim=None: None)  # a CPU no build runs on, or no compiler
-    decoder = load_cpu(tiny_qwen3).decoder
+    decoder = load_cpu(open_model_files(tiny_qwen3)).decoder
     assert decoder.row_kernel is None and decoder.attention_kernel is None

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from quasar_deploy.api import load, stop_ids_of
+from quasar_deploy.api import load
 from quasar_deploy.artifact import open_model_files
 from quasar_deploy.checkpoint import Checkpoint
 from quasar_deploy.cli import main
 from quasar_deploy.errors import QuasarError
 from quasar_deploy.files import check_name
-from quasar_deploy.integrity import EXPORT_MANIFEST, MANIFEST
-from quasar_deploy.tokenizer import load_tokenizer
+from quasar_deploy.integrity import EXPORT_MANIFEST, MANIFEST, listed_files
+from quasar_deploy.tokenizer import load_tokenizer, read_tokenizer
 
 from .helpers import assert_one_line_error, copy_dir, reseal
 
@@ -83,7 +83,7 @@ def test_a_resealed_link_out_of_an_artifact_is_refused(naive_artifact, tmp_path,
     artifact = copy_dir(naive_artifact, tmp_path)
     damage(artifact, secret)
     reseal(artifact)  # the attacker updates quasar.json: the checksums alone would let it through
-    for read in (open_model_files, load_tokenizer, stop_ids_of):
+    for read in (open_model_files, lambda d: load(d, backend="cpu")):  # its tokenizer and stop ids are read once it is opened
         with pytest.raises(QuasarError) as error:
             read(artifact)
         one_line(error, "a symbolic link out of")
@@ -107,7 +107,7 @@ def test_a_link_out_anywhere_in_a_checkpoint_keeps_its_tokenizer_from_loading(ti
     (checkpoint / "additional_chat_templates").mkdir()
     link(checkpoint / "additional_chat_templates", "tool_use.jinja", secret)
     with pytest.raises(QuasarError) as error:
-        load_tokenizer(checkpoint)
+        load_tokenizer(open_model_files(checkpoint))
     one_line(error, "a symbolic link out of")
 
 
@@ -116,7 +116,7 @@ def test_an_artifact_subdirectory_never_reaches_the_tokenizer(naive_artifact, tm
     artifact = copy_dir(naive_artifact, tmp_path)
     (artifact / "additional_chat_templates").mkdir()
     (artifact / "additional_chat_templates" / "evil.jinja").write_text("{{ 'injected' }}")
-    tokenizer = load_tokenizer(artifact)
+    tokenizer = load_tokenizer(open_model_files(artifact))
     assert "injected" not in json.dumps(getattr(tokenizer, "chat_template", None) or {})
 
 
@@ -124,7 +124,7 @@ def test_an_onnx_export_with_a_link_out_is_refused(tiny_onnx, tmp_path, secret):
     export = copy_dir(tiny_onnx, tmp_path)
     tokenizer_out(export, secret)
     reseal(export, EXPORT_MANIFEST)
-    for read in (load_tokenizer, lambda d: load(d, backend="onnxruntime")):
+    for read in (lambda d: read_tokenizer(d, listed_files(d)), lambda d: load(d, backend="onnxruntime")):
         with pytest.raises(QuasarError) as error:
             read(export)
         one_line(error, "a symbolic link out of")
@@ -136,7 +136,7 @@ def test_links_that_stay_inside_are_followed_and_verified(naive_artifact, tmp_pa
     (artifact / "tokenizer.json").rename(artifact / "tok.json")
     link(artifact, "tokenizer.json", Path("tok.json"))
     reseal(artifact)
-    assert open_model_files(artifact).is_artifact and len(load_tokenizer(artifact)) > 0
+    assert open_model_files(artifact).is_artifact and len(load_tokenizer(open_model_files(artifact))) > 0
     (artifact / "tok.json").write_text("{}")  # the target's bytes are what the checksum covers
     with pytest.raises(QuasarError, match="checksum mismatch"):
         open_model_files(artifact)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import quasar_deploy.speculative.loop as loop
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends import create_backend
 from quasar_deploy.serve.row_budget import RowBudget
 from quasar_deploy.speculative.acceptance import Sampler, SamplingParams, Verdict
@@ -157,7 +158,7 @@ REAL = SamplingParams(temperature=1.0, top_k=3)
 
 @pytest.fixture(scope="module")
 def lm(tiny_qwen3):
-    return create_backend("cpu", tiny_qwen3)
+    return create_backend("cpu", open_model_files(tiny_qwen3))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from quasar_deploy.artifact import open_model_files
 from quasar_deploy.backends import create_backend
 from quasar_deploy.backends.torch_backend import TorchCausalLM
 from quasar_deploy.errors import QuasarError
@@ -55,12 +56,12 @@ class WrongDrafter(OracleDrafter):
 
 @pytest.fixture(scope="module")
 def verifiers(tiny_qwen3):
-    return {"float": create_backend("cpu", tiny_qwen3), "w8a8": TorchCausalLM(naive_w8a8_decoder(tiny_qwen3))}
+    return {"float": create_backend("cpu", open_model_files(tiny_qwen3)), "w8a8": TorchCausalLM(naive_w8a8_decoder(tiny_qwen3))}
 
 
 @pytest.fixture(scope="module")
 def draft_lm(tiny_llama):
-    return create_backend("cpu", tiny_llama)
+    return create_backend("cpu", open_model_files(tiny_llama))
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -129,7 +130,7 @@ def test_drafters_actually_draft(verifiers, draft_lm):
 def test_layerskip_drafts_from_the_accepted_prefix(verifiers, tiny_qwen3):
     """Each layer-skip draft equals a from-scratch computation: full-model cache for the prefix, skipped layers after."""
     lm = verifiers["float"]
-    fresh = create_backend("cpu", tiny_qwen3)
+    fresh = create_backend("cpu", open_model_files(tiny_qwen3))
     skip = frozenset({0, 2})
 
     class Checked(LayerSkipDrafter):
@@ -156,8 +157,8 @@ def test_layerskip_drafts_from_the_accepted_prefix(verifiers, tiny_qwen3):
 def test_model_drafter_rolls_its_cache_back(verifiers, tiny_llama):
     """After rejections, the draft model's proposals equal its own greedy decode of the accepted text."""
     lm = verifiers["float"]
-    draft_backend = create_backend("cpu", tiny_llama)
-    fresh = create_backend("cpu", tiny_llama)
+    draft_backend = create_backend("cpu", open_model_files(tiny_llama))
+    fresh = create_backend("cpu", open_model_files(tiny_llama))
     calls = []
 
     class Checked(ModelDrafter):
@@ -195,7 +196,7 @@ def test_stop_ids_end_generation_and_are_emitted(verifiers):
 
 
 def test_context_window_ends_generation_like_plain_decoding(tiny_qwen3):
-    lm = create_backend("cpu", tiny_qwen3)
+    lm = create_backend("cpu", open_model_files(tiny_qwen3))
     lm.max_length = 24
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     expected = greedy_reference(lm, prompt, 100)

@@ -28,24 +28,24 @@ needs_kernel = pytest.mark.skipif(not kernel_runs(), reason="no build of the C a
 
 @needs_kernel
 def test_the_cpu_backend_attends_with_the_kernel_where_it_runs(tiny_qwen3):
-    lm = load_cpu(tiny_qwen3)
+    lm = load_cpu(open_model_files(tiny_qwen3))
     assert isinstance(lm.decoder.attention_kernel, decoder_ops.TorchAttention)
     assert "attention quasar C kernel" in lm.description
     assert isinstance(lm.cache, decoder_ops.TiledKVCache)
 
 
 def test_without_a_kernel_or_with_a_sliding_window_it_attends_with_torch_ops(tiny_qwen3, tmp_path, monkeypatch):
-    assert load_cpu(tiny_qwen3, attention="torch").decoder.attention_kernel is None
-    windowed = load_cpu(save_tiny(tmp_path / "mistral", "mistral", sliding_window=40))
+    assert load_cpu(open_model_files(tiny_qwen3), attention="torch").decoder.attention_kernel is None
+    windowed = load_cpu(open_model_files(save_tiny(tmp_path / "mistral", "mistral", sliding_window=40)))
     assert windowed.decoder.attention_kernel is None and "attention torch ops" in windowed.description
     monkeypatch.setattr(decoder_ops, "load", lambda dim=None: None)  # a CPU no build runs on, or no compiler
-    lm = load_cpu(tiny_qwen3)
+    lm = load_cpu(open_model_files(tiny_qwen3))
     assert lm.decoder.attention_kernel is None and "attention torch ops" in lm.description
 
 
 def test_an_unknown_attention_is_refused_in_one_line(tiny_qwen3):
     with pytest.raises(QuasarError, match="attention is one of auto, torch"):
-        load_cpu(tiny_qwen3, attention="flash")
+        load_cpu(open_model_files(tiny_qwen3), attention="flash")
 
 
 @needs_kernel
@@ -80,7 +80,7 @@ def test_its_logits_are_torch_attentions_within_float_rounding(tiny_qwen3, tmp_p
 @needs_kernel
 def test_a_cache_grown_mid_sequence_keeps_what_it_held(tiny_qwen3):
     """A sequence whose cache grows while it decodes computes what one with room from the start computes."""
-    lm = load_cpu(tiny_qwen3)
+    lm = load_cpu(open_model_files(tiny_qwen3))
     roomy = lm.new_sequence()
     roomy.cache = lm.decoder.new_cache(4 * KEY_CHUNK)
     growing = lm.new_sequence()
@@ -120,7 +120,7 @@ def test_binding_decides_the_caches_a_decoder_makes(tiny_qwen3):
 def test_a_prompt_prefilled_in_pieces_gives_the_bits_of_one_forward(tiny_qwen3, monkeypatch):
     """With the kernel a prompt prefills a piece per forward (a server spreads a long one over rounds); every row is the
     same bits in any block, so the pieces end where one forward over the prompt ends."""
-    lm = load_cpu(tiny_qwen3)
+    lm = load_cpu(open_model_files(tiny_qwen3))
     assert lm.prefill_chunk == 256
     prompt = IDS[:100]
     monkeypatch.setattr(lm.decoder.attention_kernel, "prefill_chunk", None)

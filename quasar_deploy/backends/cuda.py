@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ..artifact import ModelFiles, open_model_files
+from ..artifact import ModelFiles
 from ..errors import QuasarError
 from ..model import Decoder, Linear
 from .cuda_linear import IntMMRules, Quantizer, device_kernels, quantize_rows_torch
@@ -137,11 +136,10 @@ def build_cuda_lm(
 
 
 def load_cuda(
-    path: str | Path | ModelFiles, quantizer: str = "triton", graphs: bool = True, max_length: int | None = None, device: int = 0
+    files: ModelFiles, quantizer: str = "triton", graphs: bool = True, max_length: int | None = None, device: int = 0
 ) -> CudaCausalLM:
     """W8A8 artifact (or float checkpoint) on CUDA GPU ``device``; ``quantizer='torch'`` and ``graphs=False`` are for diagnosis."""
     reason = unavailable()
     if reason is not None:
         raise QuasarError(f"backend 'cuda' cannot run here: {reason}")
-    files = path if isinstance(path, ModelFiles) else open_model_files(path)
     return build_cuda_lm(files, torch.device("cuda", device), quantizer, graphs, max_length)

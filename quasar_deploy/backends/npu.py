@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from ..artifact import ModelFiles, open_model_files
+from ..artifact import ModelFiles
 from ..cpu.linears import float_linear
 from ..errors import QuasarError
 from ..files import first_line
@@ -100,11 +100,10 @@ def bind_npu_kernels(decoder: Decoder, device: torch.device | str, npu: ModuleTy
             module.bind(float_linear(weight, bias, "torch"))
 
 
-def load_npu(path: str | Path | ModelFiles, dtype: str = "bfloat16", device: str = "npu:0", max_length: int | None = None) -> TorchCausalLM:
+def load_npu(files: ModelFiles, dtype: str = "bfloat16", device: str = "npu:0", max_length: int | None = None) -> TorchCausalLM:
     """W8A8 artifact (or float checkpoint) on an Ascend NPU, computing in ``dtype`` (bfloat16 or float16)."""
     if dtype not in COMPUTE_DTYPES:
         raise QuasarError(f"NPU compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {dtype!r}")
-    files = path if isinstance(path, ModelFiles) else open_model_files(path)
     npu = torch_npu_module()
     decoder = files.decoder(COMPUTE_DTYPES[dtype])
     bind_npu_kernels(decoder, device, npu)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
-from ..artifact import open_model_files
+from ..artifact import ModelFiles
 from ..cache import INDEX, cache_dir, locked, make_room, read_json, used, write_json
 from ..checkpoint import Checkpoint
 from ..cpu.linears import head_beside_graph
@@ -70,24 +70,23 @@ def onnx_export_path(model: Path) -> Path:
     return cache_dir() / f"onnx-{content_key(model)[:24]}{'-head-outside' if head_outside(model) else ''}"
 
 
-def export_bytes(model: Path) -> int:
-    """About what the ONNX export of ``model`` takes on disk: int8 linears with their scales, everything else float32."""
-    files = open_model_files(model)
+def export_bytes(files: ModelFiles) -> int:
+    """About what the ONNX export of ``files`` takes on disk: int8 linears with their scales, everything else float32."""
     needed = estimate(files, float_dtype=torch.float32)  # the graph's float weights are float32
     return needed.int8_weights + needed.float_weights + 4 * math.prod(files.checkpoint.shapes[EMBEDDINGS])
 
 
-def cached_onnx_export(model: str | Path, replace: bool = False, progress: bool = True) -> Path:
-    """The ONNX export of the artifact or checkpoint at ``model``, made on first use; ``replace``: made again (damaged)."""
-    model = Path(model)
+def cached_onnx_export(files: ModelFiles, replace: bool = False, progress: bool = True) -> Path:
+    """The ONNX export of the opened artifact or checkpoint ``files``, made on first use; ``replace``: made again (damaged)."""
+    model = files.path
     path = onnx_export_path(model)
     with locked(path):
         if replace and path.exists():
             shutil.rmtree(path)
         if not path.exists():
-            make_room(export_bytes(model), keep=(model.resolve(),))  # the source may be in the cache too (the demo's)
+            make_room(export_bytes(files), keep=(model.resolve(),))  # the source may be in the cache too (the demo's)
             print(f"quasar-deploy: first use of {model} on ONNX Runtime: exporting it to {path} (once per model)", file=sys.stderr)
-            w8a8 = (model / MANIFEST).is_file()
-            export(model, "onnx", path, precision="w8a8" if w8a8 else "float", progress=progress, head_outside=head_outside(model))
+            precision = "w8a8" if files.is_artifact else "float"
+            export(model, "onnx", path, precision=precision, progress=progress, head_outside=head_outside(model))
         used(path, model)
     return path

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..artifact import ModelFiles
 from ..cpu.linears import dtype_name
 from ..errors import QuasarError
 from ..exporters import ONNX_FORMATS
@@ -34,6 +35,7 @@ PROVIDERS = {
     "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
 }
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+LAYERED = "layer skipping and batched serving"  # what onnx_layered's graphs give and a whole exported graph has not
 
 
 def choose_providers(provider: str | None, available: Sequence[str]) -> list[str]:
@@ -247,24 +249,16 @@ class OnnxCausalLM:
         return 2 * (2 * self.num_layers * heads * dim * 4 * tokens)
 
 
-def is_export(path: Path) -> bool:
-    """Whether ``path`` is (or claims to be) an export, rather than a model to export first: ``read_config`` checks which."""
-    return (path / EXPORT_MANIFEST).is_file() or (path / CONFIG_FILE).is_file()
-
-
-def cached_export(model: Path) -> tuple[Path, dict, str | None]:
-    """An artifact's or checkpoint's export from the cache (made on first use, again if damaged) with its checked config; the
-    source is verified first, and the export must name the manifest it was built from (``source_manifest_sha256``)."""
-    from ..artifact import open_model_files
-
-    source = open_model_files(model)
-    built_from = verified_sha256(model / MANIFEST) if source.is_artifact else None
-    path = cached_onnx_export(model)
+def cached_export(files: ModelFiles) -> tuple[Path, dict, str | None]:
+    """An opened artifact's or checkpoint's export from the cache (made on first use, again if damaged) with its checked
+    config; the export must name the manifest it was built from (``source_manifest_sha256``)."""
+    built_from = verified_sha256(files.path / MANIFEST) if files.is_artifact else None
+    path = cached_onnx_export(files)
     try:
         return path, *check_built_from(path, built_from)
     except QuasarError as exc:
         print(f"warning: the cached ONNX export is damaged ({exc}); exporting it again", file=sys.stderr)
-    path = cached_onnx_export(model, replace=True)
+    path = cached_onnx_export(files, replace=True)
     return path, *check_built_from(path, built_from)
 
 
@@ -276,21 +270,28 @@ def check_built_from(path: Path, manifest_sha256: str | None) -> tuple[dict, str
     return config, linear_format
 
 
-def load_onnx(path: str | Path, provider: str | None = None, threads: int | None = None, needs: Sequence[str] = ()):
-    """An ONNX export on ORT, or an artifact or checkpoint through its cached export; ``provider``: auto, cpu, cuda or tensorrt.
-    ``needs`` ("layer_skip") gets a W8A8 artifact as ``onnx_layered``'s batched layer graphs (a whole graph has neither)."""
+def load_onnx(files: ModelFiles, provider: str | None = None, threads: int | None = None, needs: Sequence[str] = ()):
+    """An opened artifact or checkpoint on ORT through its cached export (``load_onnx_export``); ``needs`` ("layer_skip") gets
+    a W8A8 artifact as ``onnx_layered``'s batched layer graphs (a whole graph has neither)."""
+    if needs:
+        return _load_layered(files, provider, threads)
+    return _load_graph(*cached_export(files), provider, threads)
+
+
+def load_onnx_export(directory: Path, provider: str | None = None, threads: int | None = None, needs: Sequence[str] = ()):
+    """An ONNX export on ORT (its directory: an export is no ``ModelFiles``); ``provider``: auto, cpu, cuda or tensorrt."""
+    if needs:
+        raise QuasarError(f"{directory}: an export runs as one whole graph, without {LAYERED}; load the artifact it came from")
+    return _load_graph(directory, *read_config(directory), provider, threads)
+
+
+def _load_graph(path: Path, config: dict, linear_format: str | None, provider: str | None, threads: int | None) -> OnnxCausalLM:
+    """The graph of the export at ``path`` (its ``read_config``) in an ORT session on ``provider``."""
     reason = unavailable()
     if reason is not None:
         raise QuasarError(reason)
     import onnxruntime as ort
 
-    path = model_directory(path)
-    if needs:
-        return _load_layered(path, provider, threads)
-    if is_export(path):
-        config, linear_format = read_config(path)
-    else:
-        path, config, linear_format = cached_export(path)
     providers = choose_providers(provider, ort.get_available_providers())
     options = session_options(threads, head_on_torch=head_outside(config))
     try:
@@ -309,14 +310,10 @@ def load_onnx(path: str | Path, provider: str | None = None, threads: int | None
     return OnnxCausalLM(session, config, running, linear_format, head)
 
 
-def _load_layered(path: Path, provider: str | None, threads: int | None):
-    """``onnx_layered``'s batched layer graphs of the artifact at ``path``, refused in one line where they cannot run."""
-    from ..artifact import open_model_files
+def _load_layered(files: ModelFiles, provider: str | None, threads: int | None):
+    """``onnx_layered``'s batched layer graphs of the opened artifact ``files``, refused in one line where they cannot run."""
     from .onnx_layered import load_layered
 
-    why = "layer skipping and batched serving"
-    if is_export(path):
-        raise QuasarError(f"{path}: an export runs as one whole graph, without {why}; load the artifact it came from")
     if provider not in (None, "auto", "cpu"):
-        raise QuasarError(f"{why} on ONNX Runtime run on its cpu provider, not {provider}")
-    return load_layered(open_model_files(path), threads, progress=sys.stderr.isatty())
+        raise QuasarError(f"{LAYERED} on ONNX Runtime run on its cpu provider, not {provider}")
+    return load_layered(files, threads, progress=sys.stderr.isatty())

@@ -12,17 +12,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import QuasarError
-from ..integrity import MANIFEST, export_target
+from ..integrity import export_target
 from ..lazy import resolve
 
 if TYPE_CHECKING:
+    from ..artifact import ModelFiles
     from ..speculative.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
 class BackendEntry:
-    """``factory(path, **options)`` builds the ``CausalLM``; ``unavailable()`` is None where it can run, else why not;
-    ``provides``: what it offers beyond a plain ``CausalLM`` (``CAPABILITIES``), which "auto" matches to a caller's needs."""
+    """``factory(files, **options)`` builds the ``CausalLM`` of opened ``ModelFiles``; ``unavailable()`` is None where it can run,
+    else why not; ``provides``: what it offers beyond a plain ``CausalLM`` (``CAPABILITIES``), which "auto" matches to needs."""
 
     factory: str
     unavailable: str
@@ -56,6 +57,8 @@ AUTO_ORDER = ("cuda", "onnxruntime", "cpu")
 ONNXRUNTIME_MEMORY_FACTOR = 2
 # export target (``quasar-export.json``) -> the backend that runs it; targets missing here are other runtimes' to serve
 EXPORT_BACKENDS = {"onnx": "onnxruntime"}
+# backend -> its factory of an export, which takes the export's directory (no ``ModelFiles`` opens an export)
+EXPORT_FACTORIES = {"onnxruntime": "quasar_deploy.backends.onnxruntime:load_onnx_export"}
 # files that mark an export whose manifest is missing (a partial copy): routed as their target, whose loader then explains
 EXPORT_MARKERS = {"genai_config.json": "onnx", "quant_model_description.json": "npu"}
 
@@ -78,7 +81,7 @@ def _check_needs(needs: Collection[str]) -> frozenset[str]:
 
 
 def options_of(name: str) -> list[str]:
-    """The options backend ``name``'s factory takes (besides the path)."""
+    """The options backend ``name``'s factory takes (besides the model)."""
     return list(inspect.signature(resolve(BACKENDS[name].factory)).parameters)[1:]
 
 
@@ -92,13 +95,11 @@ def candidates(needs: Collection[str] = (), options: Collection[str] = ()) -> li
     ]
 
 
-def fits_onnxruntime(path: Path) -> bool:
-    """Whether ONNX Runtime's copy of the model at ``path`` fits in the memory available now (``ONNXRUNTIME_MEMORY_FACTOR``)."""
-    from ..artifact import open_model_files
+def fits_onnxruntime(files: ModelFiles) -> bool:
+    """Whether ONNX Runtime's copy of the model ``files`` fits in the memory available now (``ONNXRUNTIME_MEMORY_FACTOR``)."""
     from ..cpu.machine import memory_available
     from ..memory import estimate, report_tokens
 
-    files = open_model_files(path)  # verified here; the loader then finds the checksums remembered (files.verified_sha256)
     needed = estimate(files).total(report_tokens(files.spec))
     return needed * ONNXRUNTIME_MEMORY_FACTOR <= memory_available()
 
@@ -114,11 +115,6 @@ def cpu_runs_better(artifact: bool) -> bool:
     return default_int8_kernel("cpu") == "quasar" and int8_probe().cpu_beats_onnxruntime
 
 
-def cpu_serves_better(path: Path) -> bool:
-    """``cpu_runs_better`` for the model at ``path``: a W8A8 artifact (it has our manifest) or a float checkpoint."""
-    return cpu_runs_better(artifact=(path / MANIFEST).is_file())
-
-
 def auto_choice(artifact: bool, needs: Collection[str] = ()) -> str:
     """The backend "auto" gives a W8A8 artifact (``artifact``) or a float checkpoint here, before its memory check; with
     ``needs``, a float checkpoint has no ONNX Runtime form that provides them (``doctor`` prints both)."""
@@ -128,28 +124,33 @@ def auto_choice(artifact: bool, needs: Collection[str] = ()) -> str:
     return names[0]
 
 
-def suits_onnxruntime(path: Path, needs: Collection[str] = ()) -> bool:
+def suits_onnxruntime(files: ModelFiles, needs: Collection[str] = ()) -> bool:
     """ONNX Runtime's copy fits in memory, the cpu backend would not serve it better, and (``needs``) layer graphs run it."""
-    if cpu_serves_better(path):
+    if cpu_runs_better(files.is_artifact):
         return False
     if needs:
-        from ..artifact import open_model_files
         from .onnx_layered import unsupported
 
-        if unsupported(open_model_files(path)) is not None:
+        if unsupported(files) is not None:
             return False
-    return fits_onnxruntime(path)
+    return fits_onnxruntime(files)
 
 
-def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
-    """The backend for what ``path`` holds: an export's target's (ONNX: onnxruntime; NPU: vLLM-Ascend's); else the first of
-    ``candidates(needs, options)``, ONNX Runtime only where ``suits_onnxruntime(path, needs)``."""
-    directory = Path(path)
+def auto_backend(files: ModelFiles, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
+    """The first of ``candidates(needs, options)`` for the opened model ``files``, ONNX Runtime only where ``suits_onnxruntime``."""
+    names = candidates(needs, options) or candidates(needs)  # none here takes the options: they are refused by name later
+    # an option only ONNX Runtime takes (a provider) asks for it, even where the cpu backend would run the model better
+    return next((n for n in names if n != "onnxruntime" or suits_onnxruntime(files, needs)), names[0])
+
+
+def export_backend(name: str, directory: Path) -> str | None:
+    """The backend ``name`` (for "auto": the export's target's; ONNX: onnxruntime, NPU: vLLM-Ascend's, refused) where it runs
+    ``directory`` as an export (``create_export_backend``); None: ``directory`` is opened as a model (``ModelFiles``)."""
+    if name not in ("auto", *EXPORT_FACTORIES):
+        return None
     target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
-    if target is None:
-        names = candidates(needs, options) or candidates(needs)  # none here takes the options: they are refused by name later
-        # an option only ONNX Runtime takes (a provider) asks for it, even where the cpu backend would run the model better
-        return next((n for n in names if n != "onnxruntime" or suits_onnxruntime(directory, needs)), names[0])
+    if target is None or name != "auto":
+        return None if target is None else name
     if target == "npu":
         raise QuasarError(
             f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "
@@ -160,14 +161,26 @@ def auto_backend(path: Any, needs: Collection[str] = (), options: Collection[str
     return EXPORT_BACKENDS[target]
 
 
-def resolve_backend(name: str, path: Any, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
-    """``name``, or for "auto" the backend ``auto_backend`` chooses for ``path``, ``needs`` and ``options``."""
-    return auto_backend(path, needs, options) if name == "auto" else name
+def resolve_backend(name: str, files: ModelFiles, needs: Collection[str] = (), options: Collection[str] = ()) -> str:
+    """``name``, or for "auto" the backend ``auto_backend`` chooses for ``files``, ``needs`` and ``options``."""
+    return auto_backend(files, needs, options) if name == "auto" else name
 
 
-def create_backend(name: str, path: Any, needs: Collection[str] = (), **options: Any) -> CausalLM:
-    """The model at ``path`` on backend ``name`` ("auto": ``auto_backend``), providing ``needs`` (told to a factory taking them)."""
-    name = resolve_backend(name, path, needs, options)
+def create_backend(name: str, files: ModelFiles, needs: Collection[str] = (), **options: Any) -> CausalLM:
+    """The opened model ``files`` on backend ``name`` ("auto": ``auto_backend``), providing ``needs`` (told to a factory taking them)."""
+    name = resolve_backend(name, files, needs, options)
+    options = factory_options(name, needs, options)  # before the lookup: an unknown name is one line
+    return resolve(BACKENDS[name].factory)(files, **options)
+
+
+def create_export_backend(name: str, directory: Path, needs: Collection[str] = (), **options: Any) -> CausalLM:
+    """The export at ``directory`` on backend ``name`` (``export_backend``), which reads the directory itself."""
+    options = factory_options(name, needs, options)
+    return resolve(EXPORT_FACTORIES[name])(directory, **options)
+
+
+def factory_options(name: str, needs: Collection[str], options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for backend ``name``'s factory (``needs`` added where it takes them), once it runs here and takes them all."""
     if name not in BACKENDS:
         raise QuasarError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
     reason = unavailable(name)
@@ -177,6 +190,4 @@ def create_backend(name: str, path: Any, needs: Collection[str] = (), **options:
     unknown = sorted(set(options) - set(takes))
     if unknown:
         raise QuasarError(f"backend {name!r} takes no option {unknown[0]!r} (it takes {', '.join(takes)})")
-    if needs and "needs" in takes:
-        options = {**options, "needs": tuple(_check_needs(needs))}
-    return resolve(BACKENDS[name].factory)(path, **options)
+    return {**options, "needs": tuple(_check_needs(needs))} if needs and "needs" in takes else options

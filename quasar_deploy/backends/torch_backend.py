@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from ..artifact import ModelFiles, open_model_files
+from ..artifact import ModelFiles
 from ..cpu import decoder_ops
 from ..cpu.choice import default_int8_kernel
 from ..cpu.linears import default_float_dtype, default_float_kernel, dtype_name, int8_kernel_label
@@ -115,7 +114,7 @@ class BatchingTorchCausalLM(TorchCausalLM):
 
 
 def load_cpu(
-    path: str | Path | ModelFiles,
+    files: ModelFiles,
     float_kernel: str | None = None,
     int8_kernel: str | None = None,
     threads: int | None = None,
@@ -124,7 +123,6 @@ def load_cpu(
 ) -> TorchCausalLM:
     """W8A8 artifact or float checkpoint on the CPU, with the fastest bit-exact kernels this CPU has. ``float_dtype`` (default
     ``default_float_dtype``): a float checkpoint runs wholly in it; a W8A8 artifact's float lm_head computes in it."""
-    files = path if isinstance(path, ModelFiles) else open_model_files(path)
     dtype = default_float_dtype("cpu", float_dtype)
     decoder = files.decoder(torch.float32, head_dtype=dtype) if files.is_artifact else files.decoder(dtype)
     return cpu_causal_lm(decoder, float_kernel, int8_kernel, threads, "W8A8" if files.is_artifact else "float", attention)

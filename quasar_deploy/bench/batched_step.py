@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..artifact import ModelFiles
 from ..backends.registry import ONNXRUNTIME_MEMORY_FACTOR, create_backend
 from ..errors import QuasarError
 from ..speculative.causal_lm import PREFILL_CHUNK, BatchVerifyingLM
@@ -44,18 +45,17 @@ class BatchedStepResult:
         return asdict(self)
 
 
-def serving_lm(backend: str, artifact: str) -> BatchVerifyingLM:
+def serving_lm(backend: str, files: ModelFiles) -> BatchVerifyingLM:
     """What ``serve --backend BACKEND`` steps: the model as it serves (``needs`` of the server), which must batch."""
     from ..serve.needs import SERVER_NEEDS
 
     if backend == GQA_CONTENDER:
-        from ..artifact import open_model_files
         from ..backends.onnx_layered import load_layered
 
-        return load_layered(open_model_files(artifact), progress=False, attention="ort")
-    lm = create_backend(backend, artifact, SERVER_NEEDS)
+        return load_layered(files, progress=False, attention="ort")
+    lm = create_backend(backend, files, SERVER_NEEDS)
     if not isinstance(lm, BatchVerifyingLM):
-        raise QuasarError(f"backend {backend!r} serves {Path(artifact).name} round-robin: it has no batched step to time")
+        raise QuasarError(f"backend {backend!r} serves {files.path.name} round-robin: it has no batched step to time")
     return lm
 
 
@@ -86,7 +86,7 @@ def batched_step(
     piece = torch.randint(0, vocab, (prefill,), generator=generator).tolist()
     models, opened, fresh = {}, {}, {}
     for backend in backends:
-        lm = models[backend] = serving_lm(backend, artifact)
+        lm = models[backend] = serving_lm(backend, files)
         opened[backend] = [lm.new_sequence() for _ in range(widest)]
         fresh[backend] = lm.new_sequence()
         for sequence, prompt in zip(opened[backend], prompts):

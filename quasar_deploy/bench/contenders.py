@@ -83,13 +83,14 @@ def trained_contenders(model: str | Path, artifact: str | Path, with_hf: bool = 
     """A float checkpoint and its W8A8 artifact on the cpu backend (fastest bit-exact kernels); on ONNX Runtime too with ``ort_workdir``."""
     if not open_model_files(artifact).is_artifact:
         raise QuasarError(f"{artifact}: not a W8A8 artifact (no quasar.json)")
-    if open_model_files(model).is_artifact:
+    files = open_model_files(model)
+    if files.is_artifact:
         raise QuasarError(f"{model}: expected the float checkpoint, got an artifact")
     ort = ort_engines(model, artifact, ort_workdir) if ort_workdir else {}
     return Contenders(
         lambda: (load(model, backend="cpu"), load(artifact, backend="cpu")),
-        load_tokenizer(model),
-        stop_ids_of(model),
+        load_tokenizer(files),
+        stop_ids_of(files.path, files.listed),
         (lambda: _hf_model_from(Path(model))) if with_hf else None,
         "trained",
         ort_engines=ort,
@@ -126,7 +127,7 @@ def synthetic_contenders(shape: str, with_hf: bool = True) -> Contenders:
     """Random weights of a published shape (timing only), the demo tokenizer for prompts; refused up front when they cannot fit."""
     spec = synthetic_spec(shape)
     check_fits(engines_peak_bytes(spec), f"bench e2e --synthetic {shape}")
-    tokenizer = load_tokenizer(demo_model_path())
+    tokenizer = load_tokenizer(open_model_files(demo_model_path()))
 
     def build_engines() -> tuple[Engine, Engine]:
         decoders = synthetic_decoders(shape, kernels=(default_float_kernel(), default_int8_kernel()), dtype=default_float_dtype("cpu"))

@@ -169,18 +169,20 @@ def e2e_demo(settings: GpuSettings, device: torch.device) -> dict:
     from ..demo import demo_artifact, demo_model_path
     from ..tokenizer import load_tokenizer
 
-    plain = demo_model_path()
-    float_lm = build_cuda_lm(open_model_files(plain), device, settings.quantizer)
+    plain = open_model_files(demo_model_path())
+    float_lm = build_cuda_lm(plain, device, settings.quantizer)
     quant_lm = build_cuda_lm(open_model_files(demo_artifact(progress=False)), device, settings.quantizer)
     return _ngram_benchmark("demo", float_lm, quant_lm, load_tokenizer(plain), "trained", settings)
 
 
 def e2e_synthetic(settings: GpuSettings, device: torch.device) -> dict:
+    from ..artifact import open_model_files
     from ..demo import demo_model_path
     from ..tokenizer import load_tokenizer
 
     float_lm, quant_lm, _ = synthetic_lms(settings.e2e_shape, device, 4096, settings.quantizer)
-    return _ngram_benchmark(settings.e2e_shape, float_lm, quant_lm, load_tokenizer(demo_model_path()), "synthetic weights", settings)
+    tokenizer = load_tokenizer(open_model_files(demo_model_path()))
+    return _ngram_benchmark(settings.e2e_shape, float_lm, quant_lm, tokenizer, "synthetic weights", settings)
 
 
 def run(settings: GpuSettings, log=print) -> dict:

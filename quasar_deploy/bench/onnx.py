@@ -429,16 +429,18 @@ def fidelity(
     exported: Path, source: Path, steps: int, threads: int, prompts: Path | None = None, limit: int | None = None
 ) -> Iterator[str]:
     """Per prompt, then over all: ``exported`` on ONNX Runtime against ``source`` on torch, greedy and teacher-forced."""
-    from ..backends.onnxruntime import load_onnx
+    from ..artifact import open_model_files
+    from ..backends.onnxruntime import load_onnx_export
     from ..backends.torch_backend import load_cpu
     from ..calibration.data import read_texts
     from ..tokenizer import load_tokenizer
 
     # the torch reference computes the head as the export does: in the graph, float32; beside it, in the CPU's float dtype
     head_dtype = None if (Path(exported) / ONNX_HEAD_FILE).is_file() else "float32"
-    onnx_lm = load_onnx(exported, threads=threads)
-    torch_lm = load_cpu(source, int8_kernel="reference", threads=threads, float_dtype=head_dtype)
-    tokenizer = load_tokenizer(source)
+    onnx_lm = load_onnx_export(exported, threads=threads)
+    files = open_model_files(source)
+    torch_lm = load_cpu(files, int8_kernel="reference", threads=threads, float_dtype=head_dtype)
+    tokenizer = load_tokenizer(files)
     texts = (read_texts(prompts) if prompts else list(FIDELITY_PROMPTS))[:limit]
     identical = prefix = agree = positions = 0
     for text in texts:

@@ -100,6 +100,7 @@ class WideVocabulary:
 
 def synthetic_engine(shape: str) -> tuple[Engine, str]:
     """An engine over W8A8 random weights of a published shape, and how the report names it (timing only)."""
+    from ..artifact import open_model_files
     from ..backends.torch_backend import cpu_causal_lm
     from ..demo import demo_model_path
     from ..tokenizer import load_tokenizer
@@ -107,7 +108,8 @@ def synthetic_engine(shape: str) -> tuple[Engine, str]:
 
     lm = cpu_causal_lm(synthetic_w8a8_decoder(shape), kind="W8A8 synthetic")
     warm_up(lm)
-    return Engine(lm, WideVocabulary(load_tokenizer(demo_model_path())), frozenset(), "cpu"), f"synthetic {shape} W8A8 (random weights)"
+    tokenizer = WideVocabulary(load_tokenizer(open_model_files(demo_model_path())))
+    return Engine(lm, tokenizer, frozenset(), "cpu"), f"synthetic {shape} W8A8 (random weights)"
 
 
 def stream_completion(client: httpx.Client, base: str, prompt: str, max_tokens: int, options: dict[str, Any]) -> RequestTiming:

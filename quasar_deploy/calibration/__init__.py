@@ -41,7 +41,7 @@ def calibrate(
     source = open_model_files(model_dir)
     if source.is_artifact:
         raise QuasarError(f"{source.path}: is already a W8A8 artifact; calibrate the float checkpoint it came from")
-    tokenizer = load_tokenizer(source.path, trust_remote_code)
+    tokenizer = load_tokenizer(source, trust_remote_code)
     samples = data.calibration_samples(tokenizer, recipe.calib_data, recipe.num_samples, recipe.seq_len)
 
     kept = keep_float_matches(source.spec.linear_names(), recipe.keep_float)

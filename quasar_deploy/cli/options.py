@@ -40,15 +40,15 @@ provider_option = click.option(
 )
 
 
-def backend_options(path: str, backend: str, provider: str | None, needs: tuple[str, ...] = ()) -> dict[str, str]:
-    """The options ``api.load`` passes to the backend: ``--provider`` for onnxruntime, refused for any other backend."""
+def backend_options(backend: str, provider: str | None, needs: tuple[str, ...] = ()) -> dict[str, str]:
+    """The options ``api.load`` passes to the backend: ``--provider`` for onnxruntime ("auto" where it can run), else refused."""
     if provider is None:
         return {}
-    from ..backends.registry import resolve_backend
+    from ..backends.registry import candidates
     from ..errors import QuasarError
 
-    name = resolve_backend(backend, path, needs, ("provider",))
-    if name != "onnxruntime":
+    name = backend if backend != "auto" or candidates(needs, ("provider",)) else candidates(needs)[0]
+    if name not in ("auto", "onnxruntime"):
         raise QuasarError(f"--provider applies to the onnxruntime backend, not {name}")
     return {"provider": provider}
 
@@ -104,7 +104,7 @@ def load_engine(
 
     if verify != "exact" and (exact_source is not None or rounds is not None):
         raise QuasarError(f"{'--exact-source' if exact_source is not None else '--rounds'} applies to --verify exact")
-    options = backend_options(path, backend, provider, needs)
+    options = backend_options(backend, provider, needs)
     engine = load(path, backend=backend, needs=needs, verify=verify, exact_source=exact_source, **options)
     if rounds is not None:
         engine.rounds = rounds

@@ -81,7 +81,7 @@ def demo_needs(prompts: list[str], max_new_tokens: int, with_ort: bool) -> DemoN
     source = open_model_files(demo.demo_model_path())
     big = inflated_spec(source.spec, demo.inflation_target())
     dtypes = source.checkpoint.dtypes
-    tokenizer = load_tokenizer(demo.demo_model_path())
+    tokenizer = load_tokenizer(source)
     tokens = max(len(tokenizer.encode(p)) for p in prompts) + max_new_tokens + NUM_DRAFT + 1
     small = (model_headers(source.spec, dtypes, False), model_headers(source.spec, dtypes, True))
     inflated = (model_headers(big, dtypes, False), model_headers(big, dtypes, True))

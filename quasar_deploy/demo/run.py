@@ -105,7 +105,7 @@ def run_demo(
     inflated = _measure(big_model, big_artifact, with_ort, prompts, max_new_tokens, before=stream)
     demo = _measure(demo_model_path(), artifact, with_ort, prompts, max_new_tokens)
     fidelity: Fidelity = evaluate(artifact, demo_model_path(), num_samples=len(read_texts(None, "eval")), progress=False)
-    default = auto_backend(big_artifact)
+    default = auto_backend(open_model_files(big_artifact))
     result = {"inflated": inflated, "demo": demo, "fidelity": fidelity.to_dict(), "artifact": str(artifact), "onnxruntime": with_ort}
     return result | {"prompt_count": len(prompts), "max_new_tokens": max_new_tokens, "default_backend": default}
 

@@ -25,6 +25,7 @@ def two_exact_kernels(monkeypatch, tmp_path):
     monkeypatch.setattr(choice, "onnxruntime_int8_bit_exact", lambda: False)
     timings = [{"fbgemm-vnni": 2.0, "onednn-vnni": 1.0}, {"fbgemm-vnni": 1.0, "onednn-vnni": 2.0}, {"fbgemm-vnni": 3.0, "onednn-vnni": 1.0}]
     monkeypatch.setattr(choice, "_time_int8_kernels", lambda names: timings.pop(0))
+    monkeypatch.setattr(choice, "_cpu_seconds_busy", lambda: None)  # the machine's load is not judged (tested below)
     choice.int8_probe.cache_clear()
     yield tmp_path / "kernels"
     choice.int8_probe.cache_clear()  # the next caller probes this CPU itself
@@ -44,6 +45,21 @@ def test_an_int8_timing_is_kept_and_reused_until_reprobe_is_asked(two_exact_kern
     assert probe_anew().kernel == "fbgemm-vnni"
     monkeypatch.delenv(REPROBE_ENV)
     assert probe_anew().kernel == "fbgemm-vnni"  # the new timing is the one kept
+
+
+@pytest.mark.parametrize(("others_s", "kept"), [(0.0, True), (100.0, False)])
+def test_a_timing_taken_while_other_processes_were_busy_is_not_kept(two_exact_kernels, monkeypatch, others_s, kept):
+    readings = [(1000.0, 2), (1000.0 + others_s, 2)] * 2  # CPU seconds busy before and after each timing, two CPUs
+    monkeypatch.setattr(choice, "_cpu_seconds_busy", lambda: readings.pop(0))
+    monkeypatch.setattr(choice, "MIN_JUDGED_S", 0.0)
+    first = probe_anew()
+    assert first.kernel == "onednn-vnni" and ("not kept, the next process times again" in first.reason) is not kept
+    assert probe_anew().kernel == ("onednn-vnni" if kept else "fbgemm-vnni")  # not kept: the next process timed again
+
+
+def test_the_machines_busy_seconds_are_read_here_or_not_at_all():
+    reading = choice._cpu_seconds_busy()
+    assert reading is None or (reading[0] > 0 and reading[1] >= 1)
 
 
 @pytest.mark.parametrize("damage", ["{", '{"key": {}, "result": {}, "date": "x"}', "[]"])

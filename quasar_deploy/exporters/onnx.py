@@ -18,6 +18,8 @@ try:
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
 
+from safetensors.torch import save_file
+
 from ..artifact import HEAD, MANIFEST, ModelFiles, checked_row_blocks
 from ..decoder_spec import DecoderSpec, rope_inv_freq
 from ..files import TOKENIZER_FILES, atomic_directory, copy_files, sha256_files
@@ -171,8 +173,6 @@ def write_graph(directory: Path, build: Callable[[ExternalData | None], onnx.Mod
 
 def write_head(files: ModelFiles, path: Path) -> None:
     """The float lm_head of ``files`` as stored (the embedding table where tied), for a graph whose head is outside it."""
-    from safetensors.torch import save_file
-
     source = files.checkpoint
     names = {"weight": EMBEDDINGS if files.spec.tie_word_embeddings else f"{HEAD}.weight", "bias": f"{HEAD}.bias"}
     save_file({key: source.tensor(name).contiguous() for key, name in names.items() if name in source.names}, str(path))

@@ -50,7 +50,7 @@ class BatchedStepResult:
 def serving_lm(backend: str, artifact: str) -> BatchVerifyingLM:
     """What ``serve --backend BACKEND`` steps: the model as it serves (``needs`` of the server), which must batch."""
     if backend == GQA_CONTENDER:
-        from ..backends.onnx_layered import load_layered  # optional: onnx
+        from ..backends.onnx_layered import load_layered  # optional: onnx, onnxruntime
 
         return load_layered(open_model_files(artifact), progress=False, attention="ort")
     lm = create_backend(backend, artifact, SERVER_NEEDS)

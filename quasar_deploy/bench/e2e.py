@@ -23,7 +23,7 @@ from tqdm import tqdm
 from ..backends.torch_backend import TorchCausalLM
 from ..cache import cache_dir
 from ..cpu.linears import default_float_dtype, dtype_name
-from ..doctor import report
+from ..doctor import report as doctor_report
 from ..engine import GenerationStats
 from ..errors import QuasarError
 from ..memory import return_freed_memory
@@ -263,7 +263,7 @@ def _agreement(runs: list[Run], reference: list[Run]) -> float:
 def environment() -> dict:
     import transformers  # heavy: transformers, read here for its version only
 
-    info = report()
+    info = doctor_report()
     info.update(transformers=transformers.__version__, tokenizers=tokenizers.__version__, platform=platform.platform())
     return info
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import QuasarError
@@ -17,8 +18,6 @@ try:
     import onnx
 except ImportError:
     raise QuasarError("the onnx target needs the onnx package: pip install 'quasar-deploy[onnx]'") from None
-
-from safetensors.torch import save_file
 
 from ..artifact import HEAD, MANIFEST, ModelFiles, checked_row_blocks
 from ..decoder_spec import DecoderSpec, rope_inv_freq

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from .errors import QuasarError
 
 KNOWN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "PanguEmbeddedForCausalLM")
@@ -197,8 +199,6 @@ def check_tensor_shapes(spec: DecoderSpec, shapes: dict[str, tuple[int, ...]]) -
 
 def rope_inv_freq(spec: DecoderSpec):
     """Inverse frequencies as Hugging Face computes them (default, linear and llama3 rules)."""
-    import torch
-
     dim = spec.head_dim
     inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = spec.rope_scaling

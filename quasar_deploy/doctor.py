@@ -10,7 +10,11 @@ import torch
 from .artifact import open_model_files
 from .backends import available_backends
 from .backends.cuda import gpu_status
-from .backends.registry import auto_backend, auto_choice
+from .backends.ort_session import bit_exact_int8_entries
+from .backends.registry import auto_backend, auto_choice, unavailable
+from .cache import cache_dir, entries, size_limit
+from .calibration.data import BUILTIN, read_texts
+from .cpu import decoder_ops, half_linear, int8_linear
 from .cpu.choice import default_int8_kernel, int8_probe
 from .cpu.linears import (
     FLOAT_DTYPE_ENV,
@@ -25,6 +29,10 @@ from .cpu.linears import (
     vnni_available,
 )
 from .cpu.machine import ISA_FLAGS, cpu_flags, cpu_model
+from .demo import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS
+from .demo.needs import demo_needs
+from .exact_mode import float_source
+from .memory import MIB, estimate, report_tokens
 
 
 def report(path: str | None = None, exact: bool = False, exact_source: str | None = None) -> dict:
@@ -61,8 +69,6 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
 def _half_text(half_ms: float | None, float32_ms: float) -> str:
     """What timing the quasar-half kernel showed (``linears.half_probe_ms``), or why it does not run."""
     if half_ms is None:
-        from .cpu import half_linear
-
         return f"16-bit weights widened to float32 by oneDNN (quasar-half: {half_linear.why_not()})"
     return (
         f"16-bit weights read as stored by quasar-half where float32 computes: {half_ms:.3f} ms against oneDNN "
@@ -72,10 +78,6 @@ def _half_text(half_ms: float | None, float32_ms: float) -> str:
 
 def probes() -> dict:
     """What running the kernels once showed (``kernels``'s probes), and the float dtype chosen from it."""
-    from .backends.ort_session import bit_exact_int8_entries
-    from .backends.registry import unavailable
-    from .cpu import decoder_ops, int8_linear
-
     probe = float_probe()
     attention = decoder_ops.load()
     chosen = os.environ.get(FLOAT_DTYPE_ENV)
@@ -104,8 +106,6 @@ def probes() -> dict:
 
 def cache_summary() -> dict:
     """The cache's directory, size against its limit, and entries (``quasar-deploy cache list`` names them)."""
-    from .cache import cache_dir, entries, size_limit
-
     found = entries()
     summary = {"path": str(cache_dir()), "bytes": sum(e.bytes for e in found), "entries": len(found)}
     return summary | {"orphaned": sum(e.orphaned for e in found), "limit": size_limit()}
@@ -113,19 +113,11 @@ def cache_summary() -> dict:
 
 def demo_summary() -> dict:
     """What ``quasar-deploy demo`` (its default prompts and length) needs here before it starts (``demo.needs``)."""
-    from .backends.registry import unavailable
-    from .calibration.data import BUILTIN, read_texts
-    from .demo import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS
-    from .demo.needs import demo_needs
-
     needs = demo_needs(read_texts(BUILTIN["prompts"])[:DEFAULT_LIMIT], DEFAULT_MAX_NEW_TOKENS, unavailable("onnxruntime") is None)
     return {**needs.to_dict(), "summary": needs.describe()}
 
 
 def model_memory(path: str) -> dict:
-    from .artifact import open_model_files
-    from .memory import estimate, report_tokens
-
     files = open_model_files(path)  # verified first: no header is parsed from bytes the manifest does not vouch for
     tokens = report_tokens(files.spec)
     needed = estimate(files)
@@ -134,9 +126,6 @@ def model_memory(path: str) -> dict:
 
 def exact_memory(path: str, source: str | None = None) -> dict:
     """Exact mode's memory: the float checkpoint's (``source``, default: the one ``path`` records), the artifact's, the sum."""
-    from .exact_mode import float_source
-    from .memory import MIB
-
     parts = {"float": model_memory(str(float_source(open_model_files(path), source).path)), "w8a8": model_memory(path)}
     total = sum(part["total"] for part in parts.values())
     summary = (

@@ -12,6 +12,7 @@ from .artifact import ModelFiles, open_model_files
 from .backends import create_backend, resolve_backend
 from .engine import Engine, GenerationOptions, check_can_fork, stop_ids_of, warm_up
 from .errors import QuasarError
+from .fidelity import reference_of
 from .speculative.acceptance import Sampler
 from .speculative.cascade import CascadeDrafter, CascadeStats, RoundPolicy, check_rounds
 from .speculative.causal_lm import CausalLM
@@ -72,8 +73,6 @@ class ExactEngine(Engine):
 
 def float_source(artifact: ModelFiles, source: str | Path | None = None) -> ModelFiles:
     """The float checkpoint exact mode verifies with, opened: ``source``, else the one ``artifact``'s manifest records."""
-    from .fidelity import reference_of
-
     if not artifact.is_artifact:
         raise QuasarError(f"{artifact.path}: verify='exact' takes a W8A8 artifact (it drafts for its float model), not a float checkpoint")
     path = source if source is not None else reference_of(artifact, "exact_source (--exact-source MODEL_DIR), its float checkpoint")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .artifact import ModelFiles, open_model_files
-from .calibration import data
+from .calibration import calibrate, data
 from .cpu.choice import default_int8_kernel
 from .cpu.linears import default_float_dtype, default_float_kernel
 from .errors import QuasarError
@@ -86,8 +86,6 @@ def smoothing_study(
     progress: bool = True,
 ) -> dict:
     """Naive W8A8 ("off"), a fixed and the searched alpha on each model and text set: fidelity ``rows`` and ``layers``."""
-    from .calibration import calibrate
-
     rows, layers = [], {}
     for model_name, model in models.items():
         for alpha in alphas:

@@ -11,10 +11,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from .cpu.linears import default_float_dtype, half_weights
 from .decoder_spec import DecoderSpec
 from .shards import TORCH_DTYPES
 
-if TYPE_CHECKING:  # annotations only: importing this module does not import torch
+if TYPE_CHECKING:  # annotations only
     import torch
 
     from .checkpoint import Checkpoint
@@ -78,8 +79,6 @@ def estimate_headers(
     float_dtype: torch.dtype | None = None,
 ) -> MemoryEstimate:
     """``estimate`` from tensor headers (name -> shape, safetensors dtype name), also of a model not written yet."""
-    from .cpu.linears import default_float_dtype, half_weights
-
     head_dtype = float_dtype or default_float_dtype("cpu")
     body = COMPUTE_ITEMSIZE if is_artifact else head_dtype.itemsize
 

@@ -46,7 +46,7 @@ def read_tokenizer(path: Path, listed: dict[str, str] | None, trust_remote_code:
 
 def _load(directory: Path, path: Path, trust_remote_code: bool):
     """The tokenizer in ``directory``, errors naming ``path`` (the model directory it stands for)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: about a second to import, paid only when a tokenizer loads
 
     if not any((directory / name).is_file() for name in VOCABULARY_FILES):
         raise QuasarError(f"{path}: no tokenizer ({' / '.join(VOCABULARY_FILES)}); copy the tokenizer files of the original checkpoint")

@@ -1,10 +1,14 @@
 """The package's modules import each other without cycles, imports inside functions and type-only ones included: each
 module sits above what it imports, so a newcomer can read the package bottom up and a change low down cannot loop back.
+An import inside a function is the exception, and says why.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "quasar_deploy"
@@ -97,3 +101,38 @@ def test_the_check_finds_a_cycle_and_reads_relative_imports():
     graph = package_graph()
     assert "quasar_deploy.cpu.native" in graph["quasar_deploy.cpu.int8_linear"]  # `from . import native`
     assert "quasar_deploy.engine" in graph["quasar_deploy.api"]  # `from .engine import ...`
+
+
+def unexplained_imports(source: str) -> list[int]:
+    """The lines of imports inside functions with no reason beside them: a comment on the import's first line or alone on
+    the line above (a bare ``# noqa`` is no reason)."""
+    comments: dict[int, str] = {}
+    code: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = re.sub(r"#\s*noqa(:\s*\w+(,\s*\w+)*)?", "", token.string).strip(" #()")
+        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            code.add(token.start[0])
+
+    def says_why(line: int) -> bool:
+        return bool(comments.get(line) or (line - 1 not in code and comments.get(line - 1)))
+
+    functions = [f for f in ast.walk(ast.parse(source)) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    imports = {node.lineno for f in functions for node in ast.walk(f) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    return sorted(line for line in imports if not says_why(line))
+
+
+def test_every_import_inside_a_function_says_why():
+    """Imports belong at the top; one inside a function keeps ``--help`` light, needs an optional dependency, or spares
+    the paths that do not use it a cost, and its comment says which."""
+    unexplained = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in unexplained_imports(path.read_text())
+    ]
+    assert unexplained == []
+
+
+def test_the_check_reads_reasons_from_comments():
+    assert unexplained_imports("import os\ndef f():\n    import json\n    import re  # noqa: F401\n") == [3, 4]
+    assert unexplained_imports("def f():\n    import json  # optional: json\n    # heavy: re\n    import re\n") == []

@@ -298,7 +298,8 @@ def test_queue_full_is_429_with_retry_after(engine):
 @pytest.fixture
 def vllm_argv(monkeypatch):
     calls = []
-    monkeypatch.setattr(vllm, "exec_vllm", lambda argv, env: calls.append((argv, env)))
+    serve_cli = importlib.import_module("quasar_deploy.cli.serve")  # where serve_with_vllm finds exec_vllm
+    monkeypatch.setattr(serve_cli, "exec_vllm", lambda argv, env: calls.append((argv, env)))
     return calls
 
 

@@ -63,7 +63,7 @@ def make_quantizer(name: str, device: torch.device) -> Quantizer:
         raise QuasarError("the triton quantizer runs on CUDA devices only")
     if importlib.util.find_spec("triton") is None:
         raise QuasarError("the triton quantizer needs Triton (it ships with CUDA builds of PyTorch); use quantizer='torch'")
-    from .cuda_triton import quantize_rows_triton
+    from .cuda_triton import quantize_rows_triton  # optional: triton
 
     return quantize_rows_triton
 

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import onnxruntime as ort
 import torch
+from onnxruntime import OrtValue
 from tqdm import tqdm
 
 from ..artifact import HEAD, ModelFiles
@@ -68,8 +70,6 @@ class LayeredModel:
 
     def __init__(self, files: ModelFiles, threads: int | None = None, progress: bool = True, attention: str = "auto"):
         """``attention``: "auto" (the C kernel where it runs, else ORT's) or "ort" (ORT's ``GroupQueryAttention``, a bench contender)."""
-        import onnxruntime as ort
-
         if attention not in ATTENTIONS:
             raise ValueError(f"attention is one of {', '.join(ATTENTIONS)}, not {attention!r}")
 
@@ -207,7 +207,6 @@ class LayeredOnnxLM:
                 decoder_ops.copy_cache(old, new, self._length)
             self._cache, self._capacity = grown, capacity
             return
-        from onnxruntime import OrtValue
 
         shape = (1, self.spec.num_kv_heads, capacity, self.spec.head_dim)
         buffers = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(self.spec.num_layers)]
@@ -220,8 +219,6 @@ class LayeredOnnxLM:
 
     def _bind(self, keys, values):
         """One layer's attention binding, its cache buffers and lengths bound once: a call binds only its rows and output."""
-        from onnxruntime import OrtValue
-
         binding = self.model.attention.io_binding()
         binding.bind_ortvalue_input(onnx_layers.SEQLEN, OrtValue.ortvalue_from_numpy(self._seqlen))
         binding.bind_ortvalue_input(onnx_layers.TOTAL, OrtValue.ortvalue_from_numpy(self._total))

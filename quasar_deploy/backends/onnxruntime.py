@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from ..artifact import ModelFiles
 from ..cpu.linears import dtype_name
@@ -128,8 +129,6 @@ def head_outside(config: dict) -> bool:
 
 def load_head(directory: Path) -> tuple[Linear, str]:
     """The lm_head stored beside a graph that ends in ``hidden_states``, on torch (``head_beside``), and its dtype's name."""
-    from safetensors.torch import load_file
-
     tensors = load_file(str(directory / HEAD_FILE))
     for name, tensor in tensors.items():
         check_finite(f"{HEAD_FILE}:{name}", tensor)
@@ -177,7 +176,7 @@ class OnnxCausalLM:
             raise QuasarError(f"the ONNX graph does not match {CONFIG_FILE}: cache {key} or vocabulary {vocab} differ")
 
     def _ortvalue(self, array: np.ndarray):
-        from onnxruntime import OrtValue
+        from onnxruntime import OrtValue  # optional: onnxruntime
 
         return OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self._device, 0)
 
@@ -290,7 +289,7 @@ def _load_graph(path: Path, config: dict, linear_format: str | None, provider: s
     reason = unavailable()
     if reason is not None:
         raise QuasarError(reason)
-    import onnxruntime as ort
+    import onnxruntime as ort  # optional: onnxruntime
 
     providers = choose_providers(provider, ort.get_available_providers())
     options = session_options(threads, head_on_torch=head_outside(config))
@@ -312,7 +311,7 @@ def _load_graph(path: Path, config: dict, linear_format: str | None, provider: s
 
 def _load_layered(files: ModelFiles, provider: str | None, threads: int | None):
     """``onnx_layered``'s batched layer graphs of the opened artifact ``files``, refused in one line where they cannot run."""
-    from .onnx_layered import load_layered
+    from .onnx_layered import load_layered  # optional: onnx
 
     if provider not in (None, "auto", "cpu"):
         raise QuasarError(f"{LAYERED} on ONNX Runtime run on its cpu provider, not {provider}")

@@ -33,7 +33,7 @@ def allow_spinning(environ=os.environ) -> str:
 def session_options(threads: int | None = None, head_on_torch: bool = False, fixed_shape: bool = False):
     """The options every ORT session of ours gets: ``threads``, ``bit_exact_int8_entries``, ``allow_spinning`` (off with
     ``head_on_torch``), and ORT's memory pattern off unless ``fixed_shape`` (a decoder's shapes change at every step)."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # optional: onnxruntime
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or default_threads()
@@ -58,9 +58,9 @@ def bit_exact_int8_entries() -> tuple[tuple[str, str], ...]:
 
 def int8_probe() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
     """The model ``bit_exact_int8_entries`` runs (a u8 x s8 ``MatMulInteger``), its weight and codes (pair sums past 16 bits)."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper  # optional: onnx
 
-    from ..exporters.onnx_versions import OPSETS, make_model
+    from ..exporters.onnx_versions import OPSETS, make_model  # optional: onnx
 
     depth, width = 256, 32
     weight = np.random.default_rng(0).integers(-127, 128, (depth, width)).astype(np.int8)
@@ -83,7 +83,7 @@ def int8_probe() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
 
 def _int8_sums_bit_exact(entries: tuple[tuple[str, str], ...]) -> bool:
     """Whether u8 x s8 products at the codes' extremes (255 x +-127, whose pair sums overflow 16 bits) sum exactly."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # optional: onnxruntime
 
     model, weight, codes = int8_probe()
     options = ort.SessionOptions()
@@ -100,7 +100,7 @@ def _int8_sums_bit_exact(entries: tuple[tuple[str, str], ...]) -> bool:
 
 def unavailable() -> str | None:
     try:
-        import onnxruntime  # noqa: F401
+        import onnxruntime  # noqa: F401  (optional: is it installed?)
     except ImportError:
         return "onnxruntime is not installed (pip install onnxruntime, or onnxruntime-gpu for CUDA/TensorRT)"
     return None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..cpu import machine
 from ..errors import QuasarError
 from ..integrity import export_target
 from ..lazy import resolve
@@ -97,18 +98,17 @@ def candidates(needs: Collection[str] = (), options: Collection[str] = ()) -> li
 
 def fits_onnxruntime(files: ModelFiles) -> bool:
     """Whether ONNX Runtime's copy of the model ``files`` fits in the memory available now (``ONNXRUNTIME_MEMORY_FACTOR``)."""
-    from ..cpu.machine import memory_available
-    from ..memory import estimate, report_tokens
+    from ..memory import estimate, report_tokens  # keeps --help torch-free (memory reads safetensors through torch)
 
     needed = estimate(files).total(report_tokens(files.spec))
-    return needed * ONNXRUNTIME_MEMORY_FACTOR <= memory_available()
+    return needed * ONNXRUNTIME_MEMORY_FACTOR <= machine.memory_available()
 
 
 def cpu_runs_better(artifact: bool) -> bool:
     """Whether the cpu backend runs a W8A8 artifact (``artifact``: our int8 kernel timed faster than ORT's) or a float
     checkpoint (where the CPU computes bf16; ORT computes float32) better than ONNX Runtime here."""
-    from ..cpu.choice import default_int8_kernel, int8_probe
-    from ..cpu.linears import cpu_computes_bf16
+    from ..cpu.choice import default_int8_kernel, int8_probe  # keeps --help torch-free
+    from ..cpu.linears import cpu_computes_bf16  # keeps --help torch-free
 
     if not artifact:
         return cpu_computes_bf16()
@@ -129,7 +129,7 @@ def suits_onnxruntime(files: ModelFiles, needs: Collection[str] = ()) -> bool:
     if cpu_runs_better(files.is_artifact):
         return False
     if needs:
-        from .onnx_layered import unsupported
+        from .onnx_layered import unsupported  # optional: onnx
 
         if unsupported(files) is not None:
             return False

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import sys
 import time
 from typing import Any
 
 
 def _llamacpp(request: dict) -> dict:
-    import llama_cpp
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    import llama_cpp  # in llama.cpp's venv only
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # in llama.cpp's venv only
 
     spec = request["speculative"]
     draft = LlamaPromptLookupDecoding(max_ngram_size=spec["ngram_max"], num_pred_tokens=spec["num_draft"]) if spec else None
@@ -50,8 +51,8 @@ def _llamacpp(request: dict) -> dict:
 def _vllm(request: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default would take a large share of a small machine
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # by default vLLM keeps a core for its scheduler process
-    import vllm
-    from vllm import LLM, SamplingParams
+    import vllm  # in vLLM's venv only, after the settings above
+    from vllm import LLM, SamplingParams  # in vLLM's venv only, after the settings above
 
     spec = request["speculative"]
     options: dict[str, Any] = dict(
@@ -94,10 +95,8 @@ def _byte_level_gpt2(checkpoint: str) -> bool:
 def _convert(job: dict) -> dict:
     """llama.cpp's converter on ``job["checkpoint"]``, in this process; a pre-tokenizer it does not know by hash but that is
     GPT-2's (``_byte_level_gpt2``, the demo model's) is declared ``gpt-2`` (the benchmark hands llama.cpp ids, never text)."""
-    import runpy
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(job["converter"])))
-    from conversion import base
+    from conversion import base  # llama.cpp's converter, found on the path above
 
     recognized = base.TextModel.get_vocab_base_pre
     declared: list[str] = []

@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifact import ModelFiles
+from ..artifact import ModelFiles, open_model_files
 from ..backends.registry import ONNXRUNTIME_MEMORY_FACTOR, create_backend
 from ..errors import QuasarError
+from ..memory import estimate, report_tokens
+from ..serve.needs import SERVER_NEEDS
 from ..speculative.causal_lm import PREFILL_CHUNK, BatchVerifyingLM
 from .memory import check_fits
 from .micro import settled
@@ -47,10 +49,8 @@ class BatchedStepResult:
 
 def serving_lm(backend: str, files: ModelFiles) -> BatchVerifyingLM:
     """What ``serve --backend BACKEND`` steps: the model as it serves (``needs`` of the server), which must batch."""
-    from ..serve.needs import SERVER_NEEDS
-
     if backend == GQA_CONTENDER:
-        from ..backends.onnx_layered import load_layered
+        from ..backends.onnx_layered import load_layered  # optional: onnx, onnxruntime
 
         return load_layered(files, progress=False, attention="ort")
     lm = create_backend(backend, files, SERVER_NEEDS)
@@ -72,8 +72,6 @@ def batched_step(
     """Each backend's ``verify_batch`` of ``n`` x ``tokens`` rows for each ``n`` of ``sequences``, and a ``prefill`` piece."""
     if not 0 <= prefill <= PREFILL_CHUNK:
         raise QuasarError(f"a prefill piece is 0 to {PREFILL_CHUNK} tokens (a server round's), not {prefill}")
-    from ..artifact import open_model_files
-    from ..memory import estimate, report_tokens
 
     files = open_model_files(artifact)
     one = estimate(files).total(report_tokens(files.spec))

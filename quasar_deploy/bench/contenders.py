@@ -13,6 +13,7 @@ import torch
 from ..api import load
 from ..artifact import open_model_files
 from ..backends.onnx_export_cache import head_outside
+from ..backends.registry import unavailable
 from ..backends.torch_backend import TorchCausalLM
 from ..cpu.choice import default_int8_kernel
 from ..cpu.linears import default_float_dtype, default_float_kernel
@@ -21,6 +22,7 @@ from ..demo import demo_model_path
 from ..engine import Engine, stop_ids_of
 from ..errors import QuasarError
 from ..exact_mode import ExactEngine
+from ..exporters import export
 from ..tokenizer import load_tokenizer
 from .memory import check_fits
 from .synthetic import RandomTensors, engines_peak_bytes, synthetic_decoders, synthetic_spec
@@ -61,16 +63,13 @@ class Contenders:
 
 
 def _hf_model_from(path: Path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: transformers, for HF contenders only
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def ort_engines(model: str | Path, artifact: str | Path, workdir: Path) -> dict[str, Engine]:
     """Both models exported to ONNX under ``workdir`` and served by the onnxruntime backend ({} without onnxruntime)."""
-    from ..backends.registry import unavailable
-    from ..exporters import export
-
     if unavailable("onnxruntime") is not None:
         return {}
     float_dir = export(model, "onnx", workdir / "float-onnx", precision="float")
@@ -99,8 +98,8 @@ def trained_contenders(model: str | Path, artifact: str | Path, with_hf: bool = 
 
 def _hf_twin(spec: DecoderSpec, tensors: Mapping[str, torch.Tensor]):
     """Hugging Face's Qwen3 holding ``tensors`` (by HF name, shared, not copied), for hf-prompt-lookup."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # heavy: transformers, for HF contenders only
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding  # heavy: transformers, for HF contenders only
 
     config = Qwen3Config(
         vocab_size=spec.vocab_size,

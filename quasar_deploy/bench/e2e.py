@@ -16,11 +16,14 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TypeVar
 
+import tokenizers
 import torch
 from tqdm import tqdm
 
 from ..backends.torch_backend import TorchCausalLM
+from ..cache import cache_dir
 from ..cpu.linears import default_float_dtype, dtype_name
+from ..doctor import report as doctor_report
 from ..engine import GenerationStats
 from ..errors import QuasarError
 from ..memory import return_freed_memory
@@ -258,12 +261,9 @@ def _agreement(runs: list[Run], reference: list[Run]) -> float:
 
 
 def environment() -> dict:
-    import tokenizers
-    import transformers
+    import transformers  # heavy: transformers, read here for its version only
 
-    from ..doctor import report
-
-    info = report()
+    info = doctor_report()
     info.update(transformers=transformers.__version__, tokenizers=tokenizers.__version__, platform=platform.platform())
     return info
 
@@ -341,8 +341,6 @@ def _anchor_phase(
     modes: list[str], settings: BenchSettings, contenders: Contenders, encoded: list[list[int]]
 ) -> tuple[dict[str, anchors.AnchorResult], dict[str, str]]:
     """The anchor modes, each in its own engine's process, before our engines load; the same greedy settings, batch 1."""
-    from ..cache import cache_dir
-
     if not modes:
         return {}, {}
     if settings.temperature > 0:

@@ -6,16 +6,30 @@ L2), n-gram drafting end to end on the demo model and a synthetic shape."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import time
 from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
+from ..artifact import open_model_files
+from ..backends.cuda import CudaCausalLM, bind_device_kernels, build_cuda_lm, make_quantizer, unavailable
+from ..backends.cuda_linear import CUDA_RULES
+from ..calibration.data import BUILTIN
+from ..demo import demo_artifact, demo_model_path
+from ..engine import Engine
 from ..errors import QuasarError
+from ..tokenizer import load_tokenizer
+from .contenders import Contenders
+from .e2e import BenchSettings, benchmark
 from .gpu_settings import GpuSettings
-from .record import INT8
+from .micro import weight_bytes
+from .record import INT8, make_record
+from .synthetic import synthetic_decoders
 
 GEMM_SHAPE = (12288, 4096)  # Qwen3-8B's gate/up: out x in
 STREAM_BYTES = 1 << 30  # weight copies cycled per timing: far beyond any L2
@@ -24,8 +38,6 @@ GPU_DTYPES = {"float": "bfloat16", "w8a8": f"{INT8}, bfloat16 lm_head"}
 
 def require_cuda() -> torch.device:
     """The GPU, or a one-line refusal naming why the cuda backend cannot run here."""
-    from ..backends.cuda import unavailable
-
     reason = unavailable()
     if reason is not None:
         raise QuasarError(f"bench gpu needs the cuda backend: {reason}")
@@ -67,8 +79,6 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def gemm_bandwidth(device: torch.device, rows: tuple[int, ...], shape: tuple[int, int] = GEMM_SHAPE) -> dict:
     """int8 ``_int_mm`` and bf16 ``F.linear`` at each M: weight bytes read per second, against the copy bandwidth."""
-    from ..backends.cuda_linear import CUDA_RULES
-
     out_features, in_features = shape
     copies = max(2, STREAM_BYTES // (out_features * in_features))
     int8_weights = [torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, device=device) for _ in range(copies)]
@@ -93,10 +103,6 @@ def gemm_bandwidth(device: torch.device, rows: tuple[int, ...], shape: tuple[int
 
 def synthetic_lms(shape: str, device: torch.device, max_length: int, quantizer: str):
     """(bf16 lm, W8A8 lm, ideal bytes ratio) of a synthetic shape on the cuda backend, weights drawn on the GPU."""
-    from ..backends.cuda import CudaCausalLM, bind_device_kernels, make_quantizer
-    from .micro import weight_bytes
-    from .synthetic import synthetic_decoders
-
     float_model, quant_model = synthetic_decoders(shape, dtype=torch.bfloat16, device=device)
     ideal = weight_bytes(float_model) / weight_bytes(quant_model)
     quantize = make_quantizer(quantizer, device)
@@ -137,11 +143,6 @@ def verify_step(shape: str, settings: GpuSettings, device: torch.device) -> dict
 
 
 def _ngram_benchmark(label: str, float_lm, quant_lm, tokenizer, weights: str, settings: GpuSettings) -> dict:
-    from ..calibration.data import BUILTIN
-    from ..engine import Engine
-    from .contenders import Contenders
-    from .e2e import BenchSettings, benchmark
-
     engines = [Engine(lm, tokenizer, frozenset(), "cuda") for lm in (float_lm, quant_lm)]
     bench = BenchSettings(
         prompts=str(BUILTIN["prompts"]),
@@ -164,11 +165,6 @@ def _ngram_benchmark(label: str, float_lm, quant_lm, tokenizer, weights: str, se
 
 def e2e_demo(settings: GpuSettings, device: torch.device) -> dict:
     """n-gram on the shipped demo model: its float checkpoint (bf16) vs its W8A8 artifact (calibrated once, cached)."""
-    from ..artifact import open_model_files
-    from ..backends.cuda import build_cuda_lm
-    from ..demo import demo_artifact, demo_model_path
-    from ..tokenizer import load_tokenizer
-
     plain = open_model_files(demo_model_path())
     float_lm = build_cuda_lm(plain, device, settings.quantizer)
     quant_lm = build_cuda_lm(open_model_files(demo_artifact(progress=False)), device, settings.quantizer)
@@ -176,10 +172,6 @@ def e2e_demo(settings: GpuSettings, device: torch.device) -> dict:
 
 
 def e2e_synthetic(settings: GpuSettings, device: torch.device) -> dict:
-    from ..artifact import open_model_files
-    from ..demo import demo_model_path
-    from ..tokenizer import load_tokenizer
-
     float_lm, quant_lm, _ = synthetic_lms(settings.e2e_shape, device, 4096, settings.quantizer)
     tokenizer = load_tokenizer(open_model_files(demo_model_path()))
     return _ngram_benchmark(settings.e2e_shape, float_lm, quant_lm, tokenizer, "synthetic weights", settings)
@@ -265,10 +257,6 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m quasar_deploy.bench.gpu``: the table with default settings, for machines without click (tools/gpu_check.sh)."""
-    import argparse
-    import json
-    import sys
-
     parser = argparse.ArgumentParser(prog="python -m quasar_deploy.bench.gpu", description=main.__doc__)
     parser.add_argument("--quantizer", choices=("triton", "torch"), default="triton")
     parser.add_argument("--json-out", help="Also write the result as a bench record (JSON, as `bench gpu --json` prints) to this file.")
@@ -281,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(table(result))
     if args.json_out:
-        from .record import make_record
-
         record = make_record("bench gpu", asdict(settings), GPU_DTYPES, result)
         with open(args.json_out, "w", encoding="utf-8") as out:
             json.dump(record, out, indent=2, default=str)

@@ -24,7 +24,7 @@ class GpuSettings:
     quantizer: str = "triton"
 
     def __post_init__(self) -> None:
-        from .synthetic import SHAPES
+        from .synthetic import SHAPES  # keeps --help torch-free
 
         for shape in (*self.shapes, self.e2e_shape):
             if shape not in SHAPES:

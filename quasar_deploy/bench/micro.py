@@ -14,10 +14,11 @@ from tqdm import tqdm
 
 from ..backends.torch_backend import bind_cpu_attention
 from ..cpu.choice import default_int8_kernel
-from ..cpu.linears import default_float_dtype, default_float_kernel, dtype_name, int8_kernel_label
+from ..cpu.linears import default_float_dtype, default_float_kernel, dtype_name, float_linear, int8_kernel_label, int8_linear
 from ..cpu.machine import cpu_model
 from ..decoder_spec import DecoderSpec
 from ..model import Decoder
+from ..scheme import quantize_weight
 from .memory import check_fits
 from .synthetic import LIBRARIES_BYTES, RandomTensors, engines_peak_bytes, step_read_bytes, synthetic_decoders, synthetic_spec
 
@@ -201,9 +202,6 @@ def linear_kernels(
     int8_kernels: tuple[str, ...] = (),
 ) -> dict:
     """Each linear size of ``shape``: float vs W8A8 time per M against the bandwidth bound, weights streamed from memory."""
-    from ..cpu.linears import float_linear, int8_linear
-    from ..scheme import quantize_weight
-
     sizes = linear_sizes(synthetic_spec(shape))
     check_fits(kernels_peak_bytes(sizes), f"kernels --synthetic {shape}")
     float_kernel, dtype = default_float_kernel(), default_float_dtype("cpu")

@@ -29,9 +29,12 @@ try:
 except ImportError:
     raise QuasarError("bench onnx needs onnx and onnxruntime: pip install 'quasar-deploy[onnx]'") from None
 
+from ..artifact import open_model_files
+from ..backends.onnxruntime import load_onnx_export
 from ..backends.ort_session import PRECISE_INT8_OPTION, bit_exact_int8_entries, head_beside, session_options
 from ..backends.registry import cpu_runs_better
-from ..backends.torch_backend import bind_cpu_attention
+from ..backends.torch_backend import bind_cpu_attention, load_cpu
+from ..calibration.data import read_texts
 from ..cpu.choice import default_int8_kernel
 from ..cpu.linears import default_float_dtype, default_float_kernel, dtype_name, head_beside_graph
 from ..cpu.machine import cpu_model
@@ -43,6 +46,7 @@ from ..memory import EMBEDDINGS, return_freed_memory
 from ..model import Decoder
 from ..scheme import QMAX, quantize_weight, reference_linear
 from ..speculative.cascade import StepCost, modelled_gain
+from ..tokenizer import load_tokenizer
 from .e2e import PAPER_ACCEPTANCE
 from .memory import GB, check_fits, fits
 from .micro import settled, time_step, timed
@@ -429,12 +433,6 @@ def fidelity(
     exported: Path, source: Path, steps: int, threads: int, prompts: Path | None = None, limit: int | None = None
 ) -> Iterator[str]:
     """Per prompt, then over all: ``exported`` on ONNX Runtime against ``source`` on torch, greedy and teacher-forced."""
-    from ..artifact import open_model_files
-    from ..backends.onnxruntime import load_onnx_export
-    from ..backends.torch_backend import load_cpu
-    from ..calibration.data import read_texts
-    from ..tokenizer import load_tokenizer
-
     # the torch reference computes the head as the export does: in the graph, float32; beside it, in the CPU's float dtype
     head_dtype = None if (Path(exported) / ONNX_HEAD_FILE).is_file() else "float32"
     onnx_lm = load_onnx_export(exported, threads=threads)

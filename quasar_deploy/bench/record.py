@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from .._version import __version__
 from ..errors import QuasarError
 from .anchors import ANCHOR_MODES
 from .modes import ADAPTIVE_MODES, k_text
@@ -26,7 +27,7 @@ INT8 = "int8 weights, int8 per-token activations"
 
 def machine() -> dict:
     """The CPU model and the probes the product acts on (ISA flags, kernels, threads), the GPU, and the 1-minute load."""
-    from ..doctor import report
+    from ..doctor import report  # keeps --help torch-free
 
     info = report()
     keys = ("cpu", "isa", "threads", "omp_wait_policy", "torch", "fbgemm", "onednn", "int8_kernel", "float_kernel", "gpu")
@@ -36,8 +37,6 @@ def machine() -> dict:
 
 def make_record(command: str, options: dict, dtypes: dict[str, str], figures: dict) -> dict:
     """A record of ``figures`` measured just now by ``command`` (e.g. ``bench verify-step``) run with ``options``."""
-    from .._version import __version__
-
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return dict(zip(FIELDS, (RECORD_VERSION, command, options, __version__, date, machine(), dtypes, figures)))
 

@@ -121,11 +121,11 @@ def _anchor_lines(report: dict) -> list[str]:
 def pyplot():
     """matplotlib's pyplot drawing to files; without matplotlib (the ``bench`` extra), a one-line refusal saying how to get it."""
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib (the bench extra)
     except ImportError:
         raise QuasarError("the report's plots need matplotlib: pip install 'quasar-deploy[bench]'") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib (the bench extra)
 
     return plt
 

@@ -4,6 +4,7 @@ once, so it cannot beat (bytes per step) / (copy bandwidth), both measured in th
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,8 +37,6 @@ class RooflineResult:
 
 def roofline(path: str | Path, prompt: str, max_new_tokens: int = 32, draft: str = "ngram", num_draft: int = 5) -> RooflineResult:
     """Load ``path`` on the cpu backend, measure the copy bandwidth, generate greedily, and compare."""
-    import time
-
     began = time.perf_counter()
     engine = load(path, backend="cpu")
     load_s = time.perf_counter() - began

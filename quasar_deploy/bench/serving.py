@@ -6,6 +6,7 @@ runs in a process of its own (``quasar_server``), except on a synthetic model, w
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import math
@@ -27,14 +28,24 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..api import load
+from ..artifact import open_model_files
+from ..backends.torch_backend import cpu_causal_lm
+from ..demo import demo_artifact, demo_model_path
 from ..engine import Engine, warm_up
 from ..errors import QuasarError
 from ..files import atomic_directory, first_line
-from ..serve.local import free_port
+from ..memory import return_freed_memory
+from ..serve.app import ServeConfig, create_app
+from ..serve.local import free_port, serving_in_thread, wait_healthy
+from ..serve.needs import REQUEST_DRAFTERS
 from ..serve.scheduler import PREFILL_TOKENS
 from ..speculative.registry import default_num_draft
+from ..tokenizer import load_tokenizer
+from .anchors import _clean_environment
 from .e2e import environment, median_run, read_prompts
 from .modes import k_text
+from .synthetic import synthetic_w8a8_decoder
 
 WARM_UP_TOKENS = 8
 MODEL_NAME = "bench"
@@ -59,8 +70,6 @@ class ServeBenchSettings:
 
 def variant_options(variant: str) -> dict[str, Any]:
     """The request fields of a drafting variant (``"suffix"``, ``"ngram-adaptive"``: a k per sequence)."""
-    from ..serve.needs import REQUEST_DRAFTERS
-
     draft, _, kind = variant.partition("-")
     if draft not in REQUEST_DRAFTERS or kind not in ("", "adaptive") or (draft == "none" and kind):
         drafters = ", ".join(d for d in REQUEST_DRAFTERS if d != "none")
@@ -100,12 +109,6 @@ class WideVocabulary:
 
 def synthetic_engine(shape: str) -> tuple[Engine, str]:
     """An engine over W8A8 random weights of a published shape, and how the report names it (timing only)."""
-    from ..artifact import open_model_files
-    from ..backends.torch_backend import cpu_causal_lm
-    from ..demo import demo_model_path
-    from ..tokenizer import load_tokenizer
-    from .synthetic import synthetic_w8a8_decoder
-
     lm = cpu_causal_lm(synthetic_w8a8_decoder(shape), kind="W8A8 synthetic")
     warm_up(lm)
     tokenizer = WideVocabulary(load_tokenizer(open_model_files(demo_model_path())))
@@ -278,11 +281,6 @@ def benchmark_serving(settings: ServeBenchSettings, progress: bool = True, vllm_
 
 def generate_alone(settings: ServeBenchSettings, prompts: Sequence[str], progress: bool) -> dict[str, Any]:
     """``generate`` on the same prompts one at a time, on the default backend: what a lone user gets without the server."""
-    import gc
-
-    from ..api import load
-    from ..memory import return_freed_memory
-
     engine = load(settings.artifact or _demo_artifact())
     options = dict(max_new_tokens=settings.max_tokens, draft=settings.draft, num_draft=settings.num_draft)  # None: the drafter's
     engine.generate(prompts[0], **{**options, "max_new_tokens": WARM_UP_TOKENS})
@@ -299,17 +297,12 @@ def generate_alone(settings: ServeBenchSettings, prompts: Sequence[str], progres
 
 
 def _demo_artifact() -> str:
-    from ..demo import demo_artifact
-
     return str(demo_artifact(progress=False))
 
 
 @contextmanager
 def synthetic_server(settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str, str]]:
     """Our server on a synthetic model, in threads of this process: its base URL, the model's label, the backend."""
-    from ..serve.app import ServeConfig, create_app
-    from ..serve.local import serving_in_thread
-
     engine, label = synthetic_engine(settings.synthetic)
     same = {name: getattr(settings, name) for name in ("draft", "num_draft", "prefill_tokens", "row_budget")}
     config = ServeConfig(MODEL_NAME, max_sequences=max_sequences, max_queue=max_sequences, **same)
@@ -342,9 +335,6 @@ VLLM_START_S = 900  # vLLM's CPU build compiles and warms up its kernels at star
 @contextmanager
 def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) -> Iterator[tuple[str, str]]:
     """vLLM's OpenAI server (its CPU build, docs/anchors.md) on ``settings.artifact`` in bf16: its base URL and version."""
-    from ..artifact import open_model_files
-    from .anchors import _clean_environment
-
     version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     if version.returncode != 0:
         raise QuasarError(f"{python}: cannot import vllm ({(version.stderr.strip().splitlines() or ['?'])[-1]})")
@@ -369,8 +359,6 @@ def vllm_server(python: Path, settings: ServeBenchSettings, max_sequences: int) 
 @contextmanager
 def server_process(argv: list[str], env: dict[str, str], port: int, start_s: float, name: str) -> Iterator[tuple[str, Any]]:
     """``argv`` serving on ``port`` in its own process once it answers /health: its base URL and its log lines so far."""
-    from ..serve.local import wait_healthy
-
     with tempfile.TemporaryFile("w+") as log:
 
         def lines() -> list[str]:

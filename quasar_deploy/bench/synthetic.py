@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ..backends.torch_backend import bind_cpu_attention
+from ..cpu.linears import half_weights
 from ..decoder_spec import DecoderSpec, expected_shapes
 from ..errors import QuasarError
 from ..model import Decoder
@@ -154,8 +155,6 @@ def step_read_bytes(spec: DecoderSpec, quantized: bool, int8_lm_head: bool = Fal
 
 def head_read_itemsize(float_itemsize: int) -> int:
     """Bytes per value a synthetic twin's float head reads: as drawn where ``half_weights`` sends it to ``quasar-half``."""
-    from ..cpu.linears import half_weights
-
     dtype = torch.float32 if float_itemsize == 4 else torch.bfloat16
     return STORED_DTYPE.itemsize if half_weights(STORED_DTYPE, dtype, "onednn") else float_itemsize
 

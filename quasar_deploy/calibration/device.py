@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.npu import unavailable
 from ..errors import QuasarError
 
 DEVICES = ("cpu", "cuda", "npu")
@@ -16,8 +17,6 @@ def calibration_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise QuasarError("--device cuda: no CUDA device visible to torch (a CPU-only torch build, or no GPU or driver)")
     if name == "npu":
-        from ..backends.npu import unavailable
-
         why = unavailable()
         if why is not None:
             raise QuasarError(f"--device npu: {why}")

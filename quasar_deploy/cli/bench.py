@@ -5,16 +5,20 @@ page from those records; ``write-checkpoint``: a real-size random checkpoint to 
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import click
 
 from ..backends.registry import BACKENDS
+from ..bench import report as report_writer
+from ..bench.anchors import pythons
 from ..bench.gpu_settings import DEFAULT_ROWS, DEFAULT_SHAPES, GpuSettings
 from ..bench.modes import ALL_MODES, ORT_MODES
-from ..bench.record import INT8
+from ..bench.record import INT8, make_record, read_records, render
 from ..errors import QuasarError
+from ..files import require_new
 from ..speculative.registry import DRAFTERS
 from .options import INT_LIST, suffix_min_prob_option
 
@@ -68,14 +72,11 @@ def bench() -> None:
 @json_option
 def e2e(artifact, reference, synthetic, prompts, modes, sweep_k, anchor_pythons, output, as_json, **options):
     """Every decoding mode on the same prompts, interleaved prompt by prompt (float vs W8A8 verifier, n-gram, layer-skip...)."""
-    import tempfile
-
-    from ..artifact import open_model_files
-    from ..bench import report as report_writer
-    from ..bench.contenders import synthetic_contenders, trained_contenders
-    from ..bench.e2e import BenchSettings, benchmark
-    from ..calibration.data import BUILTIN
-    from ..fidelity import reference_of
+    from ..artifact import open_model_files  # keeps --help torch-free
+    from ..bench.contenders import synthetic_contenders, trained_contenders  # keeps --help torch-free
+    from ..bench.e2e import BenchSettings, benchmark  # keeps --help torch-free
+    from ..calibration.data import BUILTIN  # keeps --help torch-free
+    from ..fidelity import reference_of  # keeps --help torch-free
 
     report_writer.pyplot()  # refused now rather than after the run
     if synthetic and (artifact or reference):
@@ -105,8 +106,6 @@ def e2e(artifact, reference, synthetic, prompts, modes, sweep_k, anchor_pythons,
 
 def _engine_paths(pairs: tuple[str, ...]) -> dict[str, str]:
     """``("vllm=/v/bin/python",)`` -> each engine's python, the environment's where not given; bad pairs refused in one line."""
-    from ..bench.anchors import pythons
-
     paths = {}
     for pair in pairs:
         engine, sep, path = pair.partition("=")
@@ -126,7 +125,6 @@ def _emit(figures: dict, text: Callable[[], str], as_json: bool, dtypes: dict[st
     if not as_json:
         click.echo(text())
         return
-    from ..bench.record import make_record
 
     ctx = click.get_current_context()
     command = ctx.command_path.split(" ", 1)[1]  # "bench verify-step", whatever the program is called
@@ -136,8 +134,8 @@ def _emit(figures: dict, text: Callable[[], str], as_json: bool, dtypes: dict[st
 
 def _float_vs_int8(int8_lm_head: bool = False, head_stored: str = "BF16", head_dtype: str | None = None) -> dict[str, str]:
     """What the float and W8A8 contenders compute in here: the CPU's float dtype, also the W8A8 float lm_head's."""
-    from ..cpu.linears import FLOAT_DTYPES, default_float_dtype, dtype_name, half_weights
-    from ..shards import TORCH_DTYPES
+    from ..cpu.linears import FLOAT_DTYPES, default_float_dtype, dtype_name, half_weights  # keeps --help torch-free
+    from ..shards import TORCH_DTYPES  # keeps --help torch-free
 
     dtype = dtype_name(default_float_dtype("cpu"))
     head_dtype = head_dtype or dtype
@@ -150,16 +148,16 @@ def _head_stored(path: str | None) -> str:
     """The safetensors dtype name of the lm_head (or its tied table) of the model at ``path``; None: a synthetic shape's."""
     if path is None:
         return "BF16"
-    from ..artifact import open_model_files
-    from ..memory import head_dtype_name
+    from ..artifact import open_model_files  # keeps --help torch-free
+    from ..memory import head_dtype_name  # keeps --help torch-free
 
     return head_dtype_name(open_model_files(path).checkpoint.dtypes)
 
 
 def _dtypes_of(path: str) -> dict[str, str]:
     """What a run of the model at ``path`` computes in: an artifact's W8A8, or a float checkpoint's float dtype."""
-    from ..artifact import open_model_files
-    from ..memory import head_dtype_name
+    from ..artifact import open_model_files  # keeps --help torch-free
+    from ..memory import head_dtype_name  # keeps --help torch-free
 
     files = open_model_files(path)  # opened (and its files verified) once
     dtypes = _float_vs_int8(head_stored=head_dtype_name(files.checkpoint.dtypes))
@@ -176,7 +174,7 @@ def _dtypes_of(path: str) -> dict[str, str]:
 def roofline_command(path, prompt, max_new_tokens, draft, num_draft, as_json):
     """One generation of PATH (artifact or float checkpoint) on the cpu backend against the memory-bandwidth bound:
     bytes each verify step reads / copy bandwidth, both measured in this run."""
-    from ..bench.roofline import describe_roofline, roofline
+    from ..bench.roofline import describe_roofline, roofline  # keeps --help torch-free
 
     result = roofline(path, prompt, max_new_tokens, draft, num_draft)
     _emit(result.to_dict(), lambda: describe_roofline(result), as_json, _dtypes_of(path))
@@ -201,7 +199,7 @@ def roofline_command(path, prompt, max_new_tokens, draft, num_draft, as_json):
 def first_call_command(path, backend, draft, num_draft, max_new_tokens, calls, prompts, limit, as_json):
     """PATH loaded once (warm-up included in the load time), then generated CALLS times on the same prompt(s): each call's
     decode tok/s and the first call as a share of the median of the rest (load's warm-up should make it the steady state)."""
-    from ..bench.first_call import describe_first_call, first_call
+    from ..bench.first_call import describe_first_call, first_call  # keeps --help torch-free
 
     result = first_call(path, backend, draft, num_draft, max_new_tokens, calls, prompts, limit)
     _emit(result.to_dict(), lambda: describe_first_call(result), as_json, _dtypes_of(path))
@@ -253,9 +251,8 @@ def serve(artifact, synthetic, prompts, compare, output, vllm_python, as_json, *
 
     ARTIFACT defaults to the demo model's W8A8 artifact (calibrated once, cached).
     """
-    from ..bench import serving
-    from ..calibration.data import BUILTIN
-    from ..files import require_new
+    from ..bench import serving  # keeps --help free of torch and fastapi
+    from ..calibration.data import BUILTIN  # keeps --help torch-free
 
     if synthetic and artifact:
         raise QuasarError("give ARTIFACT or --synthetic, not both")
@@ -294,8 +291,8 @@ def serve(artifact, synthetic, prompts, compare, output, vllm_python, as_json, *
 @json_option
 def batched_step(artifact, sequences, tokens, context, repeats, prefill, backends, as_json):
     """A serving step, N sequences' verify blocks in one forward, on each backend that batches: its cost at each N."""
-    from ..bench.batched_step import CONTENDERS, describe
-    from ..bench.batched_step import batched_step as measure
+    from ..bench.batched_step import CONTENDERS, describe  # keeps --help torch-free
+    from ..bench.batched_step import batched_step as measure  # keeps --help torch-free
 
     names = tuple(b.strip() for b in backends.split(",") if b.strip())
     if not names or any(b not in CONTENDERS for b in names):
@@ -324,8 +321,8 @@ def batched_step(artifact, sequences, tokens, context, repeats, prefill, backend
 def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, float_dtypes, as_json):
     """One verify forward (k+1 tokens, warm cache), every float contender vs W8A8, against the fastest float, next to
     the ideal ratio of weight bytes read."""
-    from ..bench import micro
-    from ..cpu.linears import check_int8_kernel, default_float_dtype
+    from ..bench import micro  # keeps --help torch-free
+    from ..cpu.linears import check_int8_kernel, default_float_dtype  # keeps --help torch-free
 
     if int8_kernel is not None:
         check_int8_kernel(int8_kernel)
@@ -348,8 +345,8 @@ def verify_step(shape, tokens, context, repeats, int8_kernel, int8_lm_head, floa
 @json_option
 def kernels(shape, repeats, int8_kernels, as_json):
     """Each linear size of the shape at decode/verify row counts: float vs int8 kernel, each against the memory-bandwidth bound."""
-    from ..bench import micro
-    from ..cpu.linears import check_int8_kernel
+    from ..bench import micro  # keeps --help torch-free
+    from ..cpu.linears import check_int8_kernel  # keeps --help torch-free
 
     chosen = tuple(k.strip() for k in int8_kernels.split(",") if k.strip())
     for kernel in chosen:
@@ -372,7 +369,7 @@ def kernels(shape, repeats, int8_kernels, as_json):
 @json_option
 def gpu(shapes, rows, as_json, **options):
     """On a CUDA GPU: verify step bf16 vs W8A8, int8 GEMM bandwidth, n-gram end to end; one table (tools/gpu_check.sh)."""
-    from ..bench import gpu as gpu_bench
+    from ..bench import gpu as gpu_bench  # keeps --help torch-free
 
     # the other options are the settings' fields by name (tokens, context, ..., quantizer)
     settings = GpuSettings(shapes=tuple(s.strip() for s in shapes.split(",") if s.strip()), rows=tuple(rows), **options)
@@ -389,7 +386,7 @@ def gpu(shapes, rows, as_json, **options):
 @click.option("--seed", default=0, show_default=True, type=int)
 def write_checkpoint(shape, output, dtype, layers, max_shard_size, seed):
     """A Hugging Face checkpoint of a published SHAPE with random weights, written shard by shard (qwen3-0.6b ... llama-3-8b)."""
-    from ..bench.checkpoint_writer import write_synthetic_checkpoint
+    from ..bench.checkpoint_writer import write_synthetic_checkpoint  # keeps --help torch-free
 
     path = write_synthetic_checkpoint(shape, output, dtype=dtype, max_shard_size=max_shard_size, seed=seed, layers=layers)
     click.echo(f"wrote {path}")
@@ -410,7 +407,7 @@ def onnx() -> None:
 def onnx_layers(size, depth, rows, threads, repeats, as_json):
     """The exported W8A8 linear, integer (as the backend runs it, and re-encoded u8 x u8) and qdq forms, vs a float32
     MatMul of the same shape, and how exact each is."""
-    from ..bench.onnx import layers
+    from ..bench.onnx import layers  # keeps --help torch-free
 
     _lines(layers(size, depth, rows, threads, repeats), as_json, _float_vs_int8())
 
@@ -434,7 +431,7 @@ def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head
     """A k+1-token verify on a warm cache, ONNX Runtime float and W8A8 graphs and the cpu backend's float and W8A8
     decoders, timed round robin; speed-ups against each round's best float; with the cpu backend's, exact mode modelled
     at the paper's acceptance from those step costs."""
-    from ..bench.onnx import step
+    from ..bench.onnx import step  # keeps --help torch-free
 
     _lines(step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head, w8a8_acceptance), as_json, _float_vs_int8(int8_lm_head))
 
@@ -449,7 +446,7 @@ def onnx_step(shape, tokens, context, threads, repeats, with_torch, int8_lm_head
 @json_option
 def onnx_fidelity(exported, source, steps, prompts, limit, threads, as_json):
     """An EXPORTED directory on ONNX Runtime against the torch decoder of SOURCE (the artifact or checkpoint it was exported from)."""
-    from ..bench.onnx import fidelity
+    from ..bench.onnx import fidelity  # keeps --help torch-free
 
     _lines(fidelity(exported, source, steps, threads, prompts, limit), as_json, _dtypes_of(str(source)))
 
@@ -469,8 +466,6 @@ def _lines(lines: Iterable[str], as_json: bool, dtypes: dict[str, str]) -> None:
 def report_command(records, output):
     """Render the benchmarks page (docs/benchmarks.md) from RECORDS (`bench ... --json` outputs, or directories of them;
     default bench/results): the newest value of each quantity per machine."""
-    from ..bench.record import read_records, render
-
     page = render(read_records(records or [Path("bench/results")]))
     if output is None:
         click.echo(page, nl=False)

@@ -7,6 +7,8 @@ import json
 
 import click
 
+from ..cache import cache_dir, clear, entries, parse_age, size_limit
+
 
 @click.group("cache")
 def cache_group() -> None:
@@ -17,8 +19,6 @@ def cache_group() -> None:
 @cache_group.command("path")
 def path_command() -> None:
     """Print the cache directory ($QUASAR_CACHE, else ~/.cache/quasar-deploy)."""
-    from ..cache import cache_dir
-
     click.echo(cache_dir())
 
 
@@ -26,8 +26,6 @@ def path_command() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def list_command(as_json) -> None:
     """Every entry, least recently used first: its size, when it was last used, what it was made from (orphaned: gone)."""
-    from ..cache import cache_dir, entries, size_limit
-
     found = entries()
     if as_json:
         click.echo(json.dumps({"path": str(cache_dir()), "limit": size_limit(), "entries": [e.to_dict() for e in found]}, indent=2))
@@ -43,7 +41,5 @@ def list_command(as_json) -> None:
 @click.option("--older-than", metavar="AGE", help="Only entries last used more than AGE ago: 30d, 12h, 90m, 45s.")
 def clear_command(older_than) -> None:
     """Remove every entry (or the old ones); whatever is needed again is derived again on its next use."""
-    from ..cache import clear, parse_age
-
     gone = clear(parse_age(older_than) if older_than else None)
     click.echo(f"removed {len(gone)} entries, {sum(e.bytes for e in gone) / 1e9:.2f} GB")

@@ -30,8 +30,8 @@ import click
 )
 def calibrate(model_dir, output, trust_remote_code, device, **recipe_fields):
     """Calibrate MODEL_DIR (a local HF checkpoint) into a W8A8 artifact."""
-    from ..calibration import CalibrationRecipe
-    from ..calibration import calibrate as run
+    from ..calibration import CalibrationRecipe  # keeps --help torch-free
+    from ..calibration import calibrate as run  # keeps --help torch-free
 
     recipe = CalibrationRecipe(**recipe_fields)
     artifact = run(model_dir, output=output, recipe=recipe, trust_remote_code=trust_remote_code, device=device)

@@ -13,7 +13,7 @@ from ..demo import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS
 def demo(limit, max_new_tokens):
     """The demo model inflated to the Qwen3-0.6B body (same outputs, a 0.6B body's bytes per step) and the demo model itself:
     calibrate and inflate (cached), stream a W8A8 generation, measure n-gram on float vs W8A8 verifiers end to end."""
-    from ..demo.run import describe, run_demo
+    from ..demo.run import describe, run_demo  # keeps --help torch-free
 
     def echo(text: str) -> None:
         click.echo(text, nl=False)

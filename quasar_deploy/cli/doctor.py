@@ -6,6 +6,8 @@ import json
 
 import click
 
+from ..errors import QuasarError
+
 
 @click.command()
 @click.argument("path", required=False, type=click.Path(path_type=str))
@@ -16,9 +18,8 @@ def doctor(path, as_json, exact, exact_source):
     """What this machine can run: CPU features, chosen kernels, every target, and the memory and disk the demo needs;
     with PATH (an artifact or float checkpoint), the memory it needs on the cpu backend, from its tensor headers, and
     the backend auto picks for it."""
-    from ..cpu.int8_linear import SUMS
-    from ..doctor import report
-    from ..errors import QuasarError
+    from ..cpu.int8_linear import SUMS  # keeps --help torch-free
+    from ..doctor import report  # keeps --help torch-free
 
     if (exact or exact_source) and path is None:
         raise QuasarError("--exact needs PATH, the artifact")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import click
+
+from ..demo import demo_model_path
 
 DATA_HELP = "Held-out text (JSONL with text/turns, or plain); repeatable, one result per set; default: built-in set."
 
@@ -24,9 +27,9 @@ def _sets(eval_data: tuple[str, ...]) -> dict[str, str | None]:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def evaluate(artifact, reference, eval_data, num_samples, seq_len, layers, as_json):
     """Fidelity of a W8A8 ARTIFACT to its float model: top-1 agreement, KL, perplexity (per text set)."""
-    from ..artifact import open_model_files
-    from ..fidelity import evaluate as run
-    from ..fidelity import reference_of
+    from ..artifact import open_model_files  # keeps --help torch-free
+    from ..fidelity import evaluate as run  # keeps --help torch-free
+    from ..fidelity import reference_of  # keeps --help torch-free
 
     files = open_model_files(artifact)
     reference = reference or reference_of(files)
@@ -57,10 +60,7 @@ def evaluate(artifact, reference, eval_data, num_samples, seq_len, layers, as_js
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def smoothing_study(reference, eval_data, num_samples, seq_len, as_json):
     """Calibrate with alpha off / 0.5 / auto and compare fidelity: what SmoothQuant and the alpha search buy."""
-    import tempfile
-
-    from ..demo import demo_model_path
-    from ..fidelity import smoothing_study as run
+    from ..fidelity import smoothing_study as run  # keeps --help torch-free
 
     models = {"model": Path(reference)} if reference else {"demo": demo_model_path(), "demo-outlier": demo_model_path("outlier")}
     with tempfile.TemporaryDirectory() as work:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ..exporters import ONNX_FORMATS, TARGETS
+from ..errors import QuasarError
+from ..exporters import ONNX_FORMATS, TARGETS, export
 
 
 @click.command("export")
@@ -26,9 +27,6 @@ from ..exporters import ONNX_FORMATS, TARGETS
 def export_command(artifact, target, output, precision, linear_format, dtype):
     """Export ARTIFACT for a target: onnx (KV-cache I/O; W8A8 linears as an integer-exact integer MatMulInteger graph,
     or as QDQ for TensorRT with --format qdq) or npu (msModelSlim layout for vLLM-Ascend)."""
-    from ..errors import QuasarError
-    from ..exporters import export
-
     if target == "npu" and (precision != "w8a8" or linear_format is not None):
         raise QuasarError("--precision and --format apply to --target onnx only")
     if target == "onnx" and dtype is not None:

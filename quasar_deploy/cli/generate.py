@@ -36,8 +36,8 @@ def _prompt(prompt: str | None, prompt_file: str | None, chat: bool) -> str | li
 
 def _memory(paths: list[str], backend: str, result) -> dict:
     """What this process holds now, next to the cpu backend's estimate for the models at ``paths`` at this length."""
-    from ..artifact import open_model_files
-    from ..memory import MIB, estimate, resident
+    from ..artifact import open_model_files  # keeps --help torch-free
+    from ..memory import MIB, estimate, resident  # keeps --help torch-free
 
     measured = resident()
     if backend != "cpu":  # ONNX Runtime and the devices hold their weights their own way

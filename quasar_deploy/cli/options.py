@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import click
 
+from ..backends.registry import candidates
+from ..errors import QuasarError
+
 
 class IntList(click.ParamType):
     """``"1,2,3"`` -> ``(1, 2, 3)``; anything else is click's usual "Invalid value for '--option'" usage error."""
@@ -44,9 +47,6 @@ def backend_options(backend: str, provider: str | None, needs: tuple[str, ...] =
     """The options ``api.load`` passes to the backend: ``--provider`` for onnxruntime ("auto" where it can run), else refused."""
     if provider is None:
         return {}
-    from ..backends.registry import candidates
-    from ..errors import QuasarError
-
     name = backend if backend != "auto" or candidates(needs, ("provider",)) else candidates(needs)[0]
     if name not in ("auto", "onnxruntime"):
         raise QuasarError(f"--provider applies to the onnxruntime backend, not {name}")
@@ -99,8 +99,7 @@ def load_engine(
     rounds: int | None = None,
 ):
     """``api.load`` with the command line's choices; ``--exact-source`` and ``--rounds`` are refused without ``--verify exact``."""
-    from ..api import load
-    from ..errors import QuasarError
+    from ..api import load  # keeps --help torch-free
 
     if verify != "exact" and (exact_source is not None or rounds is not None):
         raise QuasarError(f"{'--exact-source' if exact_source is not None else '--rounds'} applies to --verify exact")
@@ -113,7 +112,7 @@ def load_engine(
 
 def engine_descriptions(engine) -> dict[str, str]:
     """The verifier's backend description, and in exact mode the W8A8 model's beside it (what ``--json`` and ``--stats`` name)."""
-    from ..exact_mode import ExactEngine
+    from ..exact_mode import ExactEngine  # keeps --help torch-free
 
     exact = {"middle": engine.middle.description} if isinstance(engine, ExactEngine) else {}
     return {"backend": engine.lm.description, **exact}

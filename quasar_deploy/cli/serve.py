@@ -9,7 +9,9 @@ import click
 from click.core import ParameterSource
 
 from ..backends.registry import BACKENDS
+from ..errors import QuasarError
 from ..serve.needs import REQUEST_DRAFTERS, SERVER_NEEDS
+from ..serve.vllm import exec_vllm, served_name, vllm_command
 from .options import exact_options, load_engine, options_from_env, provider_option
 
 # flags our engine honours and `vllm serve` has no counterpart for: refused with --engine vllm (the others are passed on)
@@ -115,9 +117,6 @@ def serve(
     """Serve the model at PATH over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
 
     Every option can also come from the environment: QUASAR_ and the option's name (QUASAR_PORT, QUASAR_NUM_DRAFT)."""
-    from ..errors import QuasarError
-    from ..serve.vllm import served_name
-
     if engine_name == "vllm":
         if verify == "exact":
             raise QuasarError("--verify exact runs on --engine quasar (vLLM serves the W8A8 model's own output)")
@@ -125,12 +124,12 @@ def serve(
     for name in VLLM_ONLY:
         if options[name.replace("-", "_")]:
             raise QuasarError(f"--{name} applies to --engine vllm only")
-    from ..engine import check_can_fork
-    from ..exact_mode import ExactEngine
-    from ..serve.app import ServeConfig, create_app
-    from ..serve.protocol import RequestLimits
-    from ..serve.scheduler import default_kv_cache_bytes
-    from ..serve.server import run
+    from ..engine import check_can_fork  # keeps --help torch-free
+    from ..exact_mode import ExactEngine  # keeps --help torch-free
+    from ..serve.app import ServeConfig, create_app  # keeps --help free of torch and fastapi
+    from ..serve.protocol import RequestLimits  # keeps --help torch-free
+    from ..serve.scheduler import default_kv_cache_bytes  # keeps --help torch-free
+    from ..serve.server import run  # keeps --help free of fastapi
 
     kv_cache_mib = options["kv_cache_mib"]
     limits = RequestLimits(options["max_num_draft"], options["max_stop"], options["max_stop_chars"], options["default_max_tokens"])
@@ -167,9 +166,6 @@ def serve(
 
 def serve_with_vllm(path, host, port, api_key, model_name, draft, num_draft, chat_template, limits: dict) -> None:
     """Replace this process with ``vllm serve``, once no flag it cannot honour was given."""
-    from ..errors import QuasarError
-    from ..serve.vllm import exec_vllm, vllm_command
-
     ctx = click.get_current_context()
     for name in QUASAR_ONLY:  # set on the command line: one line, never silently ignored
         if set_explicitly(ctx, name.replace("-", "_")):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
-import importlib
 import json
 import os
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
+from ..backends.ort_session import bit_exact_int8_entries, session_options, unavailable
 from ..cache import cache_dir, read_json, write_json
 from ..errors import QuasarError
 from . import int8_linear as int8_kernel
@@ -135,8 +135,6 @@ def int8_kernels_to_time() -> list[str]:
 @functools.cache
 def onnxruntime_int8_bit_exact() -> bool:
     """Whether ONNX Runtime is installed and its CPU ``MatMulInteger`` sums exactly here (with or without options)."""
-    from ..backends.ort_session import bit_exact_int8_entries, unavailable  # ONNX Runtime is optional
-
     if unavailable() is not None:
         return False
     try:
@@ -157,9 +155,15 @@ def _int8_probe_key(kernels: list[str]) -> dict:
         "quasar_deploy": __version__,
         "kernel_source": hashlib.sha256(int8_kernel.SOURCE.read_bytes()).hexdigest()[:16],
         "kernel_build": int8_kernel.build(),  # the AMX build or the vector one: they time apart
-        "onnxruntime": importlib.import_module("onnxruntime").__version__ if ONNXRUNTIME in kernels else None,
+        "onnxruntime": _onnxruntime_version() if ONNXRUNTIME in kernels else None,
         "shape": [*PROBE_SHAPE, PROBE_COPIES, *PROBE_ROWS],
     }
+
+
+def _onnxruntime_version() -> str:
+    import onnxruntime  # optional: onnxruntime (an int8 kernel here only where installed)
+
+    return onnxruntime.__version__
 
 
 def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
@@ -216,11 +220,10 @@ def default_int8_kernel(device: str = "cpu") -> str:
 
 def _onnxruntime_int8(wq, w_scale) -> LinearFn:
     """The scheme's W8A8 linear in ONNX Runtime's integer graph (``onnx_graph.w8a8_linear``), for ``int8_probe`` to time."""
-    import onnxruntime as ort  # optional, as ONNX is: imported where it is timed
-    from onnx import TensorProto, helper
+    import onnxruntime as ort  # optional: onnxruntime
+    from onnx import TensorProto, helper  # optional: onnx
 
-    from ..backends.ort_session import session_options
-    from ..exporters.onnx_graph import GraphBuilder, w8a8_linear
+    from ..exporters.onnx_graph import GraphBuilder, w8a8_linear  # optional: onnx
 
     g = GraphBuilder("integer")
     y = w8a8_linear(g, "x", wq.numpy(), w_scale.float().numpy(), None, "probe")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import cache_dir
 from ..files import first_line
 from .threads import parallel_entry_points
 
@@ -50,8 +51,6 @@ def compile_command(compiler: str, source: Path | str, output: Path | str, flags
 def build(source: Path, name: str, flags: list[str]) -> Path:
     """The shared library ``name`` of ``source`` built with ``flags``: ``$QUASAR_KERNELS/<name>.so`` where it is there,
     else compiled once into the cache (atomically) with ``$CC`` or ``cc``. Raises OSError or ``CalledProcessError``."""
-    from ..cache import cache_dir
-
     prebuilt = os.environ.get(PREBUILT_ENV)
     if prebuilt and (Path(prebuilt) / f"{name}.so").is_file():
         return Path(prebuilt) / f"{name}.so"

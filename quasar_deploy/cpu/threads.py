@@ -10,13 +10,13 @@ import ctypes
 import functools
 from collections.abc import Callable
 
+import torch  # noqa: F401  (loads its OpenMP runtime into the process: runtime_functions finds its symbols)
+
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the calling thread's pool; it is rebuilt if that thread runs again
 
 
 def runtime_functions(*names: str) -> list[Callable] | None:
     """The functions ``names`` of the OpenMP runtime torch has loaded (GNU's or Intel's), or None where any is missing."""
-    import torch  # noqa: F401  (loads the runtime into the process, so its symbols are found below)
-
     try:
         process = ctypes.CDLL(None)
         return [getattr(process, name) for name in names]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .._version import __version__
 from ..cache import cache_dir, used
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def demo_model_path(variant: str = "plain") -> Path:
         return plain
     if variant != "outlier":
         raise ValueError(f"unknown demo model variant {variant!r}; choose from {VARIANTS}")
-    from ..outliers import write_outlier_variant
+    from ..outliers import write_outlier_variant  # keeps --help torch-free
 
     tag = hashlib.sha256((plain / "model.safetensors").read_bytes()).hexdigest()[:12]
     path = cache_dir() / f"demo-outlier-{tag}"
@@ -38,7 +39,7 @@ def demo_model_path(variant: str = "plain") -> Path:
 
 def demo_recipe() -> CalibrationRecipe:
     """Built on call, not at import: the recipe's package loads torch, and ``demo_model_path`` must not."""
-    from ..calibration import CalibrationRecipe
+    from ..calibration import CalibrationRecipe  # keeps --help torch-free
 
     return CalibrationRecipe(num_samples=24, seq_len=256, alpha="auto", activation="dynamic")
 
@@ -51,15 +52,14 @@ def _key(*inputs: object) -> str:
 
 def demo_artifact_path() -> Path:
     """Where the demo artifact is cached: keyed by the model, recipe, quasar-deploy version and artifact format."""
-    from .._version import __version__
-    from ..artifact import FORMAT_VERSION
+    from ..artifact import FORMAT_VERSION  # keeps --help torch-free
 
     return cache_dir() / f"demo-w8a8-{_key(demo_recipe().to_dict(), __version__, FORMAT_VERSION)}"
 
 
 def demo_artifact(progress: bool = True) -> Path:
     """The demo model's W8A8 artifact, calibrated once and cached; recalibrated when the model, recipe or artifact format changes."""
-    from ..calibration import calibrate
+    from ..calibration import calibrate  # keeps --help torch-free
 
     path = demo_artifact_path()
     if not (path / "quasar.json").exists():
@@ -70,23 +70,21 @@ def demo_artifact(progress: bool = True) -> Path:
 
 def inflation_target() -> InflationTarget:
     """Qwen3-0.6B's body with the demo model's head_dim 64: its widths (32 query / 16 KV heads of 64 = its 16 / 8 of 128)."""
-    from ..artifact import open_model_files
-    from ..inflate import body_of
+    from ..artifact import open_model_files  # keeps --help torch-free
+    from ..inflate import body_of  # keeps --help torch-free
 
     return body_of(INFLATED_SHAPE, open_model_files(demo_model_path()).spec)
 
 
 def inflated_demo_paths() -> tuple[Path, Path]:
     """(float checkpoint, W8A8 artifact) of the inflated demo model in the cache, keyed like the demo artifact they come from."""
-    from .._version import __version__
-
     key = _key(demo_artifact_path().name, inflation_target().to_dict(), INFLATION_SEED, __version__)
     return cache_dir() / f"demo-inflated-float-{key}", cache_dir() / f"demo-inflated-w8a8-{key}"
 
 
 def inflated_demo(progress: bool = True) -> tuple[Path, Path]:
     """The demo model and its artifact inflated function-preservingly to the Qwen3-0.6B body (``inflate.py``), written once."""
-    from ..inflate import inflate_artifact, inflate_checkpoint
+    from ..inflate import inflate_artifact, inflate_checkpoint  # keeps --help torch-free
 
     model, artifact = inflated_demo_paths()
     target = inflation_target()

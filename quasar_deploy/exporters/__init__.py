@@ -23,7 +23,7 @@ ONNX_HEAD_FILE = "lm_head.safetensors"
 
 def export(artifact: str | Path, target: str, output: str | Path, **options) -> Path:
     """Export a W8A8 artifact (or, where the target allows ``precision="float"``, a float checkpoint)."""
-    from ..artifact import open_model_files
+    from ..artifact import open_model_files  # keeps --help torch-free
 
     if target not in TARGETS:
         raise QuasarError(f"unknown export target {target!r}; choose from {', '.join(TARGETS)}")

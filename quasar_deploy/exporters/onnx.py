@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import QuasarError
@@ -178,8 +179,6 @@ def write_graph(directory: Path, build: Callable[[ExternalData | None], onnx.Mod
 
 def write_head(files: ModelFiles, path: Path) -> None:
     """The float lm_head of ``files`` as stored (the embedding table where tied), for a graph whose head is outside it."""
-    from safetensors.torch import save_file
-
     source = files.checkpoint
     names = {"weight": EMBEDDINGS if files.spec.tie_word_embeddings else f"{HEAD}.weight", "bias": f"{HEAD}.bias"}
     save_file({key: source.tensor(name).contiguous() for key, name in names.items() if name in source.names}, str(path))

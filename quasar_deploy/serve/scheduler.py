@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import torch
+
 from ..cpu.machine import memory_available
 from ..cpu.threads import release_openmp_pool
 from ..engine import Engine, Generation, GenerationOptions, GenerationResult
@@ -67,8 +69,6 @@ def default_kv_cache_bytes(lm) -> int | None:
     if device == "cpu":
         return int(memory_available() * HOST_KV_SHARE)
     if device.startswith("cuda"):
-        import torch
-
         return int(torch.cuda.mem_get_info(torch.device(device))[0] * DEVICE_KV_SHARE)
     return None
 

@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from .artifact import open_model_files
+from .artifact import ModelFiles, open_model_files
 from .backends import available_backends
 from .backends.cuda import gpu_status
 from .backends.ort_session import bit_exact_int8_entries
@@ -60,9 +60,10 @@ def report(path: str | None = None, exact: bool = False, exact_source: str | Non
         "demo": demo_summary(),
     }
     if path is not None:
-        info |= {"memory": model_memory(path), "auto_backend": auto_backend(open_model_files(path))}
-    if path is not None and exact:
-        info["exact_memory"] = exact_memory(path, exact_source)
+        files = open_model_files(path)  # verified first: no header is parsed from bytes the manifest does not vouch for
+        info |= {"memory": model_memory(files), "auto_backend": auto_backend(files)}
+        if exact:
+            info["exact_memory"] = exact_memory(files, exact_source)
     return info
 
 
@@ -117,16 +118,15 @@ def demo_summary() -> dict:
     return {**needs.to_dict(), "summary": needs.describe()}
 
 
-def model_memory(path: str) -> dict:
-    files = open_model_files(path)  # verified first: no header is parsed from bytes the manifest does not vouch for
+def model_memory(files: ModelFiles) -> dict:
     tokens = report_tokens(files.spec)
     needed = estimate(files)
     return {**needed.to_dict(), "tokens": tokens, "total": needed.total(tokens), "summary": needed.describe(tokens)}
 
 
-def exact_memory(path: str, source: str | None = None) -> dict:
-    """Exact mode's memory: the float checkpoint's (``source``, default: the one ``path`` records), the artifact's, the sum."""
-    parts = {"float": model_memory(str(float_source(open_model_files(path), source).path)), "w8a8": model_memory(path)}
+def exact_memory(artifact: ModelFiles, source: str | None = None) -> dict:
+    """Exact mode's memory: the float checkpoint's (``source``, default: the one ``artifact`` records), the artifact's, the sum."""
+    parts = {"float": model_memory(float_source(artifact, source)), "w8a8": model_memory(artifact)}
     total = sum(part["total"] for part in parts.values())
     summary = (
         f"~{total / MIB:,.0f} MiB with both weight sets resident and both KV caches at {parts['w8a8']['tokens']:,} tokens: "

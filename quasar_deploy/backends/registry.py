@@ -149,8 +149,10 @@ def export_backend(name: str, directory: Path) -> str | None:
     if name not in ("auto", *EXPORT_FACTORIES):
         return None
     target = export_target(directory) or next((t for marker, t in EXPORT_MARKERS.items() if (directory / marker).is_file()), None)
-    if target is None or name != "auto":
-        return None if target is None else name
+    if target is None:
+        return None
+    if name != "auto":
+        return name
     if target == "npu":
         raise QuasarError(
             f"{directory}: an NPU export (msModelSlim layout) is served by vLLM-Ascend (docs/npu.md); "

@@ -91,9 +91,12 @@ class Int8Probe:
         if len(self.ms) == 1:
             return "the only bit-exact int8 kernel here"
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.ms.items())
-        when = f"; timed {self.timed}, kept: {REPROBE_ENV}=1 times again" if self.timed else ""
         if self.busy is not None:
             when = f"; timed while other processes took {self.busy:.0%} of the CPUs: not kept, the next process times again"
+        elif self.timed:
+            when = f"; timed {self.timed}, kept: {REPROBE_ENV}=1 times again"
+        else:
+            when = ""
         ort = "" if self.cpu_beats_onnxruntime else f"; ours not {ONNXRUNTIME_MARGIN}x faster than ONNX Runtime's: W8A8 artifacts run there"
         return f"the fastest at {' and '.join(map(str, PROBE_ROWS))} rows ({times}{when}){ort}"
 
